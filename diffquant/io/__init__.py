@@ -1,0 +1,33 @@
+"""Reading and writing models: native checkpoints now, converters for other layouts beside them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.io.checkpoint import load_checkpoint, read_config, save_checkpoint
+from diffquant.models.transformer import DecoderLM
+
+__all__ = ["load_checkpoint", "load_model", "read_config", "save_checkpoint"]
+
+KNOWN_SCHEMES = ("zoo", "hf", "unilm")
+
+
+def load_model(
+    spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DecoderLM:
+    """Load a model from a specifier: for now a native checkpoint folder.
+
+    Specifiers with a scheme (``zoo:``, ``hf:``, ``unilm:``) are reserved for the converters; naming one
+    that this version cannot read is an error rather than a guess at a folder of that name.
+    """
+    text = str(spec)
+    scheme = text.split(":", 1)[0]
+    if ":" in text and scheme in KNOWN_SCHEMES:
+        raise DiffquantError(
+            f"model specifier {text!r}: '{scheme}:' models are not supported by this version; "
+            "supported: a native checkpoint folder (config.json + model.safetensors)"
+        )
+    return load_checkpoint(text, device=device, dtype=dtype)

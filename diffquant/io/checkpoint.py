@@ -1,0 +1,150 @@
+"""Native checkpoints: a folder holding ``config.json`` (ModelConfig) and ``model.safetensors``.
+
+Writes are atomic (a temporary sibling folder renamed into place), so an interrupted save never leaves a
+half-written checkpoint. Loads validate everything a user can get wrong and say so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from diffquant.errors import DiffquantError
+from diffquant.models.config import ModelConfig
+from diffquant.models.transformer import DecoderLM
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "diffquant-native"
+FORMAT_VERSION = 1
+
+
+def save_checkpoint(model: DecoderLM, path: str | Path, overwrite: bool = False) -> Path:
+    """Write ``model`` to the folder ``path``; refuse to replace an existing one unless ``overwrite``."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise DiffquantError(f"{path}: already exists (pass overwrite / --force to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_embeddings:
+            state.pop("lm_head.weight", None)  # safetensors stores no aliases; tied on load
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a native checkpoint folder, validated."""
+    folder = _checkpoint_folder(path)
+    cfg_path = folder / CONFIG_FILE
+    try:
+        meta = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise DiffquantError(f"{cfg_path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "config" not in meta:
+        raise DiffquantError(
+            f"{cfg_path}: not a diffquant config (expected keys 'format': '{FORMAT}' and 'config')"
+        )
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DiffquantError(
+            f"{cfg_path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+        )
+    return ModelConfig.from_dict(meta["config"], source=f"{cfg_path} 'config'")
+
+
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DecoderLM:
+    """Load a native checkpoint into a DecoderLM in eval mode.
+
+    The model is built on the meta device and the tensors are assigned straight from the file, so the
+    weights are held once, not twice.
+    """
+    folder = _checkpoint_folder(path)
+    config = read_config(folder)
+    weights = folder / WEIGHTS_FILE
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    state = {}
+    try:
+        with safe_open(str(weights), framework="pt", device=str(device)) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                state[key] = f.get_tensor(key)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise DiffquantError(
+            f"{weights}: not a readable safetensors file (truncated or corrupt: {err})"
+        ) from None
+    check_state_keys(state, expected, str(weights))
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.eval()
+
+
+def check_state_keys(
+    state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str
+) -> None:
+    """One error listing every missing, unexpected and wrongly shaped tensor, by name."""
+    problems = []
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        problems.append(f"missing tensors {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {_names(unexpected)}")
+    wrong = [
+        f"{k} has shape {list(state[k].shape)}, expected {list(shape)}"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != shape
+    ]
+    if wrong:
+        problems.append("; ".join(wrong[:5]) + (f"; ... ({len(wrong)} in all)" if len(wrong) > 5 else ""))
+    if problems:
+        raise DiffquantError(f"{source}: " + "; ".join(problems))
+
+
+def _names(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def _checkpoint_folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise DiffquantError(f"{folder}: checkpoint folder not found")
+    if not folder.is_dir():
+        raise DiffquantError(
+            f"{folder}: not a checkpoint folder (expected a folder with {CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise DiffquantError(
+                f"{folder}: missing {name} (a native checkpoint holds {CONFIG_FILE} and {WEIGHTS_FILE})"
+            )
+    return folder

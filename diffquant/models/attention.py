@@ -1,0 +1,314 @@
+"""Baseline, DIFF V1 and DIFF V2 causal self-attention with taps at every probe point.
+
+Semantics follow ../shared/reference/diff-attention.md (DIFF paper arXiv 2410.05258 with the unilm flash
+variants as reference; the DIFF V2 post of 2026-01-20). All three kinds reduce to one core: one or two
+softmax maps per output head, combined as ``A1 - lambda * A2`` for DIFF, applied to a value head.
+
+Two execution paths compute that core:
+- fused: torch SDPA, used when nobody observes the maps (the common case, and what GPU kernels replace);
+- explicit: materialises logits, probabilities and the differential map, feeding them through their taps,
+  in query chunks so a long sequence never holds a full T x S map per head at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffquant.models.config import ModelConfig
+from diffquant.models.taps import MAP_KINDS, Tap
+
+ATTN_PATHS = ("auto", "fused", "explicit")
+# Elements of one logits chunk (per component) that the explicit path materialises at most: 64 MiB in fp32.
+DEFAULT_MAP_BUDGET = 1 << 24
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in fp32 so bf16 models normalise like fp32 ones."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias by default) with a ``linear_in`` tap on its input, e.g. ``layers.0.mlp.up.input``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.input = Tap("linear_in")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.input(x), self.weight, self.bias)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (T, dim) for rotate-half RoPE (Su et al. 2021; the GPT-NeoX / HF Llama layout)."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, d) by position: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LayerKV:
+    """Keys (post-RoPE) and values of one layer for incremental decoding."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    """Shared machinery of the three kinds: projections, RoPE, cache, taps and both execution paths.
+
+    Subclasses say how Q/K/V heads form the one or two maps per output head and what happens to the
+    per-head output (``_components``, ``_lambda``, ``_finish_heads``).
+    """
+
+    kind = ""
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__()
+        self.config = config
+        self.depth = depth
+        c = config
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.value_dim = c.value_dim
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        k_heads = 2 * c.n_kv_heads if self.kind == "diff_v1" else c.n_kv_heads
+        self.q_proj = Linear(c.d_model, c.n_q_heads * c.head_dim)
+        self.k_proj = Linear(c.d_model, k_heads * c.head_dim)
+        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.value_dim)
+        self.o_proj = Linear(c.n_heads * c.value_dim, c.d_model)
+        self.q, self.k, self.v = Tap("q"), Tap("k"), Tap("v")
+        self.path = "auto"
+        self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
+
+    # ------------------------------------------------------------------------------ kind-specific
+    def _components(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """[(q_c, k_c)] per map component, each (B, H, T|S, d), and v (B, H, S, dv), kv expanded to H."""
+        raise NotImplementedError
+
+    def _lambda(self, x: torch.Tensor) -> torch.Tensor | None:
+        """lambda broadcastable to (B, H, T, 1), or None for the baseline."""
+        return None
+
+    def _finish_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """Post-processing of the per-head output (B, H, T, dv)."""
+        return out
+
+    def _map_taps(self) -> list[Tap]:
+        return [m for m in self.children() if isinstance(m, Tap) and m.kind in MAP_KINDS]
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        bsz, t, _ = x.shape
+        pos0 = cache.length if cache is not None else 0
+        q = self.q_proj(x).view(bsz, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
+        positions = torch.arange(pos0, pos0 + t, device=x.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
+        q = self.q(apply_rope(q, cos, sin))
+        k = self.k(apply_rope(k, cos, sin))
+        v = self.v(v)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        lam = self._lambda(x)
+        components, v = self._components(q, k, v)
+        if self._use_explicit():
+            out = self._explicit(components, v, lam, pos0)
+        else:
+            out = self._fused(components, v, lam, pos0)
+        out = self._finish_heads(out)  # (B, H, T, dv)
+        out = self.head_out(out.transpose(1, 2))  # (B, T, H, dv)
+        return self.out(self.o_proj(out.reshape(bsz, t, -1)))
+
+    def _use_explicit(self) -> bool:
+        if self.path == "auto":
+            return any(tap.active for tap in self._map_taps())
+        return self.path == "explicit"
+
+    def _fused(self, components, v, lam, pos0: int) -> torch.Tensor:
+        t, s = components[0][0].shape[2], components[0][1].shape[2]
+        mask = None
+        causal = False
+        if t == s:
+            causal = t > 1
+        elif t > 1:
+            mask = _valid_mask(t, s, pos0, v.device)[0, 0]
+        outs = [
+            F.scaled_dot_product_attention(qc, kc, v, attn_mask=mask, is_causal=causal, scale=self.scale)
+            for qc, kc in components
+        ]
+        if lam is None:
+            return outs[0]
+        return (outs[0].float() - lam * outs[1].float()).to(v.dtype)
+
+    def _explicit(self, components, v, lam, pos0: int) -> torch.Tensor:
+        bsz, heads, t, _ = components[0][0].shape
+        s = components[0][1].shape[2]
+        chunk = self.chunk_size or max(1, DEFAULT_MAP_BUDGET // max(1, bsz * heads * s))
+        valid_all = _valid_mask(t, s, pos0, v.device)
+        names = [""] if len(components) == 1 else ["1", "2"]
+        vf = v.float()
+        pieces = []
+        for t0 in range(0, t, chunk):
+            t1 = min(t, t0 + chunk)
+            valid = valid_all[:, :, t0:t1]
+            probs = []
+            for (qc, kc), suffix in zip(components, names, strict=True):
+                logits = torch.matmul(qc[:, :, t0:t1].float(), kc.float().transpose(-1, -2)) * self.scale
+                logits = getattr(self, "logits" + suffix)(logits, valid)
+                p = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+                probs.append(getattr(self, "probs" + suffix)(p, valid))
+            if lam is None:
+                attn_map = probs[0]
+            else:
+                lam_chunk = lam[:, :, t0:t1] if lam.dim() == 4 else lam
+                attn_map = self.diff_map(probs[0] - lam_chunk * probs[1], valid)
+            pieces.append(torch.matmul(attn_map, vf))
+        return torch.cat(pieces, dim=2).to(v.dtype)
+
+
+def _valid_mask(t: int, s: int, pos0: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, S) bool: query at absolute position pos0 + i may see keys 0 .. pos0 + i."""
+    q_pos = torch.arange(pos0, pos0 + t, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    return (k_pos <= q_pos)[None, None]
+
+
+def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, S, d) -> (B, Hkv * n_rep, S, d); output head h reads kv head h // n_rep (GQA)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+class BaselineAttention(Attention):
+    """Standard multi-head causal attention with GQA (the comparison Transformer)."""
+
+    kind = "baseline"
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__(config, depth)
+        self.logits, self.probs = Tap("logits"), Tap("probs")
+        self.head_out, self.out = Tap("head_out"), Tap("attn_out")
+
+    def _components(self, q, k, v):
+        n_rep = self.n_heads // self.n_kv_heads
+        return [(q, _repeat_heads(k, n_rep))], _repeat_heads(v, n_rep)
+
+
+class DiffV1Attention(Attention):
+    """DIFF V1 (DIFF paper, Eq. 1-3; unilm ``multihead_flashdiff_1``).
+
+    Differential head i owns query sub-heads 2i, 2i+1 (interleaved) and reads kv pair i // n_rep, whose K
+    sub-heads are 2j, 2j+1 and whose value is one 2d-wide head. One scalar lambda per layer:
+    exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init; each head is RMS-normalised over its 2d channels and
+    scaled by (1 - lambda_init).
+    """
+
+    kind = "diff_v1"
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__(config, depth)
+        d = config.head_dim
+        self.lambda_init = config.lambda_init(depth)
+        self.lambda_q1 = nn.Parameter(torch.zeros(d))
+        self.lambda_k1 = nn.Parameter(torch.zeros(d))
+        self.lambda_q2 = nn.Parameter(torch.zeros(d))
+        self.lambda_k2 = nn.Parameter(torch.zeros(d))
+        self.norm = RMSNorm(2 * d, eps=1e-5, affine=config.v1_norm_affine)
+        self.logits1, self.logits2 = Tap("logits"), Tap("logits")
+        self.probs1, self.probs2 = Tap("probs"), Tap("probs")
+        self.add_module("lambda", Tap("lambda"))
+        self.diff_map = Tap("diff_map")
+        self.head_out, self.out = Tap("head_out"), Tap("attn_out")
+
+    def reset_lambda(self, std: float = 0.1) -> None:
+        """The reference init: the four lambda vectors ~ N(0, 0.1)."""
+        for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def lambda_value(self) -> torch.Tensor:
+        lam1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        lam2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return lam1 - lam2 + self.lambda_init
+
+    def _lambda(self, x):
+        return getattr(self, "lambda")(self.lambda_value())
+
+    def _components(self, q, k, v):
+        n_rep = self.n_heads // self.n_kv_heads
+        k1, k2 = _repeat_heads(k[:, 0::2], n_rep), _repeat_heads(k[:, 1::2], n_rep)
+        return [(q[:, 0::2], k1), (q[:, 1::2], k2)], _repeat_heads(v, n_rep)
+
+    def _finish_heads(self, out):
+        return self.norm(out) * (1.0 - self.lambda_init)
+
+
+class DiffV2Attention(Attention):
+    """DIFF V2 (DIFF V2 post; unilm ``multihead_flashdiffv2``).
+
+    2h query heads of width d over the baseline's kv heads; output head i = attn(q_2i) -
+    sigmoid(lambda_proj(x))_i * attn(q_2i+1), pairs interleaved so both lie in one GQA group. No norm,
+    no lambda_init.
+    """
+
+    kind = "diff_v2"
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__(config, depth)
+        self.lambda_proj = Linear(config.d_model, config.n_heads)
+        self.logits1, self.logits2 = Tap("logits"), Tap("logits")
+        self.probs1, self.probs2 = Tap("probs"), Tap("probs")
+        self.add_module("lambda", Tap("lambda"))
+        self.diff_map = Tap("diff_map")
+        self.head_out, self.out = Tap("head_out"), Tap("attn_out")
+
+    def _lambda(self, x):
+        lam = getattr(self, "lambda")(torch.sigmoid(self.lambda_proj(x).float()))  # (B, T, H)
+        return lam.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
+
+    def _components(self, q, k, v):
+        # query head q reads kv head q // (2h / h_kv); for a pair (2i, 2i+1) that is i // n_rep.
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = _repeat_heads(k, n_rep), _repeat_heads(v, n_rep)
+        return [(q[:, 0::2], k), (q[:, 1::2], k)], v
+
+
+ATTENTION_CLASSES: dict[str, type[Attention]] = {
+    "baseline": BaselineAttention,
+    "diff_v1": DiffV1Attention,
+    "diff_v2": DiffV2Attention,
+}

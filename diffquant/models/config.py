@@ -1,0 +1,205 @@
+"""Model configuration: one dataclass for all three attention kinds, and the parameter-matched trio.
+
+Head counting follows what each kind computes, so that one field means one thing everywhere:
+
+- ``n_heads``: attention *output* heads (baseline: heads; diff_v1: differential heads, each with two Q/K
+  components; diff_v2: output heads, each a pair of query heads).
+- ``n_kv_heads``: stored key/value heads (diff_v1: kv pairs, each two K components of width d and one V of 2d).
+- ``head_dim``: the width d of one Q/K component.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffquant.errors import DiffquantError
+
+ATTENTION_KINDS = ("baseline", "diff_v1", "diff_v2")
+
+
+@dataclass
+class ModelConfig:
+    attention: str = "baseline"
+    vocab_size: int = 259
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int = 32
+    ffn_dim: int = 352
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # DIFF V1 only: learnable weight on the per-head RMSNorm (unilm has one; HF DiffLlama has none).
+    v1_norm_affine: bool = True
+    # DIFF V1 only: None = the paper's schedule 0.8 - 0.6 exp(-0.3 depth); a number = that constant.
+    v1_lambda_init: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------- checks
+    def validate(self) -> None:
+        def need(ok: bool, field: str, expected: str) -> None:
+            if not ok:
+                raise DiffquantError(
+                    f"model config: field '{field}' = {getattr(self, field)!r}, expected {expected}"
+                )
+
+        need(self.attention in ATTENTION_KINDS, "attention", f"one of {', '.join(ATTENTION_KINDS)}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an integer >= 1"
+            )
+        need(isinstance(self.max_seq_len, int) and self.max_seq_len >= 1, "max_seq_len", "an integer >= 1")
+        need(self.head_dim % 2 == 0, "head_dim", "an even integer (RoPE rotates pairs of channels)")
+        need(
+            self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0,
+            "n_kv_heads",
+            f"a divisor of n_heads={self.n_heads}",
+        )
+        need(_is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1")
+        need(_is_number(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
+        need(_is_number(self.init_std) and self.init_std > 0, "init_std", "a number > 0")
+        need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
+        need(isinstance(self.v1_norm_affine, bool), "v1_norm_affine", "true or false")
+        need(
+            self.v1_lambda_init is None or (_is_number(self.v1_lambda_init) and 0 <= self.v1_lambda_init < 1),
+            "v1_lambda_init",
+            "null (depth schedule) or a number in [0, 1)",
+        )
+
+    # ------------------------------------------------------------------------------ derived widths
+    @property
+    def n_q_heads(self) -> int:
+        """Query heads of width d that the Q projection produces (two per head for DIFF)."""
+        return self.n_heads if self.attention == "baseline" else 2 * self.n_heads
+
+    @property
+    def value_dim(self) -> int:
+        """Width of one value head: 2d for DIFF V1 (one value head per differential pair), else d."""
+        return 2 * self.head_dim if self.attention == "diff_v1" else self.head_dim
+
+    @property
+    def n_rep(self) -> int:
+        """Output heads that share one kv head (GQA group size in output heads)."""
+        return self.n_heads // self.n_kv_heads
+
+    def lambda_init(self, depth: int) -> float:
+        """DIFF V1 lambda_init at 0-based layer ``depth`` (paper: 0.8 - 0.6 exp(-0.3 (l - 1)), 1-based l)."""
+        if self.v1_lambda_init is not None:
+            return float(self.v1_lambda_init)
+        return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+    # ---------------------------------------------------------------------------------- round trip
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "model config") -> ModelConfig:
+        if not isinstance(data, dict):
+            raise DiffquantError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DiffquantError(
+                f"{source}: unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(sorted(known))}"
+            )
+        try:
+            return cls(**data)
+        except DiffquantError as err:
+            raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "model config") -> ModelConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DiffquantError(f"{source}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise DiffquantError(f"{path}: file not found") from None
+        return cls.from_json(text, source=str(path))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------- matched trio
+def matched_config(base: ModelConfig, kind: str) -> ModelConfig:
+    """The ``kind`` model that is parameter-matched to the baseline config ``base``.
+
+    diff_v1 (DIFF paper, Sec. 3): half the heads, each with two d-wide Q/K components and a 2d value head;
+    under GQA the kv heads halve too. The projections then have exactly the baseline's shapes, so the only
+    extra parameters are 4d (lambda vectors) + 2d (norm weight) per layer.
+    diff_v2 (DIFF V2 post): 2h query heads of width d and a lambda projection add E*h*d + E*h per layer;
+    the SwiGLU width shrinks by that amount / (3E), rounded, so the totals stay within 1 %.
+    """
+    if base.attention != "baseline":
+        raise DiffquantError(
+            f"matched_config: base config must be a baseline, got attention={base.attention!r}"
+        )
+    if kind == "baseline":
+        return dataclasses.replace(base)
+    if kind == "diff_v1":
+        if base.n_heads % 2 or base.n_kv_heads % 2:
+            raise DiffquantError(
+                f"matched_config: diff_v1 halves the heads, so n_heads ({base.n_heads}) and n_kv_heads "
+                f"({base.n_kv_heads}) must be even"
+            )
+        return dataclasses.replace(
+            base, attention="diff_v1", n_heads=base.n_heads // 2, n_kv_heads=base.n_kv_heads // 2
+        )
+    if kind == "diff_v2":
+        extra = base.d_model * base.n_heads * base.head_dim + base.d_model * base.n_heads
+        ffn = base.ffn_dim - round(extra / (3 * base.d_model))
+        if ffn < 1:
+            raise DiffquantError(
+                f"matched_config: ffn_dim={base.ffn_dim} is too small to absorb diff_v2's extra query heads"
+            )
+        return dataclasses.replace(base, attention="diff_v2", ffn_dim=ffn)
+    raise DiffquantError(
+        f"matched_config: unknown kind {kind!r}; expected one of {', '.join(ATTENTION_KINDS)}"
+    )
+
+
+def matched_configs(base: ModelConfig) -> dict[str, ModelConfig]:
+    """baseline / diff_v1 / diff_v2 configs derived from one baseline config."""
+    return {kind: matched_config(base, kind) for kind in ATTENTION_KINDS}
+
+
+# Baseline presets; `diffquant init --kind K --preset P` derives kind K from preset P.
+PRESETS: dict[str, ModelConfig] = {
+    # For trying every command in seconds.
+    "tiny": ModelConfig(
+        d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=176, max_seq_len=256
+    ),
+    # The size of the CPU trial (about 3.3M parameters with 259 byte-level tokens).
+    "small": ModelConfig(
+        d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=688, max_seq_len=512
+    ),
+}
+
+
+def preset_config(preset: str, kind: str = "baseline") -> ModelConfig:
+    if preset not in PRESETS:
+        raise DiffquantError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    return matched_config(PRESETS[preset], kind)

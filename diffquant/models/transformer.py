@@ -1,0 +1,188 @@
+"""DecoderLM: the one decoder-only language model every diffquant stage runs (nanoGPT-sized, Llama-shaped).
+
+Pre-norm blocks (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual), final RMSNorm, LM head,
+rotate-half RoPE, GQA, a KV cache and greedy generation. The attention kind is the only difference
+between baseline, DIFF V1 and DIFF V2 models.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffquant.errors import DiffquantError
+from diffquant.models.attention import (
+    ATTENTION_CLASSES,
+    ATTN_PATHS,
+    Attention,
+    DiffV1Attention,
+    LayerKV,
+    Linear,
+    RMSNorm,
+)
+from diffquant.models.config import ModelConfig
+from diffquant.models.taps import Tap, model_taps, select_taps
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)); ``act`` taps the down input."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Linear(config.d_model, config.ffn_dim)
+        self.up = Linear(config.d_model, config.ffn_dim)
+        self.down = Linear(config.ffn_dim, config.d_model)
+        self.act = Tap("mlp_act")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(F.silu(self.gate(x)) * self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = ATTENTION_CLASSES[config.attention](config, depth)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+        self.resid = Tap("resid")  # the layer output: "hidden states" in the DIFF paper's Table 5
+
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
+        x = x + self.mlp(self.mlp_norm(x))
+        return self.resid(x)
+
+
+class KVCache:
+    """Per-layer keys and values of the tokens decoded so far."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerKV() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = Linear(config.d_model, config.vocab_size)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, init_std) for embeddings and projections, ones for norms.
+
+        DIFF V1's lambda vectors get N(0, 0.1) and DIFF V2's lambda_proj keeps PyTorch's default init, as in
+        the reference code.
+        """
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Embedding) or (
+                isinstance(module, nn.Linear) and "lambda_proj" not in name
+            ):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm) and module.weight is not None:
+                nn.init.ones_(module.weight)
+            elif isinstance(module, DiffV1Attention):
+                module.reset_lambda()
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T); with ``cache``, continues from the cached tokens."""
+        if input_ids.dim() != 2:
+            raise DiffquantError(f"input_ids: expected shape (batch, seq), got {tuple(input_ids.shape)}")
+        start = cache.length if cache is not None else 0
+        if start + input_ids.shape[1] > self.config.max_seq_len:
+            raise DiffquantError(
+                f"sequence length {start + input_ids.shape[1]} exceeds the model's max_seq_len "
+                f"{self.config.max_seq_len}"
+            )
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.layers):
+            x = block(x, cache.layers[i] if cache is not None else None)
+        return self.lm_head(self.norm(x))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.n_layers)
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None = None
+    ) -> torch.Tensor:
+        """Greedy decoding with the KV cache; returns the prompt followed by the new tokens."""
+        cache = self.new_cache()
+        logits = self(input_ids, cache)
+        out = [input_ids]
+        for _ in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+            if eos_id is not None and bool((nxt == eos_id).all()):
+                break
+            if cache.length >= self.config.max_seq_len:
+                break
+            logits = self(nxt, cache)
+        return torch.cat(out, dim=1)
+
+    # ------------------------------------------------------------------------------ taps, paths
+    def sites(self) -> dict[str, str]:
+        """Every probe point: site name -> kind."""
+        return {name: tap.kind for name, tap in model_taps(self).items()}
+
+    def taps(self, patterns: str | list[str] = "*") -> dict[str, Tap]:
+        return select_taps(self, patterns)
+
+    def attention_modules(self) -> list[Attention]:
+        return [block.attn for block in self.layers]
+
+    def set_attention_path(self, path: str = "auto", chunk_size: int | None = None) -> None:
+        """Force the fused (SDPA) or explicit (materialised maps) path, or let taps decide ("auto")."""
+        if path not in ATTN_PATHS:
+            raise DiffquantError(f"attention path {path!r}: expected one of {', '.join(ATTN_PATHS)}")
+        if chunk_size is not None and chunk_size < 1:
+            raise DiffquantError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
+        for attn in self.attention_modules():
+            attn.path = path
+            attn.chunk_size = chunk_size
+
+    # ---------------------------------------------------------------------------------- counting
+    def parameter_groups(self) -> dict[str, int]:
+        """Parameter counts by group: embeddings, attention, lambda, MLP, norms, LM head (untied only)."""
+        groups: Counter[str] = Counter()
+        seen: set[int] = set()
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            groups[_param_group(name)] += p.numel()
+        order = ("embeddings", "attention", "lambda", "mlp", "norms", "lm_head")
+        return {g: groups.get(g, 0) for g in order}
+
+    def num_parameters(self) -> int:
+        return sum(self.parameter_groups().values())
+
+
+def _param_group(name: str) -> str:
+    if name.startswith("embed."):
+        return "embeddings"
+    if name.startswith("lm_head."):
+        return "lm_head"
+    if ".lambda" in name:
+        return "lambda"
+    if "norm" in name.split(".")[-2]:
+        return "norms"
+    if ".attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    raise AssertionError(f"unclassified parameter {name}")

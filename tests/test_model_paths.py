@@ -1,0 +1,152 @@
+"""Fused vs explicit attention paths, chunking, taps, the KV cache and greedy generation."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from diffquant import DiffquantError
+
+
+def _ids(batch: int, t: int, vocab: int = 61, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n_kv_heads", ["gqa", "mha"])
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_fused_and_explicit_paths_agree(kind, n_kv_heads, t):
+    heads = {"baseline": 4, "diff_v1": 2, "diff_v2": 4}[kind]
+    kv = heads // 2 if n_kv_heads == "gqa" else heads
+    model = tiny_model(kind, n_heads=heads, n_kv_heads=kv)
+    ids = _ids(2, t)
+    with torch.no_grad():
+        model.set_attention_path("fused")
+        fused = model(ids)
+        model.set_attention_path("explicit")
+        explicit = model(ids)
+    torch.testing.assert_close(explicit, fused, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64, 1000])
+def test_explicit_chunking_is_exact(kind, chunk):
+    model = tiny_model(kind)
+    ids = _ids(2, 64)
+    with torch.no_grad():
+        model.set_attention_path("explicit", chunk_size=64)
+        whole = model(ids)
+        model.set_attention_path("explicit", chunk_size=chunk)
+        chunked = model(ids)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+def test_auto_path_materialises_maps_only_when_observed(kind):
+    model = tiny_model(kind)
+    ids = _ids(1, 9)
+    suffix = "" if kind == "baseline" else "1"
+    assert not any(attn._use_explicit() for attn in model.attention_modules())
+    seen = {}
+
+    def grab(name):
+        def hook(module, args, output):
+            seen[name] = (args[0].clone(), args[1].clone())
+
+        return hook
+
+    hooks = [tap.register_forward_hook(grab(name)) for name, tap in model.taps("kind:probs").items()]
+    assert all(attn._use_explicit() for attn in model.attention_modules())
+    with torch.no_grad():
+        model(ids)
+    assert set(seen) == set(model.taps("kind:probs"))
+    for h in hooks:
+        h.remove()
+    assert not any(attn._use_explicit() for attn in model.attention_modules())
+    probs, valid = seen[f"layers.1.attn.probs{suffix}"]
+    assert probs.shape == (1, model.config.n_heads, 9, 9)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, model.config.n_heads, 9))
+    assert torch.equal(valid[0, 0], torch.ones(9, 9, dtype=torch.bool).tril())
+    assert torch.equal(probs[..., ~valid[0, 0]], torch.zeros_like(probs[..., ~valid[0, 0]]))
+
+
+def test_diff_map_equals_a1_minus_lambda_a2():
+    for kind in ("diff_v1", "diff_v2"):
+        model = tiny_model(kind)
+        got = {}
+        for name in ("probs1", "probs2", "lambda", "diff_map"):
+            model.taps(f"layers.0.attn.{name}")[f"layers.0.attn.{name}"].register_forward_hook(
+                lambda m, a, out, n=name: got.__setitem__(n, out)
+            )
+        with torch.no_grad():
+            model(_ids(2, 11))
+        lam = got["lambda"]
+        lam = lam.transpose(1, 2).unsqueeze(-1) if lam.dim() == 3 else lam
+        torch.testing.assert_close(got["diff_map"], got["probs1"] - lam * got["probs2"])
+
+
+def test_incremental_decoding_matches_full_forward(kind):
+    model = tiny_model(kind)
+    ids = _ids(2, 20)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts = [model(ids[:, :8], cache)]  # a prompt, then one token at a time, then a block of 3
+        for i in range(8, 17):
+            parts.append(model(ids[:, i : i + 1], cache))
+        parts.append(model(ids[:, 17:], cache))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
+    assert cache.length == 20
+
+
+def test_incremental_decoding_explicit_path(kind):
+    model = tiny_model(kind)
+    model.set_attention_path("explicit", chunk_size=3)
+    ids = _ids(1, 12)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :5], cache)] + [model(ids[:, i : i + 1], cache) for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_generate_is_greedy(kind):
+    model = tiny_model(kind)
+    prompt = _ids(2, 5)
+    out = model.generate(prompt, max_new_tokens=6)
+    # Brute force: re-run the whole sequence for every new token, take the argmax.
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_sequence_longer_than_max_is_an_error():
+    model = tiny_model("baseline")
+    with pytest.raises(DiffquantError, match="exceeds the model's max_seq_len 96"):
+        model(_ids(1, 97))
+
+
+def test_sites_have_stable_names_and_kinds(kind):
+    sites = tiny_model(kind).sites()
+    expected = {
+        "baseline": ["logits", "probs"],
+        "diff_v1": ["logits1", "logits2", "probs1", "probs2", "lambda", "diff_map"],
+        "diff_v2": ["logits1", "logits2", "probs1", "probs2", "lambda", "diff_map"],
+    }[kind]
+    for layer in range(2):
+        for name in ["q", "k", "v", "head_out", "out", *expected]:
+            assert f"layers.{layer}.attn.{name}" in sites
+        assert sites[f"layers.{layer}.resid"] == "resid"
+        assert sites[f"layers.{layer}.mlp.act"] == "mlp_act"
+        assert sites[f"layers.{layer}.mlp.down.input"] == "linear_in"
+    assert sites["lm_head.input"] == "linear_in"
+    assert sites["layers.0.attn.out"] == "attn_out"
+
+
+def test_site_pattern_matching_nothing_lists_kinds():
+    with pytest.raises(DiffquantError, match="matches no site; this model's site kinds: q, k, v, logits"):
+        tiny_model("baseline").taps("layers.*.attn.diff_map")
+
+
+def test_tied_embeddings_share_storage():
+    model = tiny_model("diff_v2", tie_embeddings=True)
+    assert model.lm_head.weight is model.embed.weight
+    assert model.parameter_groups()["lm_head"] == 0
