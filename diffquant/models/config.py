@@ -192,7 +192,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=176, max_seq_len=256
     ),
-    # The size of the CPU trial (about 3.3M parameters with 259 byte-level tokens).
+    # About the size of the CPU trial models (3.0M parameters with 259 byte-level tokens).
     "small": ModelConfig(
         d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=688, max_seq_len=512
     ),

@@ -1,0 +1,31 @@
+# Set-up and checks for diffquant. `make test` on a fresh machine creates .venv, installs, lints and tests.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: setup test lint pytest format clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 first: it takes the local CPU wheel; anything else resolves to a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+pytest: setup
+	$(BIN)/python -m pytest
+
+test: lint pytest
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
