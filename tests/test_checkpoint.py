@@ -83,7 +83,10 @@ BROKEN = {
     "missing weights": (lambda p: (p / "model.safetensors").unlink(), "missing model.safetensors"),
     "truncated": (_truncate, "model.safetensors: not a readable safetensors file"),
     "corrupt": (_garbage, "model.safetensors: not a readable safetensors file"),
-    "unknown kind": (_unknown_kind, "field 'attention' = 'diff_v9', expected one of baseline, diff_v1, diff_v2"),
+    "unknown kind": (
+        _unknown_kind,
+        "field 'attention' = 'diff_v9', expected one of baseline, diff_v1, diff_v2",
+    ),
     "bad json": (lambda p: (p / "config.json").write_text("{oops"), "config.json: not valid JSON"),
     "missing tensor": (
         lambda p: _edit_weights(p, lambda s: s.pop("layers.1.mlp.up.weight")),

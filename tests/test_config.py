@@ -8,7 +8,9 @@ from diffquant.models import PRESETS, DecoderLM, ModelConfig, matched_configs
 
 
 def test_json_round_trip():
-    cfg = ModelConfig(attention="diff_v1", d_model=48, n_heads=2, n_kv_heads=1, head_dim=12, v1_lambda_init=0.5)
+    cfg = ModelConfig(
+        attention="diff_v1", d_model=48, n_heads=2, n_kv_heads=1, head_dim=12, v1_lambda_init=0.5
+    )
     assert ModelConfig.from_json(cfg.to_json()) == cfg
 
 

@@ -66,19 +66,19 @@ def test_auto_path_materialises_maps_only_when_observed(kind):
     assert torch.equal(probs[..., ~valid[0, 0]], torch.zeros_like(probs[..., ~valid[0, 0]]))
 
 
-def test_diff_map_equals_a1_minus_lambda_a2():
-    for kind in ("diff_v1", "diff_v2"):
-        model = tiny_model(kind)
-        got = {}
-        for name in ("probs1", "probs2", "lambda", "diff_map"):
-            model.taps(f"layers.0.attn.{name}")[f"layers.0.attn.{name}"].register_forward_hook(
-                lambda m, a, out, n=name: got.__setitem__(n, out)
-            )
-        with torch.no_grad():
-            model(_ids(2, 11))
-        lam = got["lambda"]
-        lam = lam.transpose(1, 2).unsqueeze(-1) if lam.dim() == 3 else lam
-        torch.testing.assert_close(got["diff_map"], got["probs1"] - lam * got["probs2"])
+@pytest.mark.parametrize("diff_kind", ["diff_v1", "diff_v2"])
+def test_diff_map_equals_a1_minus_lambda_a2(diff_kind):
+    model = tiny_model(diff_kind)
+    got = {}
+    for name in ("probs1", "probs2", "lambda", "diff_map"):
+        model.taps(f"layers.0.attn.{name}")[f"layers.0.attn.{name}"].register_forward_hook(
+            lambda m, a, out, n=name: got.__setitem__(n, out)
+        )
+    with torch.no_grad():
+        model(_ids(2, 11))
+    lam = got["lambda"]
+    lam = lam.transpose(1, 2).unsqueeze(-1) if lam.dim() == 3 else lam
+    torch.testing.assert_close(got["diff_map"], got["probs1"] - lam * got["probs2"])
 
 
 def test_incremental_decoding_matches_full_forward(kind):
