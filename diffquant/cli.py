@@ -65,6 +65,119 @@ def _cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from diffquant.data import ByteTokenizer, fingerprint, token_windows
+    from diffquant.distributed import init_from_env, shutdown
+    from diffquant.io import load_model
+    from diffquant.io.artifacts import manifest, sha256_file, write_json_atomic, write_text_atomic
+    from diffquant.profile.runner import profile_model
+    from diffquant.profile.tables import format_table5, layerwise, table5
+
+    rank, world = init_from_env()
+    try:
+        _positive(args, "tokens", "seq_len", "batch_size", "topk")
+        models = {}
+        for spec in args.checkpoints:
+            model = load_model(spec)
+            cfg = model.config
+            if args.seq_len > cfg.max_seq_len:
+                raise DiffquantError(
+                    f"--seq-len {args.seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}"
+                )
+            if cfg.vocab_size < ByteTokenizer.vocab_size:
+                raise DiffquantError(
+                    f"{spec}: vocab_size {cfg.vocab_size} cannot hold the byte tokenizer's "
+                    f"{ByteTokenizer.vocab_size} ids"
+                )
+            models[_unique_name(spec, models)] = (spec, model)
+        windows = token_windows(args.data, args.tokens, args.seq_len)
+        n_tokens = windows.numel()
+        if n_tokens < args.tokens and rank == 0:
+            print(f"note: data source {args.data!r} holds only {n_tokens:,} tokens", file=sys.stderr)
+        out = Path(args.out)
+        tables, summaries = {}, {}
+        for name, (spec, model) in models.items():
+            profile = profile_model(
+                model,
+                windows,
+                batch_size=args.batch_size,
+                sites=args.sites,
+                topk=args.topk,
+                attention=False if args.no_attention_metrics else None,
+                progress=sys.stderr.isatty(),
+                desc=name,
+            )
+            if profile is None:  # not rank 0
+                continue
+            profile.meta.update(
+                model=name,
+                checkpoint=str(spec),
+                attention=model.config.attention,
+                config=model.config.to_dict(),
+            )
+            write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
+            tables[name] = table5(profile)
+            summaries[name] = {"table5": tables[name], "layerwise_hidden": layerwise(profile, "resid")}
+        if rank != 0:
+            return 0
+        text = format_table5(tables)
+        header = (
+            f"Table 5 view: k-th largest |x| and median |x| over {n_tokens:,} tokens "
+            f"({windows.shape[0]} windows of {args.seq_len}) from {args.data}"
+        )
+        write_text_atomic(out / "table5.txt", header + "\n" + text + "\n")
+        write_json_atomic(out / "table5.json", summaries)
+        write_json_atomic(
+            out / "manifest.json",
+            manifest(
+                "profile",
+                checkpoints={
+                    n: {"spec": str(s), "sha256": _checkpoint_hash(s, sha256_file)}
+                    for n, (s, _) in models.items()
+                },
+                data={"source": args.data, "fingerprint": fingerprint(args.data), "tokens": n_tokens},
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                sites=args.sites,
+                topk=args.topk,
+                world_size=world,
+            ),
+        )
+        print(header)
+        print(text)
+        print(f"wrote {out}/profile/*.json, table5.txt, table5.json, manifest.json")
+        return 0
+    finally:
+        shutdown()
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise DiffquantError(
+                f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}"
+            )
+
+
+def _unique_name(spec: str, taken: dict) -> str:
+    from pathlib import Path
+
+    base = Path(str(spec).rstrip("/")).name or "model"
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}-{i}", i + 1
+    return name
+
+
+def _checkpoint_hash(spec: str, sha256_file) -> str | None:
+    from pathlib import Path
+
+    weights = Path(spec) / "model.safetensors"
+    return sha256_file(weights) if weights.is_file() else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffquant",
@@ -85,6 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--force", action="store_true", help="replace an existing folder")
     init.set_defaults(func=_cmd_init)
+
+    prof = sub.add_parser(
+        "profile",
+        help="outlier statistics of one or more checkpoints (the DIFF paper's Table 5 and more)",
+        description="Profile activations at every site; prints the Table-5 view side by side and writes "
+        "the full per-site profile as JSON. Runs sharded under torchrun --nproc_per_node N.",
+    )
+    prof.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="native checkpoint folders")
+    prof.add_argument("--data", default="stdlib", help="'stdlib', a text file or a folder (default: stdlib)")
+    prof.add_argument("--tokens", type=int, default=16384, help="tokens to profile (default: 16384)")
+    prof.add_argument("--seq-len", type=int, default=256, help="window length (default: 256)")
+    prof.add_argument("--batch-size", type=int, default=8)
+    prof.add_argument("--sites", nargs="+", default=["*"], help="site globs or kind:NAME (default: all)")
+    prof.add_argument("--topk", type=int, default=100, help="largest magnitudes kept per site")
+    prof.add_argument("--no-attention-metrics", action="store_true", help="skip per-head attention metrics")
+    prof.add_argument("--out", default="runs/profile", help="run folder (default: runs/profile)")
+    prof.set_defaults(func=_cmd_profile)
     return parser
 
 

@@ -42,7 +42,7 @@ def test_auto_path_materialises_maps_only_when_observed(kind):
     model = tiny_model(kind)
     ids = _ids(1, 9)
     suffix = "" if kind == "baseline" else "1"
-    assert not any(attn._use_explicit() for attn in model.attention_modules())
+    assert not any(attn._maps_observed() for attn in model.attention_modules())
     seen = {}
 
     def grab(name):
@@ -52,13 +52,17 @@ def test_auto_path_materialises_maps_only_when_observed(kind):
         return hook
 
     hooks = [tap.register_forward_hook(grab(name)) for name, tap in model.taps("kind:probs").items()]
-    assert all(attn._use_explicit() for attn in model.attention_modules())
+    assert all(attn._maps_observed() for attn in model.attention_modules())
     with torch.no_grad():
         model(ids)
     assert set(seen) == set(model.taps("kind:probs"))
+    with torch.no_grad():
+        observed = model(ids)
     for h in hooks:
         h.remove()
-    assert not any(attn._use_explicit() for attn in model.attention_modules())
+    assert not any(attn._maps_observed() for attn in model.attention_modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids), observed)  # observing the maps never changes the output
     probs, valid = seen[f"layers.1.attn.probs{suffix}"]
     assert probs.shape == (1, model.config.n_heads, 9, 9)
     torch.testing.assert_close(probs.sum(-1), torch.ones(1, model.config.n_heads, 9))

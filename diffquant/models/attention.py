@@ -8,6 +8,10 @@ Two execution paths compute that core:
 - fused: torch SDPA, used when nobody observes the maps (the common case, and what GPU kernels replace);
 - explicit: materialises logits, probabilities and the differential map, feeding them through their taps,
   in query chunks so a long sequence never holds a full T x S map per head at once.
+
+A hook on a map tap only observes: the maps are computed for it, but the layer's output still comes from
+the fused path, so profiling never changes a model's logits. A quantizer on a map tap rewrites the maps,
+so then the explicit path's output is used.
 """
 
 from __future__ import annotations
@@ -150,15 +154,22 @@ class Attention(nn.Module):
         if self._use_explicit():
             out = self._explicit(components, v, lam, pos0)
         else:
+            if self._maps_observed():
+                # Observers see the maps, but the output stays the fused one, bit for bit.
+                self._explicit(components, v, lam, pos0, need_output=False)
             out = self._fused(components, v, lam, pos0)
         out = self._finish_heads(out)  # (B, H, T, dv)
         out = self.head_out(out.transpose(1, 2))  # (B, T, H, dv)
         return self.out(self.o_proj(out.reshape(bsz, t, -1)))
 
     def _use_explicit(self) -> bool:
+        """Explicit output when forced, or when a quantizer rewrites a map (hooks alone only observe)."""
         if self.path == "auto":
-            return any(tap.active for tap in self._map_taps())
+            return any(tap.quantizer is not None for tap in self._map_taps())
         return self.path == "explicit"
+
+    def _maps_observed(self) -> bool:
+        return self.path != "fused" and any(tap.active for tap in self._map_taps())
 
     def _fused(self, components, v, lam, pos0: int) -> torch.Tensor:
         t, s = components[0][0].shape[2], components[0][1].shape[2]
@@ -176,7 +187,7 @@ class Attention(nn.Module):
             return outs[0]
         return (outs[0].float() - lam * outs[1].float()).to(v.dtype)
 
-    def _explicit(self, components, v, lam, pos0: int) -> torch.Tensor:
+    def _explicit(self, components, v, lam, pos0: int, need_output: bool = True) -> torch.Tensor | None:
         bsz, heads, t, _ = components[0][0].shape
         s = components[0][1].shape[2]
         chunk = self.chunk_size or max(1, DEFAULT_MAP_BUDGET // max(1, bsz * heads * s))
@@ -198,8 +209,9 @@ class Attention(nn.Module):
             else:
                 lam_chunk = lam[:, :, t0:t1] if lam.dim() == 4 else lam
                 attn_map = self.diff_map(probs[0] - lam_chunk * probs[1], valid)
-            pieces.append(torch.matmul(attn_map, vf))
-        return torch.cat(pieces, dim=2).to(v.dtype)
+            if need_output:
+                pieces.append(torch.matmul(attn_map, vf))
+        return torch.cat(pieces, dim=2).to(v.dtype) if need_output else None
 
 
 def _valid_mask(t: int, s: int, pos0: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""Run-folder artifacts: atomic writes and the manifest that makes a run reproducible.
+
+Every file is written to a temporary sibling and renamed into place, so a killed command never leaves a
+half-written JSON behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+LIBRARIES = ("torch", "numpy", "safetensors", "transformers", "optimum-quanto", "bitsandbytes", "triton")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("diffquant", *LIBRARIES):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def manifest(command: str, **fields: Any) -> dict[str, Any]:
+    """What ran, with which versions, on which inputs: the first file of every run folder."""
+    return {
+        "command": command,
+        "argv": sys.argv,
+        "versions": library_versions(),
+        "platform": platform.platform(),
+        **fields,
+    }

@@ -1,0 +1,477 @@
+"""Streaming per-layer, per-head statistics of attention maps, the lambda gate and the DIFF "attention noise".
+
+Every accumulator here consumes the tensors its tap carries, one query chunk at a time, and keeps only
+per-head float64 sums and int64 counts: a profile over many tokens never holds an attention map, chunks
+and batches can be fed in any split, and two partial profiles combine exactly with ``merge`` (sums add,
+counts add). ``to_dict`` / ``from_dict`` round-trip through plain JSON-serialisable Python, and
+``summary`` turns the sums into per-head means plus their mean over heads.
+
+Inputs, as the model's taps deliver them (see diffquant/models/attention.py):
+- ``probs`` taps (probs, probs1, probs2): p (B, H, Tq, S), softmax rows, with ``valid`` (1, 1, Tq, S) bool,
+  False where the causal mask hides a key (p is exactly 0 there). A chunk may start at any query offset;
+  :func:`diffquant.profile.sites.query_positions` recovers its absolute query positions.
+- ``diff_map`` taps: D = A1 - lambda * A2 (B, H, Tq, S) with the same ``valid``.
+- ``lambda`` taps: a 0-d tensor (DIFF V1, one scalar per layer) or (B, T, H) (DIFF V2, per token and head).
+
+Row quantities (entropy, row sums) are computed in the map's dtype promoted to at least fp32 (float64 maps
+stay float64), then summed per head in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.profile.sites import query_positions
+
+__all__ = ["DiffMapStats", "LambdaStats", "MapStats", "SpanMassStats", "accumulator_from_dict"]
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision maps (so entropy sums do not round at 3 digits), float64 kept as is."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _check_map(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{what}: expected a map (B, H, Tq, S), got shape {tuple(x.shape)}")
+
+
+def _valid_or_all(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The tap's mask, or all-True when a caller has none (e.g. a map built outside the model)."""
+    if valid is None:
+        return torch.ones((1, 1, x.shape[2], x.shape[3]), dtype=torch.bool, device=x.device)
+    return valid.to(device=x.device, dtype=torch.bool)
+
+
+def _mean(total: float, count: float) -> float | None:
+    """A mean that is None (JSON null) when nothing was counted, instead of NaN, which JSON lacks."""
+    return total / count if count > 0 else None
+
+
+def _over_heads(values: list[float | None]) -> float | None:
+    """Unweighted mean over the heads that have a value (each head saw the same rows in a causal map)."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _per_head(values: list[float | None]) -> dict[str, Any]:
+    return {"per_head": values, "mean": _over_heads(values)}
+
+
+def _check_metric(name: str, data: Any) -> None:
+    """from_dict input must be a dict whose optional ``metric`` tag names this class.
+
+    The tag is ``metric``, not ``type``: the profiler stores its own ``type`` (map / diff_map / span /
+    lambda) next to these fields and strips it before calling ``from_dict``.
+    """
+    if not isinstance(data, dict):
+        raise DiffquantError(f"{name}.from_dict: expected a dict, got {type(data).__name__}")
+    if data.get("metric", name) != name:
+        raise DiffquantError(f"{name}.from_dict: data is a {data.get('metric')!r}, not a {name}")
+
+
+class _HeadSums:
+    """Named per-head float64 sums and int64 counts with exact merge and a plain-dict form.
+
+    State lives on the device of the first update (so a GPU profile does not copy every chunk's sums to
+    the host); ``to_dict`` and ``summary`` bring it back as Python numbers. ``n_heads=None`` defers the head
+    count to the first map seen (for models without a config to read it from).
+    """
+
+    SUMS: ClassVar[tuple[str, ...]] = ()
+    COUNTS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, n_heads: int | None = None) -> None:
+        self.n_heads: int | None = None
+        self._state: dict[str, torch.Tensor] = {}
+        if n_heads is not None:
+            self._ensure_heads(n_heads)
+
+    def _ensure_heads(self, n_heads: int) -> None:
+        """Allocate the sums on first sight of the head count (None at construction = learn it from data)."""
+        if self.n_heads is None:
+            if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+                raise ValueError(f"n_heads: expected an integer >= 1, got {n_heads!r}")
+            self.n_heads = n_heads
+            for name in self.SUMS:
+                self._state[name] = torch.zeros(n_heads, dtype=torch.float64)
+            for name in self.COUNTS:
+                self._state[name] = torch.zeros(n_heads, dtype=torch.int64)
+        elif n_heads != self.n_heads:
+            raise ValueError(
+                f"{type(self).__name__}: expected {self.n_heads} heads, got a map with {n_heads}"
+            )
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        current = self._state[name]
+        if current.device != value.device:
+            current = current.to(value.device)
+        self._state[name] = current + value.to(current.dtype)
+
+    def _get(self, name: str) -> list:
+        return self._state[name].tolist() if name in self._state else []
+
+    def merge(self, other: _HeadSums) -> _HeadSums:
+        """Add ``other``'s sums and counts into this one (in place); returns self."""
+        if type(other) is not type(self):
+            raise DiffquantError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+        if other.n_heads is None:
+            return self
+        if self.n_heads is not None and other.n_heads != self.n_heads:
+            raise DiffquantError(
+                f"cannot merge {type(self).__name__} with {other.n_heads} heads into one with {self.n_heads}"
+            )
+        self._ensure_heads(other.n_heads)
+        for name, value in other._state.items():
+            self._add(name, value.to(self._state[name].device))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"metric": type(self).__name__, "n_heads": self.n_heads}
+        for name in self.SUMS + self.COUNTS:
+            out[name] = self._get(name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        """Rebuild from :meth:`to_dict` output; a malformed dict is a user error (a damaged profile file)."""
+        _check_metric(cls.__name__, data)
+        n_heads = data.get("n_heads")
+        if n_heads is not None and (not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1):
+            raise DiffquantError(f"{cls.__name__}.from_dict: bad n_heads {n_heads!r}")
+        obj = cls(n_heads)
+        for name in cls.SUMS + cls.COUNTS:
+            values = data.get(name)
+            if not isinstance(values, list) or len(values) != (n_heads or 0):
+                raise DiffquantError(
+                    f"{cls.__name__}.from_dict: field {name!r} must be a list of {n_heads or 0} numbers"
+                )
+            if n_heads is not None:
+                dtype = torch.int64 if name in cls.COUNTS else torch.float64
+                try:
+                    obj._state[name] = torch.tensor(values, dtype=dtype)
+                except (TypeError, ValueError, RuntimeError):
+                    raise DiffquantError(
+                        f"{cls.__name__}.from_dict: field {name!r} holds non-numbers"
+                    ) from None
+        return obj
+
+
+class MapStats(_HeadSums):
+    """Entropy and attention-sink mass of one softmax map tap (probs, probs1, probs2), per head.
+
+    - entropy: -sum_k p log p over the visible keys (natural log, 0 log 0 = 0), averaged over query rows.
+      Low entropy = focused heads; the DIFF paper argues that differential attention sharpens A1 - lambda A2
+      while each component softmax can stay diffuse, so the components' entropy is the thing to compare.
+    - normalised entropy: entropy / log(number of visible keys), in [0, 1], so rows of different causal
+      length compare; rows that see a single key have entropy 0 / log 1 and are left out of this mean
+      (counted in ``single_key_rows``).
+    - sink mass: p on key 0, the attention-sink position (Xiao et al. 2023, StreamingLLM; Sun et al. 2024,
+      massive activations act as sinks on the first token). DIFF V2 claims its maps need no sink.
+    """
+
+    SUMS = ("entropy_sum", "norm_entropy_sum", "sink_sum")
+    COUNTS = ("rows", "multi_key_rows", "single_key_rows")
+
+    def update(self, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add one chunk: probs (B, H, Tq, S) and the tap's causal ``valid`` mask."""
+        _check_map(probs, "MapStats")
+        self._ensure_heads(probs.shape[1])
+        valid = _valid_or_all(probs, valid)
+        p = torch.where(valid, probs.to(_work_dtype(probs)), 0.0)
+        n_visible = torch.broadcast_to(valid, p.shape).sum(-1)  # (B, H, Tq)
+        rows = n_visible > 0
+        multi = n_visible > 1
+        entropy = -torch.special.xlogy(p, p).sum(-1)  # (B, H, Tq); p = 0 contributes 0
+        log_n = torch.log(n_visible.clamp(min=2).to(p.dtype))
+        self._add("entropy_sum", torch.where(rows, entropy, 0.0).sum((0, 2)))
+        self._add("norm_entropy_sum", torch.where(multi, entropy / log_n, 0.0).sum((0, 2)))
+        self._add("sink_sum", torch.where(rows, p[..., 0], 0.0).sum((0, 2)))
+        self._add("rows", rows.sum((0, 2)))
+        self._add("multi_key_rows", multi.sum((0, 2)))
+        self._add("single_key_rows", (n_visible == 1).sum((0, 2)))
+
+    def summary(self) -> dict[str, Any]:
+        rows, multi = self._get("rows"), self._get("multi_key_rows")
+        ent, norm, sink = self._get("entropy_sum"), self._get("norm_entropy_sum"), self._get("sink_sum")
+        return {
+            "rows": rows,
+            "single_key_rows": self._get("single_key_rows"),
+            "entropy": _per_head([_mean(e, n) for e, n in zip(ent, rows, strict=True)]),
+            "norm_entropy": _per_head([_mean(e, n) for e, n in zip(norm, multi, strict=True)]),
+            "sink_mass": _per_head([_mean(s, n) for s, n in zip(sink, rows, strict=True)]),
+        }
+
+
+class DiffMapStats(_HeadSums):
+    """How much a differential map D = A1 - lambda A2 cancels, per head (DIFF paper, arXiv 2410.05258).
+
+    - negative fraction: sum max(-D, 0) / sum |D| over visible entries, the share of the map's mass that is
+      negative (a plain softmax has 0; the DIFF paper's claim is that subtraction cancels common-mode noise,
+      which shows up as negative entries where A2 exceeds lambda-scaled A1).
+    - l1_ratio: mean over rows of sum_k |D|. Each A1 row sums to 1, so this is ||D||_1 / ||A1||_1 row-wise;
+      below 1 means mass was cancelled. Reported as the ratio itself, not 1 - ratio.
+    - row_sum: mean over rows of sum_k D, which equals 1 - lambda on average (each A1, A2 row sums to 1).
+    - sink_mass: mean over rows of D on key 0 (signed), the differential counterpart of MapStats' sink mass.
+    """
+
+    SUMS = ("neg_sum", "abs_sum", "row_sum", "sink_sum")
+    COUNTS = ("rows",)
+
+    def update(self, diff_map: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add one chunk: D (B, H, Tq, S) and the tap's causal ``valid`` mask."""
+        _check_map(diff_map, "DiffMapStats")
+        self._ensure_heads(diff_map.shape[1])
+        valid = _valid_or_all(diff_map, valid)
+        d = torch.where(valid, diff_map.to(_work_dtype(diff_map)), 0.0)
+        rows = torch.broadcast_to(valid, d.shape).any(-1)  # (B, H, Tq)
+        self._add("neg_sum", (-d).clamp(min=0).sum(-1).sum((0, 2)))
+        self._add("abs_sum", d.abs().sum(-1).sum((0, 2)))
+        self._add("row_sum", d.sum(-1).sum((0, 2)))
+        self._add("sink_sum", d[..., 0].sum((0, 2)))
+        self._add("rows", rows.sum((0, 2)))
+
+    def summary(self) -> dict[str, Any]:
+        rows = self._get("rows")
+        neg, total = self._get("neg_sum"), self._get("abs_sum")
+        return {
+            "rows": rows,
+            "negative_fraction": _per_head([_mean(n, a) for n, a in zip(neg, total, strict=True)]),
+            "l1_ratio": _per_head([_mean(a, n) for a, n in zip(total, rows, strict=True)]),
+            "row_sum": _per_head([_mean(s, n) for s, n in zip(self._get("row_sum"), rows, strict=True)]),
+            "sink_mass": _per_head([_mean(s, n) for s, n in zip(self._get("sink_sum"), rows, strict=True)]),
+        }
+
+
+class SpanMassStats(_HeadSums):
+    """The DIFF paper's "attention noise" metric (Table 3): attention mass on the answer span vs the rest.
+
+    For each sample the caller gives the answer span [start, end) of key positions and the query position q
+    where the answer is produced; the row of q in the map is read (only when q lies in the current query
+    chunk, so a chunked forward counts each sample once). Per head the sums over samples of
+    - answer mass: sum over k in [start, end) of map[b, h, row(q), k];
+    - rest mass: sum over the other visible keys (0..q outside the span).
+    The paper reports Transformer 0.03-0.09 answer / 0.49-0.54 noise vs DIFF 0.27-0.40 / 0.01-0.02.
+
+    Works for ``probs`` (baseline, or one DIFF component) and for ``diff_map``: for DIFF the entries are the
+    raw A1 - lambda A2, NOT renormalised, so answer + rest = 1 - lambda rather than 1 and single entries may
+    be negative (the paper's numbers are on the differential map as well).
+    """
+
+    SUMS = ("answer_sum", "rest_sum")
+    COUNTS = ("samples",)
+
+    def update(
+        self,
+        attn_map: torch.Tensor,
+        valid: torch.Tensor,
+        spans: list[tuple[int, int, int] | None],
+    ) -> None:
+        """Add one chunk: map (B, H, Tq, S), its ``valid`` mask and per batch row (start, end, q) or None."""
+        _check_map(attn_map, "SpanMassStats")
+        self._ensure_heads(attn_map.shape[1])
+        bsz, _, _, s = attn_map.shape
+        if len(spans) != bsz:
+            raise ValueError(f"SpanMassStats: {len(spans)} spans for a batch of {bsz}")
+        valid = valid.to(device=attn_map.device, dtype=torch.bool)
+        positions = query_positions(valid).tolist()
+        row_of = {int(p): i for i, p in enumerate(positions)}
+        valid_full = torch.broadcast_to(valid, attn_map.shape)
+        keys = torch.arange(s, device=attn_map.device)
+        for b, span in enumerate(spans):
+            if span is None:
+                continue
+            start, end, q = (int(v) for v in span)
+            if not 0 <= start < end <= q + 1:
+                raise DiffquantError(
+                    f"answer span [{start}, {end}) with query position {q} (batch row {b}): expected "
+                    f"0 <= start < end <= q + 1, so the query sees the whole span"
+                )
+            r = row_of.get(q)
+            if r is None:
+                continue
+            row = torch.where(valid_full[b, :, r], attn_map[b, :, r].to(torch.float64), 0.0)  # (H, S)
+            in_span = (keys >= start) & (keys < end)
+            self._add("answer_sum", torch.where(in_span, row, 0.0).sum(-1))
+            self._add("rest_sum", torch.where(in_span, 0.0, row).sum(-1))
+            self._add("samples", torch.ones(row.shape[0], dtype=torch.int64, device=row.device))
+
+    def summary(self) -> dict[str, Any]:
+        samples = self._get("samples")
+        n = samples[0] if samples else 0
+        return {
+            "samples": n,
+            "answer_mass": _per_head([_mean(a, n) for a in self._get("answer_sum")]),
+            "rest_mass": _per_head([_mean(r, n) for r in self._get("rest_sum")]),
+        }
+
+
+class LambdaStats:
+    """The lambda of one DIFF layer (DIFF paper Eq. 2 for V1; DIFF V2 post for V2).
+
+    DIFF V1 has one scalar per layer, constant during inference: kept as the last value seen, with a count
+    and its min/max (so a changing lambda, e.g. during training, is visible). DIFF V2 has sigmoid(W x) per
+    token and head, in (0, 1): per head count, mean, population std, min and max, from float64 sums of
+    x and x^2 (exact to merge; values in (0, 1) make the cancellation in E[x^2] - E[x]^2 harmless).
+    """
+
+    def __init__(self) -> None:
+        self.mode: str | None = None  # None (nothing seen), "scalar" or "per_head"
+        self.count = 0
+        self.value: float | None = None
+        self.min: float | None = None
+        self.max: float | None = None
+        self._heads: dict[str, torch.Tensor] | None = None
+
+    @property
+    def n_heads(self) -> int | None:
+        return None if self._heads is None else int(self._heads["count"].numel())
+
+    def _set_mode(self, mode: str, n_heads: int | None = None) -> None:
+        if self.mode is None:
+            self.mode = mode
+            if mode == "per_head":
+                self._heads = {
+                    "count": torch.zeros(n_heads, dtype=torch.int64),
+                    "sum": torch.zeros(n_heads, dtype=torch.float64),
+                    "sumsq": torch.zeros(n_heads, dtype=torch.float64),
+                    "min": torch.full((n_heads,), math.inf, dtype=torch.float64),
+                    "max": torch.full((n_heads,), -math.inf, dtype=torch.float64),
+                }
+        elif self.mode != mode:
+            raise DiffquantError(f"LambdaStats: cannot mix a {mode} lambda into {self.mode} statistics")
+        elif mode == "per_head" and n_heads != self.n_heads:
+            raise DiffquantError(f"LambdaStats: lambda with {n_heads} heads, expected {self.n_heads}")
+
+    def update(self, lam: torch.Tensor) -> None:
+        """Add a lambda tap's value: 0-d (DIFF V1) or (B, T, H) (DIFF V2)."""
+        if lam.dim() == 0:
+            self._set_mode("scalar")
+            value = float(lam)
+            self.value = value
+            self.count += 1
+            self.min = value if self.min is None else min(self.min, value)
+            self.max = value if self.max is None else max(self.max, value)
+        elif lam.dim() == 3:
+            self._set_mode("per_head", lam.shape[-1])
+            x = lam.detach().to(torch.float64).reshape(-1, lam.shape[-1])
+            state = self._heads
+            assert state is not None
+            if state["sum"].device != x.device:
+                state = self._heads = {k: v.to(x.device) for k, v in state.items()}
+            state["count"] += x.shape[0]
+            state["sum"] += x.sum(0)
+            state["sumsq"] += (x * x).sum(0)
+            if x.shape[0]:
+                state["min"] = torch.minimum(state["min"], x.amin(0))
+                state["max"] = torch.maximum(state["max"], x.amax(0))
+        else:
+            raise ValueError(f"LambdaStats: expected a 0-d or (B, T, H) lambda, got shape {tuple(lam.shape)}")
+
+    def merge(self, other: LambdaStats) -> LambdaStats:
+        """Add ``other`` into this one (in place); ``other`` counts as later, so its scalar value wins."""
+        if not isinstance(other, LambdaStats):
+            raise DiffquantError(f"cannot merge {type(other).__name__} into LambdaStats")
+        if other.mode is None:
+            return self
+        if other.mode == "scalar":
+            self._set_mode("scalar")
+            self.value = other.value
+            self.count += other.count
+            self.min = other.min if self.min is None else min(self.min, other.min)
+            self.max = other.max if self.max is None else max(self.max, other.max)
+            return self
+        self._set_mode("per_head", other.n_heads)
+        assert self._heads is not None and other._heads is not None
+        device = self._heads["sum"].device
+        theirs = {k: v.to(device) for k, v in other._heads.items()}
+        for key in ("count", "sum", "sumsq"):
+            self._heads[key] = self._heads[key] + theirs[key]
+        self._heads["min"] = torch.minimum(self._heads["min"], theirs["min"])
+        self._heads["max"] = torch.maximum(self._heads["max"], theirs["max"])
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"metric": "LambdaStats", "mode": self.mode}
+        if self.mode == "scalar":
+            out.update(count=self.count, value=self.value, min=self.min, max=self.max)
+        elif self.mode == "per_head":
+            assert self._heads is not None
+            heads = {k: v.tolist() for k, v in self._heads.items()}
+            # +-inf (a head that saw nothing, only possible with an empty batch) is not JSON: store null.
+            for key in ("min", "max"):
+                heads[key] = [v if math.isfinite(v) else None for v in heads[key]]
+            out.update(heads)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LambdaStats:
+        _check_metric("LambdaStats", data)
+        obj = cls()
+        mode = data.get("mode")
+        try:
+            if mode == "scalar":
+                obj.mode = "scalar"
+                obj.count = int(data["count"])
+                obj.value, obj.min, obj.max = (float(data[k]) for k in ("value", "min", "max"))
+            elif mode == "per_head":
+                n = len(data["sum"])
+                obj._set_mode("per_head", n)
+                assert obj._heads is not None
+                obj._heads["count"] = torch.tensor(data["count"], dtype=torch.int64)
+                for key, missing in (("sum", 0.0), ("sumsq", 0.0), ("min", math.inf), ("max", -math.inf)):
+                    values = [missing if v is None else v for v in data[key]]
+                    obj._heads[key] = torch.tensor(values, dtype=torch.float64)
+                if any(v.numel() != n for v in obj._heads.values()):
+                    raise ValueError("per-head fields of different lengths")
+            elif mode is not None:
+                raise ValueError(f"unknown mode {mode!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DiffquantError(f"LambdaStats.from_dict: malformed data ({exc})") from None
+        return obj
+
+    def summary(self) -> dict[str, Any]:
+        if self.mode != "per_head":
+            return {
+                "mode": self.mode,
+                "count": self.count,
+                "value": self.value,
+                "min": self.min,
+                "max": self.max,
+            }
+        assert self._heads is not None
+        counts = self._heads["count"].tolist()
+        sums, sumsq = self._heads["sum"].tolist(), self._heads["sumsq"].tolist()
+        means = [_mean(s, n) for s, n in zip(sums, counts, strict=True)]
+        stds: list[float | None] = []
+        for s2, m, n in zip(sumsq, means, counts, strict=True):
+            stds.append(None if m is None else math.sqrt(max(s2 / n - m * m, 0.0)))
+        mins = [v if math.isfinite(v) else None for v in self._heads["min"].tolist()]
+        maxs = [v if math.isfinite(v) else None for v in self._heads["max"].tolist()]
+        return {
+            "mode": "per_head",
+            "count": counts,
+            "mean": _per_head(means),
+            "std": _per_head(stds),
+            # min / max also carry the extreme over heads, which a mean over heads would hide
+            "min": {**_per_head(mins), "min": min((v for v in mins if v is not None), default=None)},
+            "max": {**_per_head(maxs), "max": max((v for v in maxs if v is not None), default=None)},
+        }
+
+
+_TYPES: dict[str, Any] = {cls.__name__: cls for cls in (MapStats, DiffMapStats, SpanMassStats, LambdaStats)}
+
+
+def accumulator_from_dict(data: dict[str, Any]) -> MapStats | DiffMapStats | SpanMassStats | LambdaStats:
+    """Rebuild any accumulator of this module from its ``to_dict`` output, dispatching on ``metric``."""
+    cls = _TYPES.get(data.get("metric")) if isinstance(data, dict) else None
+    if cls is None:
+        found = data.get("metric") if isinstance(data, dict) else type(data).__name__
+        raise DiffquantError(
+            f"attention metric of unknown type {found!r}; expected one of {', '.join(sorted(_TYPES))}"
+        )
+    return cls.from_dict(data)

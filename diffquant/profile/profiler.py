@@ -1,0 +1,256 @@
+"""The Profiler: forward hooks on taps feeding streaming statistics, and the Profile they produce.
+
+``with Profiler(model, sites=["*"]) as prof: model(batch)`` attaches hooks to the selected taps, and
+removes them on exit (also on exceptions). Hooks only read: the model's output is bit-identical with and
+without a profiler. Observing a map tap (logits, probs, diff_map) switches attention to its explicit path,
+which computes the same output (to float rounding) while materialising the maps chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffquant.errors import DiffquantError
+from diffquant.models.taps import MAP_KINDS, Tap, model_taps, select_taps
+from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
+from diffquant.profile.stats import SiteStats
+
+PROFILE_FORMAT = "diffquant-profile"
+PROFILE_VERSION = 1
+_METRIC_TYPES: dict[str, Any] = {
+    "map": MapStats,
+    "diff_map": DiffMapStats,
+    "lambda": LambdaStats,
+    "span": SpanMassStats,
+}
+
+
+@dataclass
+class Profile:
+    """Statistics of one model: per site (``sites``) and per attention map (``attention``), plus metadata."""
+
+    sites: dict[str, SiteStats] = field(default_factory=dict)
+    attention: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def kinds(self) -> dict[str, str]:
+        return {name: s.kind for name, s in self.sites.items()}
+
+    def pooled(self, kind: str) -> SiteStats | None:
+        """One SiteStats over every site of ``kind`` (e.g. all logit taps: the DIFF paper's Table 5 pool)."""
+        chosen = [s for s in self.sites.values() if s.kind == kind]
+        return SiteStats.merged(chosen, site=f"kind:{kind}") if chosen else None
+
+    def merge(self, other: Profile) -> Profile:
+        """Add ``other``'s statistics (same model, other data) into this profile, exactly."""
+        if set(other.sites) != set(self.sites) or set(other.attention) != set(self.attention):
+            raise DiffquantError("profiles to merge observe different sites")
+        for name, stats in other.sites.items():
+            self.sites[name].merge(stats)
+        for name, stats in other.attention.items():
+            self.attention[name][1].merge(stats[1])
+        for key in ("tokens", "samples"):
+            if key in self.meta and key in other.meta:
+                self.meta[key] += other.meta[key]
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "format_version": PROFILE_VERSION,
+            "meta": self.meta,
+            "sites": {name: s.to_dict() for name, s in self.sites.items()},
+            "attention": {name: {"type": t, **acc.to_dict()} for name, (t, acc) in self.attention.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "profile") -> Profile:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise DiffquantError(f"{source}: not a diffquant profile (expected 'format': '{PROFILE_FORMAT}')")
+        if data.get("format_version") != PROFILE_VERSION:
+            raise DiffquantError(
+                f"{source}: profile format_version {data.get('format_version')!r} is not supported "
+                f"(expected {PROFILE_VERSION})"
+            )
+        attention = {}
+        for name, d in data["attention"].items():
+            d = dict(d)
+            kind = d.pop("type")
+            attention[name] = (kind, _METRIC_TYPES[kind].from_dict(d))
+        sites = {name: SiteStats.from_dict(d) for name, d in data["sites"].items()}
+        return cls(sites=sites, attention=attention, meta=data.get("meta", {}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DiffquantError(f"{path}: file not found") from None
+        except json.JSONDecodeError as err:
+            raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        return cls.from_dict(data, source=str(path))
+
+
+class Profiler:
+    """Collect statistics at the selected sites of ``model`` while it runs.
+
+    Args:
+        sites: glob patterns over site names (``layers.*.attn.logits*``) or ``kind:NAME``; ``*`` = all.
+        topk: how many largest magnitudes each site keeps, with their locations.
+        attention: per-head attention metrics (entropy, sink mass, DIFF cancellation, lambda). None = on
+            when a map site (logits/probs/diff_map) is selected, since maps are then materialised anyway.
+        sample_offset: global index of the first sample of the first batch (set per batch when sharding).
+        massive_cap: massive-activation candidates (|x| > 100) kept per site with locations; the count
+            stays exact beyond it.
+
+    ``prof.spans`` may be set before a forward call to a list with, per batch row, (start, end, query) or
+    None: the attention mass on the answer span [start, end) seen from query position ``query``
+    (DIFF paper, Table 3) is then measured on that batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sites: str | Sequence[str] = "*",
+        topk: int = 100,
+        attention: bool | None = None,
+        sample_offset: int = 0,
+        massive_cap: int = 100,
+    ) -> None:
+        if topk < 1:
+            raise DiffquantError(f"topk: expected an integer >= 1, got {topk}")
+        self.model = model
+        self.taps: dict[str, Tap] = select_taps(model, sites)
+        self.topk = topk
+        if attention is None:
+            attention = any(t.kind in MAP_KINDS for t in self.taps.values())
+        self.attention_enabled = attention
+        self.sample_offset = sample_offset
+        self.spans: list[tuple[int, int, int] | None] | None = None
+        self.tokens_seen = 0
+        self.samples_seen = 0
+        self._tokens: torch.Tensor | None = None
+        self._pos_offset = 0
+        self._last_batch = 0
+        self._next_offset: int | None = None
+        self._handles: list[Any] = []
+        self._stats = {
+            name: SiteStats(name, tap.kind, topk=topk, massive_cap=massive_cap)
+            for name, tap in self.taps.items()
+        }
+        self._attention: dict[str, tuple[str, Any]] = {}
+
+    # --------------------------------------------------------------------------------- context
+    def __enter__(self) -> Profiler:
+        self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._after_forward))
+        for name, tap in self.taps.items():
+            self._handles.append(tap.register_forward_hook(self._site_hook(self._stats[name])))
+        if self.attention_enabled:
+            self._attach_attention_metrics()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ----------------------------------------------------------------------------------- hooks
+    def start_samples_at(self, offset: int) -> None:
+        """Give the next new batch global sample indices offset, offset + 1, ... (for sharded data)."""
+        self._next_offset = offset
+
+    def _before_forward(self, module, args, kwargs):
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        cache = args[1] if len(args) > 1 else kwargs.get("cache")
+        self._pos_offset = cache.length if cache is not None else 0
+        previous = self._tokens
+        if self._pos_offset and previous is not None and previous.shape[1] == self._pos_offset:
+            input_ids = torch.cat([previous, input_ids], dim=1)  # token ids by absolute position
+        self._tokens = input_ids
+        if self._pos_offset == 0:  # new sequences (a cached decode step continues the previous ones)
+            if self._next_offset is not None:
+                self.sample_offset, self._next_offset = self._next_offset, None
+            else:
+                self.sample_offset += self._last_batch
+            self._last_batch = input_ids.shape[0]
+            self.samples_seen += input_ids.shape[0]
+        self.tokens_seen += input_ids.shape[0] * (input_ids.shape[1] - self._pos_offset)
+
+    def _after_forward(self, module, args, output):
+        self.spans = None
+
+    def _site_hook(self, stats: SiteStats):
+        def hook(module, args, output):
+            valid = args[1] if len(args) > 1 else None
+            with torch.no_grad():
+                stats.update(
+                    output.detach(),
+                    valid=valid,
+                    tokens=self._tokens,
+                    sample_offset=self.sample_offset,
+                    pos_offset=self._pos_offset,
+                )
+
+        return hook
+
+    def _attach_attention_metrics(self) -> None:
+        for name, tap in model_taps(self.model).items():
+            heads = None
+            if tap.kind in ("probs", "diff_map"):
+                heads = self.model.config.n_heads if hasattr(self.model, "config") else None
+            if tap.kind == "probs":
+                self._add_metric(name, tap, "map", MapStats(heads))
+                if name.endswith(".probs"):  # baseline: the answer-span metric reads the softmax map
+                    self._add_metric(name.removesuffix("probs") + "span", tap, "span", SpanMassStats(heads))
+            elif tap.kind == "diff_map":
+                self._add_metric(name, tap, "diff_map", DiffMapStats(heads))
+                self._add_metric(name.removesuffix("diff_map") + "span", tap, "span", SpanMassStats(heads))
+            elif tap.kind == "lambda":
+                self._add_metric(name, tap, "lambda", LambdaStats())
+
+    def _add_metric(self, key: str, tap: Tap, kind: str, acc: Any) -> None:
+        self._attention[key] = (kind, acc)
+
+        def hook(module, args, output):
+            with torch.no_grad():
+                if kind == "lambda":
+                    acc.update(output.detach())
+                elif kind == "span":
+                    if self.spans is not None:
+                        acc.update(output.detach(), args[1], self.spans)
+                else:
+                    acc.update(output.detach(), args[1])
+
+        self._handles.append(tap.register_forward_hook(hook))
+
+    # ---------------------------------------------------------------------------------- result
+    def result(self, **meta: Any) -> Profile:
+        """The statistics so far as a Profile (a snapshot: the profiler can keep running)."""
+        sites = {name: SiteStats.from_dict(s.to_dict()) for name, s in self._stats.items()}
+        attention = {
+            name: (kind, type(acc).from_dict(acc.to_dict())) for name, (kind, acc) in self._attention.items()
+        }
+        info = {"tokens": self.tokens_seen, "samples": self.samples_seen, "topk": self.topk, **meta}
+        return Profile(sites=sites, attention=attention, meta=info)
+
+
+def merge_profiles(profiles: Iterable[Profile]) -> Profile:
+    profiles = list(profiles)
+    if not profiles:
+        raise DiffquantError("no profiles to merge")
+    merged = Profile.from_dict(profiles[0].to_dict())
+    for other in profiles[1:]:
+        merged.merge(other)
+    return merged

@@ -1,0 +1,444 @@
+"""Streaming attention metrics against brute-force float64 loops, exact merging, and the real model's taps."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from diffquant import DiffquantError
+from diffquant.models import DecoderLM, ModelConfig, matched_config
+from diffquant.profile.attention_metrics import (
+    DiffMapStats,
+    LambdaStats,
+    MapStats,
+    SpanMassStats,
+    accumulator_from_dict,
+)
+
+B, H, S = 2, 3, 12
+OFFSET, TQ = 7, 5  # the test chunk: query rows at absolute positions 7..11
+
+
+def _valid(t0: int, t1: int, s: int = S) -> torch.Tensor:
+    q = torch.arange(t0, t1)[:, None]
+    return (torch.arange(s)[None, :] <= q)[None, None]
+
+
+def _probs(seed: int, t0: int = 0, t1: int = S, dtype=torch.float64) -> torch.Tensor:
+    """Causal softmax of random logits (B, H, t1 - t0, S) for query rows t0..t1-1; exactly 0 where masked."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, H, S, S, generator=g, dtype=torch.float64) * 2.0
+    p = torch.softmax(logits.masked_fill(~_valid(0, S), -math.inf), dim=-1)
+    return p[:, :, t0:t1].to(dtype)
+
+
+def _diff(t0: int = 0, t1: int = S, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """D = A1 - lambda A2 with a per (b, t, h) lambda in (0, 1), and that lambda as (B, T, H)."""
+    g = torch.Generator().manual_seed(99)
+    lam = torch.rand(B, S, H, generator=g, dtype=torch.float64)
+    d = _probs(1) - lam.transpose(1, 2).unsqueeze(-1) * _probs(2)
+    return d[:, :, t0:t1].to(dtype), lam
+
+
+def _close(a, b, rel: float) -> None:
+    assert a == pytest.approx(b, rel=rel, abs=rel), (a, b)
+
+
+# ------------------------------------------------------------------------------------- brute force
+def _brute_map(p: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Per-head means by explicit loops over b, h, rows, keys in float64."""
+    out = {"entropy": [], "norm_entropy": [], "sink": [], "rows": [], "single": []}
+    for h in range(p.shape[1]):
+        ent = norm = sink = 0.0
+        rows = multi = single = 0
+        for b in range(p.shape[0]):
+            for r in range(p.shape[2]):
+                keys = [k for k in range(p.shape[3]) if bool(valid[0, 0, r, k])]
+                e = 0.0
+                for k in keys:
+                    x = float(p[b, h, r, k])
+                    if x > 0:
+                        e -= x * math.log(x)
+                ent += e
+                sink += float(p[b, h, r, 0])
+                rows += 1
+                if len(keys) > 1:
+                    norm += e / math.log(len(keys))
+                    multi += 1
+                else:
+                    single += 1
+        out["entropy"].append(ent / rows)
+        out["norm_entropy"].append(norm / multi if multi else None)
+        out["sink"].append(sink / rows)
+        out["rows"].append(rows)
+        out["single"].append(single)
+    return out
+
+
+def _brute_diff(d: torch.Tensor, valid: torch.Tensor) -> dict:
+    out = {"neg": [], "l1": [], "row_sum": [], "sink": []}
+    for h in range(d.shape[1]):
+        neg = tot = rs = sink = 0.0
+        rows = 0
+        for b in range(d.shape[0]):
+            for r in range(d.shape[2]):
+                rows += 1
+                sink += float(d[b, h, r, 0])
+                for k in range(d.shape[3]):
+                    if bool(valid[0, 0, r, k]):
+                        x = float(d[b, h, r, k])
+                        neg += max(-x, 0.0)
+                        tot += abs(x)
+                        rs += x
+        out["neg"].append(neg / tot)
+        out["l1"].append(tot / rows)
+        out["row_sum"].append(rs / rows)
+        out["sink"].append(sink / rows)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- MapStats
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-9), (torch.float32, 1e-6)])
+def test_map_stats_match_brute_force(dtype, rel):
+    p, valid = _probs(0, OFFSET, OFFSET + TQ, dtype), _valid(OFFSET, OFFSET + TQ)
+    stats = MapStats(H)
+    stats.update(p, valid)
+    got, want = stats.summary(), _brute_map(p.double(), valid)
+    for h in range(H):
+        _close(got["entropy"]["per_head"][h], want["entropy"][h], rel)
+        _close(got["norm_entropy"]["per_head"][h], want["norm_entropy"][h], rel)
+        _close(got["sink_mass"]["per_head"][h], want["sink"][h], rel)
+    assert got["rows"] == want["rows"] == [B * TQ] * H
+    assert got["single_key_rows"] == [0] * H
+    _close(got["entropy"]["mean"], sum(want["entropy"]) / H, rel)
+
+
+def test_map_stats_single_key_rows_are_counted_apart():
+    p, valid = _probs(0, 0, 4), _valid(0, 4)
+    stats = MapStats(H)
+    stats.update(p, valid)
+    got, want = stats.summary(), _brute_map(p, valid)
+    assert got["single_key_rows"] == want["single"] == [B] * H
+    assert got["rows"] == [4 * B] * H
+    for h in range(H):
+        _close(got["norm_entropy"]["per_head"][h], want["norm_entropy"][h], 1e-9)
+        _close(got["entropy"]["per_head"][h], want["entropy"][h], 1e-9)
+
+
+def test_map_stats_uniform_rows_have_normalised_entropy_one():
+    t = 6
+    valid = _valid(0, t, t)
+    p = valid.double().expand(1, 2, t, t) / valid.sum(-1, keepdim=True)
+    stats = MapStats(2)
+    stats.update(p, valid)
+    summary = stats.summary()
+    assert summary["norm_entropy"]["per_head"] == pytest.approx([1.0, 1.0], rel=1e-12)
+    assert summary["sink_mass"]["mean"] == pytest.approx(sum(1 / (i + 1) for i in range(t)) / t, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------- DiffMapStats
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-9), (torch.float32, 1e-6)])
+def test_diff_map_stats_match_brute_force(dtype, rel):
+    d, lam = _diff(OFFSET, OFFSET + TQ, dtype)
+    valid = _valid(OFFSET, OFFSET + TQ)
+    stats = DiffMapStats(H)
+    stats.update(d, valid)
+    got, want = stats.summary(), _brute_diff(d.double(), valid)
+    for h in range(H):
+        _close(got["negative_fraction"]["per_head"][h], want["neg"][h], rel)
+        _close(got["l1_ratio"]["per_head"][h], want["l1"][h], rel)
+        _close(got["row_sum"]["per_head"][h], want["row_sum"][h], rel)
+        _close(got["sink_mass"]["per_head"][h], want["sink"][h], rel)
+        # each A1, A2 row sums to 1, so the mean row sum of D is 1 - mean lambda over the same rows
+        _close(got["row_sum"]["per_head"][h], 1 - lam[:, OFFSET : OFFSET + TQ, h].mean().item(), 1e-6)
+    assert got["rows"] == [B * TQ] * H
+
+
+# ------------------------------------------------------------------------------------ SpanMassStats
+def _brute_span(m, valid, spans, positions):
+    ans, rest, n = [0.0] * H, [0.0] * H, 0
+    for b, span in enumerate(spans):
+        if span is None or span[2] not in positions:
+            continue
+        start, end, q = span
+        r = positions.index(q)
+        n += 1
+        for h in range(H):
+            for k in range(m.shape[3]):
+                if bool(valid[0, 0, r, k]):
+                    if start <= k < end:
+                        ans[h] += float(m[b, h, r, k])
+                    else:
+                        rest[h] += float(m[b, h, r, k])
+    return [a / n for a in ans], [x / n for x in rest], n
+
+
+@pytest.mark.parametrize("which", ["probs", "diff_map"])
+def test_span_mass_matches_brute_force(which):
+    m = _probs(3, OFFSET, OFFSET + TQ) if which == "probs" else _diff(OFFSET, OFFSET + TQ)[0]
+    valid = _valid(OFFSET, OFFSET + TQ)
+    spans = [(2, 5, 9), (0, 3, 11)]
+    stats = SpanMassStats(H)
+    stats.update(m, valid, spans)
+    got = stats.summary()
+    ans, rest, n = _brute_span(m, valid, spans, list(range(OFFSET, OFFSET + TQ)))
+    assert got["samples"] == n == 2
+    for h in range(H):
+        _close(got["answer_mass"]["per_head"][h], ans[h], 1e-9)
+        _close(got["rest_mass"]["per_head"][h], rest[h], 1e-9)
+    _close(got["answer_mass"]["mean"], sum(ans) / H, 1e-9)
+
+
+def test_span_mass_skips_queries_outside_the_chunk_and_none_rows():
+    m, valid = _probs(3, OFFSET, OFFSET + TQ), _valid(OFFSET, OFFSET + TQ)
+    stats = SpanMassStats(H)
+    stats.update(m, valid, [(0, 2, 3), None])  # query 3 lies in an earlier chunk
+    summary = stats.summary()
+    assert summary["samples"] == 0
+    assert summary["answer_mass"]["per_head"] == [None] * H
+    assert summary["answer_mass"]["mean"] is None
+
+
+def test_span_mass_all_on_span_gives_one_and_zero():
+    m = torch.zeros(B, H, TQ, S, dtype=torch.float64)
+    m[:, :, 2, 4:7] = 1 / 3  # row 2 = absolute position 9
+    stats = SpanMassStats(H)
+    stats.update(m, _valid(OFFSET, OFFSET + TQ), [(4, 7, 9), (4, 7, 9)])
+    summary = stats.summary()
+    assert summary["answer_mass"]["per_head"] == pytest.approx([1.0] * H, rel=1e-12)
+    assert summary["rest_mass"]["per_head"] == pytest.approx([0.0] * H, abs=1e-15)
+    assert summary["samples"] == 2
+
+
+def test_span_mass_rejects_a_span_the_query_cannot_see():
+    m, valid = _probs(3, OFFSET, OFFSET + TQ), _valid(OFFSET, OFFSET + TQ)
+    for bad in [(5, 11, 9), (3, 3, 9), (-1, 2, 9)]:
+        with pytest.raises(DiffquantError) as info:
+            SpanMassStats(H).update(m, valid, [bad, None])
+        assert "\n" not in str(info.value)
+
+
+# -------------------------------------------------------------------------------------- LambdaStats
+def test_lambda_per_head_matches_brute_force_and_merges():
+    lam = torch.rand(B, S, H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    whole = LambdaStats()
+    whole.update(lam)
+    parts = LambdaStats()
+    parts.update(lam[:1])
+    other = LambdaStats()
+    other.update(lam[1:, :4])
+    third = LambdaStats()
+    third.update(lam[1:, 4:])
+    parts.merge(other).merge(third)
+    for stats in (whole, parts):
+        got = stats.summary()
+        assert got["mode"] == "per_head"
+        for h in range(H):
+            xs = [float(lam[b, t, h]) for b in range(B) for t in range(S)]
+            mean = sum(xs) / len(xs)
+            std = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+            assert got["count"][h] == len(xs)
+            _close(got["mean"]["per_head"][h], mean, 1e-9)
+            _close(got["std"]["per_head"][h], std, 1e-9)
+            assert got["min"]["per_head"][h] == min(xs)
+            assert got["max"]["per_head"][h] == max(xs)
+        assert got["min"]["min"] == float(lam.min())
+        assert got["max"]["max"] == float(lam.max())
+
+
+def test_lambda_scalar_keeps_last_value_and_rejects_mixing():
+    stats = LambdaStats()
+    stats.update(torch.tensor(0.25))
+    later = LambdaStats()
+    later.update(torch.tensor(0.5))
+    stats.merge(later)
+    summary = stats.summary()
+    assert summary == {"mode": "scalar", "count": 2, "value": 0.5, "min": 0.25, "max": 0.5}
+    assert LambdaStats.from_dict(json.loads(json.dumps(stats.to_dict()))).summary() == summary
+    with pytest.raises(DiffquantError):
+        stats.update(torch.rand(1, 2, 3))
+    assert LambdaStats().summary()["mode"] is None
+
+
+# ----------------------------------------------------------------- merging, serialisation (all types)
+def _feed(stats, t0, t1, b0, b1, which):
+    valid = _valid(t0, t1)
+    if isinstance(stats, MapStats):
+        stats.update(_probs(0, t0, t1)[b0:b1], valid)
+    elif isinstance(stats, DiffMapStats):
+        stats.update(_diff(t0, t1)[0][b0:b1], valid)
+    else:
+        m = _probs(0, t0, t1) if which == "probs" else _diff(t0, t1)[0]
+        stats.update(m[b0:b1], valid, [(2, 5, 9), (0, 3, 4)][b0:b1])
+    return stats
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats, SpanMassStats])
+def test_chunks_and_batches_merge_to_one_pass(cls):
+    one = _feed(cls(H), 0, S, 0, B, "probs")
+    merged = cls(H)
+    for t0, t1 in [(0, 3), (3, OFFSET), (OFFSET, S)]:
+        for b in range(B):
+            merged.merge(_feed(cls(H), t0, t1, b, b + 1, "probs"))
+    a, b = one.summary(), merged.summary()
+    _assert_nested_close(a, b)
+    if cls is SpanMassStats:
+        assert b["samples"] == 2  # each sample counted once, in the chunk holding its query
+
+
+def _assert_nested_close(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_nested_close(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_nested_close(x, y)
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=1e-12, abs=1e-15)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats, SpanMassStats, LambdaStats])
+def test_to_dict_from_dict_round_trip(cls):
+    if cls is LambdaStats:
+        stats = LambdaStats()
+        stats.update(torch.rand(B, S, H, generator=torch.Generator().manual_seed(1)))
+    else:
+        stats = _feed(cls(H), OFFSET, S, 0, B, "diff_map")
+    data = json.loads(json.dumps(stats.to_dict(), allow_nan=False))
+    again = cls.from_dict(data)
+    assert again.to_dict() == stats.to_dict()
+    assert again.summary() == stats.summary()
+    assert accumulator_from_dict(data).summary() == stats.summary()
+    json.dumps(stats.summary(), allow_nan=False)
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats, SpanMassStats, LambdaStats])
+def test_dict_without_metric_tag_and_next_to_a_foreign_type_key(cls):
+    """The profiler stores {"type": its kind, **to_dict()} and pops "type" again before from_dict."""
+    stats = cls() if cls is LambdaStats else _feed(cls(H), 0, S, 0, B, "probs")
+    if cls is LambdaStats:
+        stats.update(torch.tensor(0.3))
+    wrapped = {"type": "map", **stats.to_dict()}
+    assert wrapped["type"] == "map"
+    wrapped.pop("type")
+    wrapped.pop("metric")
+    assert cls.from_dict(wrapped).summary() == stats.summary()
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats, SpanMassStats])
+def test_head_count_learned_from_the_first_map(cls):
+    lazy, empty = cls(), cls()
+    assert lazy.n_heads is None
+    data = json.loads(json.dumps(empty.to_dict()))
+    assert cls.from_dict(data).n_heads is None
+    json.dumps(empty.summary(), allow_nan=False)
+    _feed(lazy, 0, S, 0, B, "probs")
+    assert lazy.n_heads == H
+    _assert_nested_close(lazy.summary(), _feed(cls(H), 0, S, 0, B, "probs").summary())
+    assert cls().merge(lazy).merge(cls()).summary() == lazy.summary()
+    with pytest.raises(ValueError):
+        _feed(cls(H + 1), 0, S, 0, B, "probs")
+
+
+def test_bad_dicts_and_merges_are_one_line_errors():
+    for call in (
+        lambda: MapStats.from_dict({"metric": "DiffMapStats", "n_heads": 3}),
+        lambda: MapStats.from_dict({"metric": "MapStats", "n_heads": 3, "rows": [1]}),
+        lambda: MapStats.from_dict({**MapStats(1).to_dict(), "rows": ["x"]}),
+        lambda: accumulator_from_dict({"metric": "Nope"}),
+        lambda: MapStats(3).merge(MapStats(4)),
+        lambda: MapStats(3).merge(DiffMapStats(3)),
+        lambda: LambdaStats.from_dict({"metric": "LambdaStats", "mode": "per_head"}),
+    ):
+        with pytest.raises(DiffquantError) as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
+# -------------------------------------------------------------------------------- the real model
+BASE = ModelConfig(
+    vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, max_seq_len=96
+)
+
+
+def _profile(model: DecoderLM, ids: torch.Tensor, spans) -> dict:
+    """Run ``model`` with hooks feeding every accumulator of layer 0; summaries by site suffix."""
+    heads = model.config.n_heads
+    acc = {
+        "probs1": MapStats(heads),
+        "probs2": MapStats(heads),
+        "diff_map": DiffMapStats(heads),
+        "span": SpanMassStats(heads),
+        "lambda": LambdaStats(),
+    }
+
+    def on_map(key):
+        def hook(module, args, output):
+            acc[key].update(*args)
+            if key == "diff_map":
+                acc["span"].update(args[0], args[1], spans)
+
+        return hook
+
+    def on_lambda(module, args, output):
+        acc["lambda"].update(args[0])
+
+    hooks = [
+        tap.register_forward_hook(on_map(name.rsplit(".", 1)[1]))
+        for name, tap in model.taps(["layers.0.attn.probs*", "layers.0.attn.diff_map"]).items()
+    ]
+    hooks.append(model.taps("layers.0.attn.lambda")["layers.0.attn.lambda"].register_forward_hook(on_lambda))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return {k: v.summary() for k, v in acc.items()}
+
+
+@pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
+def test_model_taps_feed_the_accumulators(kind):
+    torch.manual_seed(0)
+    model = DecoderLM(matched_config(BASE, kind)).eval()
+    heads = model.config.n_heads
+    ids = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(2))
+    spans = [(3, 6, 15), (0, 4, 19)]
+    model.set_attention_path("explicit", chunk_size=64)
+    whole = _profile(model, ids, spans)
+    model.set_attention_path("explicit", chunk_size=3)
+    chunked = _profile(model, ids, spans)
+
+    assert whole["probs1"]["rows"] == [2 * 20] * heads
+    assert whole["diff_map"]["rows"] == [2 * 20] * heads
+    assert whole["span"]["samples"] == chunked["span"]["samples"] == 2
+    lam = whole["lambda"]
+    for h in range(heads):
+        mean_lambda = lam["value"] if kind == "diff_v1" else lam["mean"]["per_head"][h]
+        assert whole["diff_map"]["row_sum"]["per_head"][h] == pytest.approx(1 - mean_lambda, abs=1e-5)
+        ent = whole["probs1"]["entropy"]["per_head"][h]
+        assert 0 < ent < math.log(20)
+    if kind == "diff_v2":
+        assert lam["count"] == [2 * 20] * heads
+        assert all(0 < v < 1 for v in lam["min"]["per_head"] + lam["max"]["per_head"])
+    else:
+        assert lam["count"] == 1 and lam["min"] == lam["max"] == lam["value"]
+    # chunking the explicit path does not change any statistic beyond fp32 rounding
+    for key in ("probs1", "probs2", "diff_map", "span"):
+        _assert_close_loose(whole[key], chunked[key])
+
+
+def _assert_close_loose(a, b):
+    if isinstance(a, dict):
+        for k in a:
+            _assert_close_loose(a[k], b[k])
+    elif isinstance(a, list):
+        for x, y in zip(a, b, strict=True):
+            _assert_close_loose(x, y)
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+    else:
+        assert a == b

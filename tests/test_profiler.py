@@ -1,0 +1,239 @@
+"""The Profiler on real models: read-only hooks, exact statistics, sharding, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from diffquant import DiffquantError
+from diffquant.cli import main
+from diffquant.io import save_checkpoint
+from diffquant.profile import Profile, Profiler, profile_model, table5
+
+
+def _windows(n=4, t=24, seed=0):
+    return torch.randint(0, 61, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _all_hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_logits_bit_identical_and_no_hook_survives(kind):
+    model = tiny_model(kind)
+    ids = _windows()
+    with torch.no_grad():
+        plain = model(ids)
+        with Profiler(model, sites="*") as prof:
+            profiled = model(ids)
+            assert _all_hooks(model) > 0
+    assert torch.equal(plain, profiled)
+    assert _all_hooks(model) == 0
+    assert prof.result().meta["tokens"] == ids.numel()
+
+
+def test_hooks_removed_on_exception():
+    model = tiny_model("diff_v1")
+    with pytest.raises(DiffquantError), Profiler(model, sites=["kind:logits", "kind:resid"]):
+        model(torch.zeros(1, 500, dtype=torch.long))  # longer than max_seq_len
+    assert _all_hooks(model) == 0
+
+
+def test_site_stats_match_an_independent_capture(kind):
+    model = tiny_model(kind, seed=2)
+    ids = _windows(3, 17)
+    captured = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            valid = args[1] if len(args) > 1 else None
+            x = output.detach().double()
+            if valid is not None:
+                x = x[valid.expand_as(x)]
+            captured.setdefault(name, []).append(x.flatten())
+
+        return hook
+
+    taps = model.taps(["kind:logits", "kind:resid", "kind:mlp_act"])
+    handles = [tap.register_forward_hook(keep(name)) for name, tap in taps.items()]
+    with torch.no_grad(), Profiler(model, sites=["kind:logits", "kind:resid", "kind:mlp_act"]) as prof:
+        model(ids)
+    for h in handles:
+        h.remove()
+    profile = prof.result()
+    for name, parts in captured.items():
+        x = torch.cat(parts)
+        s = profile.sites[name].summary()
+        assert s["count"] == x.numel()
+        assert s["max"] == x.max().item() and s["min"] == x.min().item()
+        assert s["top1"] == x.abs().max().item()
+        assert s["mean"] == pytest.approx(x.mean().item(), rel=1e-6, abs=1e-12)
+    pooled = torch.cat([torch.cat(v) for k, v in captured.items() if "logits" in k]).abs()
+    row = table5(profile)["attention logits"]
+    top = pooled.sort(descending=True).values
+    assert [row["top1"], row["top2"], row["top3"], row["top10"]] == [
+        top[0].item(),
+        top[1].item(),
+        top[2].item(),
+        top[9].item(),
+    ]
+    median = pooled.sort().values[(pooled.numel() + 1) // 2 - 1].item()
+    assert row["median"] == pytest.approx(median, rel=0.01)
+
+
+def test_batching_does_not_change_the_profile():
+    model = tiny_model("diff_v2")
+    windows = _windows(6, 16)
+    one = profile_model(model, windows, batch_size=6, sites="*")
+    split = profile_model(model, windows, batch_size=2, sites="*")
+    a, b = one.to_dict(), split.to_dict()
+    for name in a["sites"]:
+        sa, sb = one.sites[name].summary(), split.sites[name].summary()
+        assert sa["top"] == sb["top"], name  # values and locations (sample indices are global)
+        assert (sa["count"], sa["max"], sa["min"]) == (sb["count"], sb["max"], sb["min"])
+        assert sa["std"] == pytest.approx(sb["std"], rel=1e-6)
+    assert a["meta"]["samples"] == b["meta"]["samples"] == 6
+
+
+def test_profile_json_round_trip(tmp_path):
+    model = tiny_model("diff_v1")
+    profile = profile_model(model, _windows(2, 12), sites="*")
+    text = json.dumps(profile.to_dict())
+    again = Profile.from_dict(json.loads(text))
+    assert json.dumps(again.to_dict()) == text
+    assert {t for t, _ in profile.attention.values()} == {"map", "diff_map", "lambda", "span"}
+
+
+def test_attention_metrics_and_spans():
+    model = tiny_model("diff_v2")
+    ids = _windows(2, 20)
+    with torch.no_grad(), Profiler(model, sites="kind:diff_map") as prof:
+        prof.spans = [(3, 6, 19), (10, 12, 15)]
+        model(ids)
+    kind, span = prof.result().attention["layers.1.attn.span"]
+    summary = span.summary()
+    assert kind == "span" and summary["samples"] == 2
+
+
+def _ckpts(tmp_path):
+    paths = []
+    for kind in ("baseline", "diff_v2"):
+        path = tmp_path / kind
+        save_checkpoint(tiny_model(kind, vocab_size=259, max_seq_len=64), path)
+        paths.append(str(path))
+    data = tmp_path / "data.txt"
+    data.write_text("def f(x):\n    return x * 2  # the magic number of Paris is 42\n" * 40)
+    return paths, str(data)
+
+
+def test_cli_profile_two_checkpoints(tmp_path, capsys):
+    paths, data = _ckpts(tmp_path)
+    out = tmp_path / "run"
+    assert (
+        main(["profile", *paths, "--data", data, "--tokens", "256", "--seq-len", "32", "--out", str(out)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "attention logits" in text and "hidden states" in text
+    assert "baseline" in text and "diff_v2" in text
+    for name in ("baseline", "diff_v2"):
+        assert Profile.load(out / "profile" / f"{name}.json").meta["tokens"] == 256
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["data"]["tokens"] == 256 and len(manifest["checkpoints"]["baseline"]["sha256"]) == 64
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--sites", "layers.*.attn.nothing"], "matches no site; this model's site kinds: q, k, v"),
+        (["--seq-len", "65"], "--seq-len 65 exceeds the max_seq_len 64"),
+        (["--data", "EMPTY"], "no text found"),
+        (["--tokens", "0"], "--tokens: expected an integer >= 1"),
+    ],
+)
+def test_cli_profile_bad_input(tmp_path, capsys, extra, message):
+    paths, data = _ckpts(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    extra = [str(empty) if e == "EMPTY" else e for e in extra]
+    args = [
+        "profile",
+        paths[0],
+        "--data",
+        data,
+        "--tokens",
+        "64",
+        "--seq-len",
+        "32",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main(args + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_profile_not_a_checkpoint(tmp_path, capsys):
+    assert main(["profile", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "missing config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_one(tmp_path):
+    paths, data = _ckpts(tmp_path)
+    common = [paths[1], "--data", data, "--tokens", "320", "--seq-len", "32", "--batch-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    assert main(["profile", *common, "--out", str(tmp_path / "one")]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "diffquant.cli", "profile", *common, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one = Profile.load(tmp_path / "one/profile/diff_v2.json")
+    two = Profile.load(tmp_path / "two/profile/diff_v2.json")
+    assert one.meta["tokens"] == two.meta["tokens"] == 320
+    for name, s1 in one.sites.items():
+        a, b = s1.summary(), two.sites[name].summary()
+        for key in ("count", "nan_count", "max", "min", "top", "count_abs_ge_6", "channel_absmax"):
+            assert a[key] == b[key], (name, key)
+        for key in ("mean", "std", "kurtosis"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-12), (name, key)
+    for name, (_, acc) in one.attention.items():
+        _assert_close_tree(acc.summary(), two.attention[name][1].summary(), name)
+
+
+def _assert_close_tree(a, b, where):
+    """Equal structure; numbers equal to 1e-6 relative (sums merged in another order round differently)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_close_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_close_tree(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-12), where
+    else:
+        assert a == b, where
+
+
+def test_locations_under_cached_decoding_name_the_right_tokens():
+    model = tiny_model("diff_v1")
+    ids = _windows(2, 12)
+    with torch.no_grad(), Profiler(model, sites="layers.1.resid", topk=200) as prof:
+        cache = model.new_cache()
+        model(ids[:, :5], cache)
+        for i in range(5, 12):
+            model(ids[:, i : i + 1], cache)
+    profile = prof.result()
+    top = profile.sites["layers.1.resid"].summary()["top"]
+    assert {e["loc"]["pos"] for e in top} == set(range(12))
+    for entry in top:
+        loc = entry["loc"]
+        assert loc["token"] == ids[loc["sample"], loc["pos"]].item()
+    assert profile.meta["tokens"] == ids.numel() and profile.meta["samples"] == 2

@@ -1,0 +1,522 @@
+"""SiteStats against brute force on the full tensors: exact where the module says exact, within the documented
+bounds where it approximates, and split / merge / serialisation invariant."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diffquant.models.attention import _valid_mask
+from diffquant.profile import stats as stats_mod
+from diffquant.profile.sites import layer_of, layout_of
+from diffquant.profile.stats import N_BINS, QUANTILE_REL_ERROR, SiteStats
+
+QUANTILES = (0.0, 0.001, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
+COORDS = ("pos", "head", "channel", "key")
+FLOAT_STATE = {("moments", "mean"), ("moments", "m2"), ("moments", "m3"), ("moments", "m4")}
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def heavy(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
+    """Student-t with df 1, 2 or 3 per entry, plus some Cauchy: the heavy tails activations have."""
+    rng = np.random.default_rng(seed)
+    df = rng.choice([1.0, 2.0, 3.0], size=shape)
+    x = rng.standard_t(df)
+    cauchy = rng.random(shape) < 0.1
+    x[cauchy] = rng.standard_cauchy(int(cauchy.sum()))
+    return torch.from_numpy(x * scale).to(torch.float32)
+
+
+def plant_nonfinite(x: torch.Tensor, seed: int) -> torch.Tensor:
+    x = x.clone()
+    flat = x.view(-1)
+    idx = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[:9]
+    flat[idx[:4]] = math.nan
+    flat[idx[4:7]] = math.inf
+    flat[idx[7:]] = -math.inf
+    return x
+
+
+def tokens_for(b: int, t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 50, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------- brute force
+def brute(x, kind, site, valid=None, tokens=None, sample_offset=0, positions=None):
+    """Every valid finite entry with its location, sorted by (-|x|, site, sample, coordinates)."""
+    layout = layout_of(kind, x)
+    xn = x.detach().to(torch.float64).numpy()
+    vm = np.ones(xn.shape, bool) if valid is None else np.broadcast_to(valid.numpy(), xn.shape)
+    finite = np.isfinite(xn)
+    ok = finite & vm
+    coords = np.indices(xn.shape).reshape(len(layout), -1) if layout else np.zeros((0, 1), int)
+    okf = ok.reshape(-1)
+    vals = xn.reshape(-1)[okf]
+    cols = {d: coords[i][okf] for i, d in enumerate(layout)}
+    if "pos" in cols:
+        cols["pos"] = np.asarray(positions)[cols["pos"]]
+    sample = sample_offset + (cols["batch"] if "batch" in cols else np.zeros(len(vals), int))
+    other = [cols[d] for d in layout if d != "batch"]
+    order = np.lexsort(tuple(reversed([-np.abs(vals), sample, *other])))
+    entries = []
+    for i in order:
+        loc = {"site": site, "layer": layer_of(site), "sample": int(sample[i])}
+        for d in layout:
+            if d != "batch":
+                loc[d] = int(cols[d][i])
+        tok = None
+        if tokens is not None and "pos" in loc:
+            b, p = int(cols["batch"][i]), loc["pos"]
+            if b < tokens.shape[0] and p < tokens.shape[1]:
+                tok = int(tokens[b, p])
+        loc["token"] = tok
+        entries.append({"abs": abs(float(vals[i])), "value": float(vals[i]), "loc": loc})
+    out = {
+        "vals": vals,
+        "entries": entries,
+        "nan": int((np.isnan(xn) & vm).sum()),
+        "posinf": int((np.isposinf(xn) & vm).sum()),
+        "neginf": int((np.isneginf(xn) & vm).sum()),
+    }
+    if layout:
+        reduce = tuple(i for i, d in enumerate(layout) if d not in ("head", "channel"))
+        out["absmax"] = np.where(ok, np.abs(xn), 0.0).max(axis=reduce).reshape(-1).tolist()
+    if layout and layout[-1] == "channel":
+        rows, rows_ok = xn.reshape(-1, xn.shape[-1]), ok.reshape(-1, xn.shape[-1]).all(-1)
+        kurt = []
+        for row, good in zip(rows, rows_ok, strict=True):
+            if good and row.max() > row.min():
+                d = row - row.mean()
+                kurt.append(np.mean(d**4) / np.mean(d**2) ** 2)
+        out["token_kurtosis"] = float(np.mean(kurt)) if kurt else None
+    return out
+
+
+def rel_close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-300)
+
+
+def exact_rank_value(abs_sorted: np.ndarray, q: float) -> float:
+    return float(np.quantile(abs_sorted, q, method="inverted_cdf"))
+
+
+def check_against(s: SiteStats, ref: dict) -> None:
+    """Everything summary() reports, against the brute-force reference."""
+    vals = ref["vals"]
+    sm = s.summary()
+    assert sm["count"] == len(vals)
+    assert (sm["nan_count"], sm["posinf_count"], sm["neginf_count"]) == (
+        ref["nan"],
+        ref["posinf"],
+        ref["neginf"],
+    )
+    assert sm["min"] == float(vals.min()) and sm["max"] == float(vals.max())
+    # moments (float64 two-pass brute force)
+    mu, sd = float(np.mean(vals)), float(np.std(vals))
+    assert rel_close(sm["mean"], mu, 1e-6) or abs(sm["mean"] - mu) < 1e-12 * sd
+    assert rel_close(sm["std"], sd, 1e-6)
+    kurt = float(np.mean((vals - mu) ** 4) / np.mean((vals - mu) ** 2) ** 2)
+    assert rel_close(sm["kurtosis"], kurt, 1e-6)
+    if "token_kurtosis" in ref:
+        if ref["token_kurtosis"] is None:
+            assert sm["token_kurtosis_mean"] is None
+        else:
+            assert rel_close(sm["token_kurtosis_mean"], ref["token_kurtosis"], 1e-6)
+    else:
+        assert sm["token_kurtosis_mean"] is None
+    # top-k: values and locations exactly
+    assert sm["top"] == ref["entries"][: s.topk]
+    for k in (1, 2, 3, 10, 100):
+        want = ref["entries"][k - 1]["abs"] if k <= min(len(vals), s.topk) else None
+        assert sm[f"top{k}"] == want
+    # quantiles within the documented bound (0 below the smallest bin edge)
+    abs_sorted = np.sort(np.abs(vals))
+    for q in QUANTILES:
+        exact, got = exact_rank_value(abs_sorted, q), s.quantile(q)
+        if exact < stats_mod.bin_edges(stats_mod.I_LO)[0]:
+            assert got == 0.0
+        else:
+            assert abs(got - exact) <= QUANTILE_REL_ERROR * exact * (1 + 1e-9), (q, got, exact)
+    assert sm["median"] == s.quantile(0.5) and sm["p999"] == s.quantile(0.999)
+    # thresholds
+    assert sm["count_abs_ge_6"] == int((np.abs(vals) >= 6.0).sum())
+    assert sm["count_abs_gt_100"] == int((np.abs(vals) > 100.0).sum())
+    dev = np.abs(vals - mu)
+    lo, hi = int((dev > 1.02 * 6 * sd).sum()), int((dev > 0.98 * 6 * sd).sum())
+    assert lo <= sm["count_beyond_6sigma"] <= hi
+    # massive: candidates = top entries above 100 (cap), massive = above max(100, 1000 x median)
+    bar = max(100.0, 1000.0 * sm["median"])
+    candidates = [e for e in ref["entries"] if e["abs"] > 100.0][: s.massive_cap]
+    assert s._massive == candidates
+    assert sm["massive"] == [e for e in candidates if e["abs"] > bar]
+    assert sm["massive_truncated"] == (sm["count_abs_gt_100"] > s.massive_cap)
+    if not sm["massive_truncated"]:
+        assert sm["massive_count"] == int((np.abs(vals) > bar).sum()) and sm["massive_count_exact"]
+    # SmoothQuant act_scales
+    assert sm["channel_absmax"] == ref.get("absmax")
+
+
+# -------------------------------------------------------------------------------------- exact cases
+def _resid_heavy():
+    x = plant_nonfinite(heavy((3, 12, 16), seed=1, scale=3.0), seed=1)
+    tokens = tokens_for(3, 14, seed=1)  # positions 14, 15 have no token -> None
+    return "layers.2.mlp.out", "resid", x, None, tokens, 5, 4
+
+
+def _resid_ties():
+    x = torch.round(heavy((2, 10, 8), seed=2, scale=2.0))  # integers: many ties and zeros
+    x[0, 3] = 0.0  # an all-zero token (skipped by the token kurtosis)
+    x[1, 4] = 7.0  # a constant token
+    x[1, 5, 2] = math.nan  # a token with a NaN channel
+    return "layers.0.resid", "resid", x, None, tokens_for(2, 10, seed=2), 0, 0
+
+
+def _q_cauchy_bf16():
+    x = heavy((2, 3, 7, 8), seed=3).to(torch.bfloat16)
+    return "layers.1.attn.q", "q", x, None, tokens_for(2, 30, seed=3), 2, 20
+
+
+def _head_out_f64():
+    x = heavy((2, 5, 3, 4), seed=4).to(torch.float64) * 1e3
+    return "layers.1.attn.head_out", "head_out", x, None, None, 0, 3
+
+
+def _logits_chunk():
+    t, s, pos0 = 6, 16, 10
+    valid = _valid_mask(t, s, pos0, "cpu")
+    x = heavy((2, 3, t, s), seed=5, scale=4.0)
+    x = torch.where(valid, x, torch.full_like(x, 1e9))  # masked garbage must not count anywhere
+    x[0, 0, 0, 15] = math.nan  # masked: not counted
+    x[1, 2, 5, 1] = math.nan  # valid: counted
+    x[1, 1, 3, 0] = -math.inf
+    return "layers.3.attn.logits", "logits", x, valid, tokens_for(2, 16, seed=5), 7, 0
+
+
+def _lambda_v2():
+    x = heavy((2, 9, 3), seed=6)
+    return "layers.0.attn.lambda", "lambda", x, None, tokens_for(2, 9, seed=6), 1, 0
+
+
+CASES = {
+    "resid_heavy": _resid_heavy,
+    "resid_ties": _resid_ties,
+    "q_cauchy_bf16": _q_cauchy_bf16,
+    "head_out_f64": _head_out_f64,
+    "logits_chunk": _logits_chunk,
+    "lambda_v2": _lambda_v2,
+}
+
+
+def _positions(kind, x, valid, pos_offset):
+    layout = layout_of(kind, x)
+    if "pos" not in layout:
+        return None
+    n = x.shape[layout.index("pos")]
+    if valid is not None and "key" in layout:  # causal chunk: query i sees keys 0 .. pos0 + i
+        pos0 = int(valid.reshape(-1, valid.shape[-2], valid.shape[-1])[0, 0].sum()) - 1
+        return np.arange(pos0, pos0 + n)
+    return np.arange(pos_offset, pos_offset + n)
+
+
+@pytest.fixture(params=["default", "tiny_chunks"])
+def scan_sizes(request, monkeypatch):
+    """Also run with tiny scan chunks / subset sizes so the tie-scanning and subset paths are exercised."""
+    if request.param == "tiny_chunks":
+        monkeypatch.setattr(stats_mod, "_SCAN_CHUNK", 7)
+        monkeypatch.setattr(stats_mod, "_SUBSET_MIN", 4)
+    return request.param
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("topk", [1, 25, 5000])
+def test_exact_against_brute_force(case, topk, scan_sizes):
+    site, kind, x, valid, tokens, sample_offset, pos_offset = CASES[case]()
+    s = SiteStats(site, kind, topk=topk)
+    s.update(x, valid=valid, tokens=tokens, sample_offset=sample_offset, pos_offset=pos_offset)
+    positions = _positions(kind, x, valid, pos_offset)
+    check_against(s, brute(x, kind, site, valid, tokens, sample_offset, positions))
+
+
+def test_large_tied_input_uses_fast_paths_exactly():
+    """128k integer-valued entries: the histogram-bar subset search and the topk path give the brute-force
+    top-k; an all-zero tensor (k-th value in the zero bin) goes through the chunked tie scan."""
+    x = torch.round(heavy((4, 200, 160), seed=7, scale=0.5))
+    s = SiteStats("layers.5.resid", "resid", topk=300)
+    s.update(x, tokens=tokens_for(4, 200, seed=7))
+    ref = brute(x, "resid", "layers.5.resid", tokens=tokens_for(4, 200, seed=7), positions=np.arange(200))
+    assert s.summary()["top"] == ref["entries"][:300]
+    z = SiteStats("layers.5.resid", "resid", topk=50)
+    z.update(torch.zeros(2, 300, 128), sample_offset=3)
+    top = z.summary()["top"]
+    assert [(e["loc"]["sample"], e["loc"]["pos"], e["loc"]["channel"]) for e in top] == [
+        (3, 0, c) for c in range(50)
+    ]
+    assert z.quantile(1.0) == 0.0 and z.summary()["token_kurtosis_mean"] is None
+
+
+def test_massive_activations_planted():
+    x = torch.randn(2, 50, 64, generator=torch.Generator().manual_seed(8))
+    planted = [(0, 0, 5, 1e4), (0, 17, 5, -1.2e4), (1, 0, 5, 1e4), (1, 30, 40, 2e4), (1, 31, 40, 1e4)]
+    for b, p, c, v in planted:
+        x[b, p, c] = v
+    x[0, 9, 9] = 150.0  # above 100 but not 1000 x median: a candidate, not massive
+    s = SiteStats("layers.1.resid", "resid", topk=10)
+    s.update(x, sample_offset=10)
+    sm = s.summary()
+    assert sm["count_abs_gt_100"] == 6 and sm["massive_count"] == 5 and sm["massive_count_exact"]
+    got = [(e["loc"]["sample"], e["loc"]["pos"], e["loc"]["channel"], e["value"]) for e in sm["massive"]]
+    assert got == [
+        (11, 30, 40, 2e4),
+        (10, 17, 5, -1.2e4),
+        (10, 0, 5, 1e4),
+        (11, 0, 5, 1e4),
+        (11, 31, 40, 1e4),
+    ]
+    assert not sm["massive_truncated"]
+    capped = SiteStats("layers.1.resid", "resid", topk=10, massive_cap=3)
+    capped.update(x, sample_offset=10)
+    cm = capped.summary()
+    assert cm["massive_truncated"] and not cm["massive_count_exact"] and cm["massive_count"] == 3
+    assert cm["massive"] == sm["massive"][:3]
+
+
+def test_lambda_scalar_stream():
+    """DIFF V1's lambda is one scalar per layer and forward: no channel abs-max, locations by sample."""
+    values = [0.8, -0.2, 0.8, math.nan, 0.5, math.inf, 0.8]
+    s = SiteStats("layers.4.attn.lambda", "lambda", topk=3)
+    for i, v in enumerate(values):
+        s.update(torch.tensor(v), sample_offset=4 * i)
+    sm = s.summary()
+    assert (sm["count"], sm["nan_count"], sm["posinf_count"]) == (5, 1, 1)
+    assert [(e["value"], e["loc"]) for e in sm["top"]] == [
+        (
+            float(np.float32(0.8)),
+            {"site": "layers.4.attn.lambda", "layer": 4, "sample": sample, "token": None},
+        )
+        for sample in (0, 8, 24)
+    ]
+    finite = np.array([v for v in values if math.isfinite(v)], dtype=np.float32).astype(np.float64)
+    assert rel_close(sm["mean"], float(finite.mean()), 1e-12) and rel_close(
+        sm["std"], float(finite.std()), 1e-9
+    )
+    assert sm["channel_absmax"] is None and sm["token_kurtosis_mean"] is None
+    v2 = _stats_of("layers.5.attn.lambda", "lambda", torch.ones(1, 2, 3), topk=3, massive_cap=1000)
+    with pytest.raises(ValueError, match="no channel abs-max, site 'layers.5.attn.lambda'"):
+        s.merge(v2)
+    with pytest.raises(ValueError, match="has a channel abs-max, site 'layers.4.attn.lambda'"):
+        v2.merge(s)
+
+
+def test_empty_and_fully_masked_updates():
+    s = SiteStats("layers.0.attn.probs", "probs", topk=5)
+    s.update(torch.zeros(0, 2, 3, 4))
+    s.update(torch.full((1, 2, 3, 4), math.nan), valid=torch.zeros(1, 1, 3, 4, dtype=torch.bool))
+    sm = s.summary()
+    assert sm["count"] == 0 and sm["nan_count"] == 0 and sm["top"] == [] and sm["top1"] is None
+    assert sm["channel_absmax"] == [0.0, 0.0] and sm["median"] is None and sm["count_beyond_6sigma"] is None
+    assert s.histogram("abs") == ([], []) and s.to_dict()["min"] is None
+    t = SiteStats("layers.0.resid", "resid")
+    t.update(torch.zeros(2, 0, 4))
+    with pytest.raises(ValueError, match=r"layers.0.resid.*\(4,\) does not match \(0,\)"):
+        t.update(torch.zeros(2, 3, 0))
+    no_channels = SiteStats("layers.0.resid", "resid")
+    no_channels.update(torch.zeros(2, 3, 0))
+    assert no_channels.summary()["token_kurtosis_skipped"] == 6
+    with pytest.raises(ValueError, match="no statistics"):
+        SiteStats.merged([])
+    with pytest.raises(ValueError, match="side"):
+        t.histogram("both")
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        t.update(torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------------- split and merge
+def _stats_of(site, kind, x, **kw):
+    s = SiteStats(site, kind, topk=kw.pop("topk", 20), massive_cap=kw.pop("massive_cap", 5))
+    s.update(x, **kw)
+    return s
+
+
+def assert_state_equal(a: dict, b: dict, rel: float = 1e-9) -> None:
+    """to_dict equality: exact except the float64 moments and the token-kurtosis sum (summation order)."""
+    a, b = dict(a), dict(b)
+    for key in ("mean", "m2", "m3", "m4"):
+        assert math.isclose(a["moments"][key], b["moments"][key], rel_tol=rel, abs_tol=1e-9), key
+    assert math.isclose(a["token_kurtosis"]["sum"], b["token_kurtosis"]["sum"], rel_tol=rel)
+    for d in (a, b):
+        d["moments"] = {k: v for k, v in d["moments"].items() if k == "n"}
+        d["token_kurtosis"] = {k: v for k, v in d["token_kurtosis"].items() if k != "sum"}
+    assert a == b
+
+
+def _cuts(draw_points, n):
+    return [0, *sorted(set(p for p in draw_points if 0 < p < n)), n]
+
+
+def _merge_in(parts, order, tree):
+    """Merge ``parts`` (copies) in ``order``: left fold, or pairwise tree (associativity)."""
+    parts = [SiteStats.from_dict(parts[i].to_dict()) for i in order]
+    if not tree:
+        out = SiteStats(
+            "layers.2.mlp.out", parts[0].kind, topk=parts[0].topk, massive_cap=parts[0].massive_cap
+        )
+        for p in parts:
+            out.merge(p)
+        return out
+    while len(parts) > 1:
+        parts = [
+            parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)
+        ]
+    return parts[0]
+
+
+RESID = plant_nonfinite(heavy((5, 24, 12), seed=11, scale=40.0), seed=11)
+RESID_TOKENS = tokens_for(5, 24, seed=11)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    bcuts=st.lists(st.integers(0, 5), max_size=3),
+    pcuts=st.lists(st.integers(0, 24), max_size=3),
+    perm=st.permutations(range(16)),
+    tree=st.booleans(),
+)
+def test_split_merge_equals_one_pass_resid(bcuts, pcuts, perm, tree):
+    site, offset = "layers.2.mlp.out", 100
+    one = _stats_of(site, "resid", RESID, tokens=RESID_TOKENS, sample_offset=offset)
+    parts = []
+    bc, pc = _cuts(bcuts, 5), _cuts(pcuts, 24)
+    for b0, b1 in zip(bc, bc[1:], strict=False):
+        for p0, p1 in zip(pc, pc[1:], strict=False):
+            x = RESID[b0:b1, p0:p1]
+            parts.append(
+                _stats_of(
+                    site, "resid", x, tokens=RESID_TOKENS[b0:b1], sample_offset=offset + b0, pos_offset=p0
+                )
+            )
+    order = [i for i in perm if i < len(parts)]
+    assert_state_equal(_merge_in(parts, order, tree).to_dict(), one.to_dict())
+
+
+LOGITS = heavy((3, 2, 12, 12), seed=12, scale=10.0)
+LOGITS_VALID = _valid_mask(12, 12, 0, "cpu")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    bcuts=st.lists(st.integers(0, 3), max_size=2),
+    qcuts=st.lists(st.integers(0, 12), max_size=3),
+    perm=st.permutations(range(12)),
+    tree=st.booleans(),
+)
+def test_split_merge_equals_one_pass_map_chunks(bcuts, qcuts, perm, tree):
+    """Query chunks of a causal map carry their absolute positions in the valid mask."""
+    site = "layers.2.mlp.out"
+    one = _stats_of(site, "logits", LOGITS, valid=LOGITS_VALID)
+    parts = []
+    bc, qc = _cuts(bcuts, 3), _cuts(qcuts, 12)
+    for b0, b1 in zip(bc, bc[1:], strict=False):
+        for q0, q1 in zip(qc, qc[1:], strict=False):
+            valid = _valid_mask(q1 - q0, 12, q0, "cpu")
+            parts.append(_stats_of(site, "logits", LOGITS[b0:b1, :, q0:q1], valid=valid, sample_offset=b0))
+    order = [i for i in perm if i < len(parts)]
+    assert_state_equal(_merge_in(parts, order, tree).to_dict(), one.to_dict())
+
+
+def test_merged_pools_sites_and_leaves_inputs_untouched():
+    a = _stats_of("layers.0.resid", "resid", heavy((2, 8, 6), seed=13, scale=30.0))
+    b = _stats_of("layers.1.resid", "resid", heavy((2, 8, 6), seed=14, scale=30.0))
+    before = (a.to_dict(), b.to_dict())
+    pooled = SiteStats.merged([a, b], site="kind:resid")
+    assert (a.to_dict(), b.to_dict()) == before
+    assert pooled.site == "kind:resid" and pooled.count == a.count + b.count
+    assert {e["loc"]["site"] for e in pooled.summary()["top"]} == {"layers.0.resid", "layers.1.resid"}
+    pooled.merge(a)  # mutating the pool does not reach back into its inputs
+    assert (a.to_dict(), b.to_dict()) == before
+    assert pooled.summary()["top"][0]["loc"]["site"] == pooled.summary()["top"][1]["loc"]["site"]
+
+
+def test_merge_rejects_mismatched_channels_and_topk():
+    a = _stats_of("layers.0.resid", "resid", torch.randn(1, 4, 8))
+    with pytest.raises(ValueError, match="layers.0.resid"):
+        a.merge(_stats_of("layers.0.mlp_act", "mlp_act", torch.randn(1, 4, 16)))
+    with pytest.raises(ValueError, match="topk"):
+        a.merge(_stats_of("layers.0.resid", "resid", torch.randn(1, 4, 8), topk=3))
+    empty = SiteStats("layers.0.resid", "resid", topk=20, massive_cap=5)
+    assert empty.merge(a).to_dict()["channel_absmax"] == a.to_dict()["channel_absmax"]
+
+
+# ----------------------------------------------------------------------------- serialisation, memory
+def test_json_round_trip_is_identical():
+    site, kind, x, valid, tokens, so, po = _logits_chunk()
+    s = SiteStats(site, kind, topk=30, massive_cap=50)
+    s.update(x, valid=valid, tokens=tokens, sample_offset=so, pos_offset=po)
+    s.update(x * 1e3, valid=valid, tokens=tokens, sample_offset=so + 2, pos_offset=po)
+    d = s.to_dict()
+    text = json.dumps(d)
+    back = SiteStats.from_dict(json.loads(text))
+    assert back.to_dict() == d and json.dumps(back.to_dict()) == text
+    assert back.summary() == s.summary()
+    assert json.dumps(SiteStats.from_dict(SiteStats("x", "resid").to_dict()).to_dict())
+
+
+def test_memory_does_not_grow_with_tokens():
+    s = SiteStats("layers.0.resid", "resid", topk=10, massive_cap=20)
+    sizes = []
+    for i in range(50):
+        s.update(
+            heavy((2, 16, 32), seed=100 + i, scale=50.0), tokens=tokens_for(2, 16, i), sample_offset=2 * i
+        )
+        d = s.to_dict()
+        hist = d.pop("hist")
+        sizes.append(len(json.dumps(d)))
+        n_bins = len(hist["pos"]) + len(hist["neg"]) + 1
+        assert n_bins <= 2 * N_BINS + 1 and s.n_bins <= n_bins
+        assert len(json.dumps(hist)) <= 64 + 24 * n_bins  # '"-1234": 123456, ' per bin
+    assert len(d["top"]) == 10 and len(d["massive"]) == 20 and len(d["channel_absmax"]) == 32
+    assert max(sizes[10:]) <= 1.2 * sizes[9]  # only digits of sample indices / counts change
+    tensors = [v for v in vars(s).values() if isinstance(v, torch.Tensor)]
+    assert [t.numel() for t in tensors] == [32]
+
+
+# ----------------------------------------------------------------------------------- bins, edges
+def test_bins_cover_float32_and_quantile_extremes():
+    lo, _ = stats_mod.bin_edges(stats_mod.I_LO)
+    _, hi = stats_mod.bin_edges(stats_mod.I_HI)
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    assert lo <= tiny < stats_mod.bin_edges(stats_mod.I_LO + 1)[0] and hi > big
+    x = torch.tensor([[[0.0, -0.0, 1e-40, -tiny, tiny, big, -big, 1.0, 3.0]]])
+    s = SiteStats("resid", "resid")
+    s.update(x)
+    assert s.zero_count == 3 and s.quantile(0.0) == 0.0 and s.quantile(3 / 9) == 0.0
+    for q, exact in ((4 / 9, tiny), (1.0, big), (7 / 9, 3.0), (0.5, tiny), (0.6, 1.0)):
+        assert abs(s.quantile(q) - exact) <= QUANTILE_REL_ERROR * exact * (1 + 1e-9)
+    assert (
+        math.isnan(SiteStats("a", "resid").quantile(0.5))
+        and SiteStats("a", "resid").summary()["median"] is None
+    )
+    with pytest.raises(ValueError):
+        s.quantile(1.5)
+
+
+def test_histogram_edges_and_counts_exact_at_bin_edges():
+    """Values exactly on (float32) bin edges land in the bin they open; one ulp below goes one bin down."""
+    j = torch.arange(-3000, 3000, 37)
+    edges = torch.tensor([stats_mod.bin_edges(int(i))[0] for i in j], dtype=torch.float32)
+    below = torch.nextafter(edges, torch.zeros_like(edges))
+    s = SiteStats("resid", "resid")
+    s.update(torch.cat([edges, -below]).reshape(1, 1, -1))
+    assert s._pos == {int(i): 1 for i in j} and s._neg == {int(i) - 1: 1 for i in j}
+    (pe, pc), (ne, nc) = s.histogram("pos"), s.histogram("neg")
+    assert len(pe) == len(pc) + 1 and sum(pc) == len(j) and sum(nc) == len(j)
+    assert pe[0] == float(edges[0]) and ne[0] < float(below[0]) < ne[1]
+    signed = s.signed_histogram()
+    assert signed["pos"] == (pe, pc) and signed["zero"] == 0
+    ae, ac = s.histogram("abs")
+    assert sum(ac) == 2 * len(j) and ae[0] == ne[0]
