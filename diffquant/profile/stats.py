@@ -3,7 +3,7 @@
 A profiling run sees millions of activations per site and may be sharded over processes, so nothing here
 keeps an activation tensor: the state is O(topk + massive_cap + histogram bins + channels), independent of the
 number of tokens seen, and two states over disjoint data merge into the state of the union. Every statistic
-follows a published definition (see ``/work/shared/reference/anchors.md``):
+follows a published definition:
 
 * moments: count, mean, population std and Pearson kurtosis E[(x-mu)^4] / sigma^4 of the whole stream, from
   float64 central moments (n, mean, M2, M3, M4) merged with the pairwise formulas of Chan, Golub & LeVeque
