@@ -10,7 +10,15 @@ from diffquant.errors import DiffquantError
 from diffquant.io.checkpoint import load_checkpoint, read_config, save_checkpoint
 from diffquant.models.transformer import DecoderLM
 
-__all__ = ["load_checkpoint", "load_model", "read_config", "save_checkpoint"]
+__all__ = ["load_checkpoint", "load_model", "read_config", "save_checkpoint", "save_quantized"]
+
+
+def save_quantized(*args, **kwargs):
+    """See :func:`diffquant.io.quantized.save_quantized` (imported lazily: it needs diffquant.quant)."""
+    from diffquant.io.quantized import save_quantized as _save
+
+    return _save(*args, **kwargs)
+
 
 KNOWN_SCHEMES = ("zoo", "hf", "unilm")
 
@@ -18,7 +26,7 @@ KNOWN_SCHEMES = ("zoo", "hf", "unilm")
 def load_model(
     spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
-    """Load a model from a specifier: for now a native checkpoint folder.
+    """Load a model from a specifier: a native checkpoint folder, quantized or not.
 
     Specifiers with a scheme (``zoo:``, ``hf:``, ``unilm:``) are reserved for the converters; naming one
     that this version cannot read is an error rather than a guess at a folder of that name.
@@ -30,4 +38,8 @@ def load_model(
             f"model specifier {text!r}: '{scheme}:' models are not supported by this version; "
             "supported: a native checkpoint folder (config.json + model.safetensors)"
         )
+    from diffquant.io.quantized import is_quantized, load_quantized
+
+    if is_quantized(text):
+        return load_quantized(text, device=device, dtype=dtype)
     return load_checkpoint(text, device=device, dtype=dtype)

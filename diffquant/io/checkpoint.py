@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,8 +27,20 @@ FORMAT = "diffquant-native"
 FORMAT_VERSION = 1
 
 
-def save_checkpoint(model: DecoderLM, path: str | Path, overwrite: bool = False) -> Path:
-    """Write ``model`` to the folder ``path``; refuse to replace an existing one unless ``overwrite``."""
+def save_checkpoint(
+    model: DecoderLM,
+    path: str | Path,
+    overwrite: bool = False,
+    state: dict[str, torch.Tensor] | None = None,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``model`` to the folder ``path``; refuse to replace an existing one unless ``overwrite``.
+
+    ``state`` replaces the model's state dict (quantized models save their base weights) and ``extra``
+    writes further files into the folder before it is renamed into place.
+    """
+    if state is None and getattr(model, "quant_plan", None) is not None:
+        raise DiffquantError("model is quantized: save it with diffquant.io.save_quantized")
     path = Path(path)
     if path.exists() and not overwrite:
         raise DiffquantError(f"{path}: already exists (pass overwrite / --force to replace it)")
@@ -36,10 +49,12 @@ def save_checkpoint(model: DecoderLM, path: str | Path, overwrite: bool = False)
     try:
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        state = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
         if model.config.tie_embeddings:
             state.pop("lm_head.weight", None)  # safetensors stores no aliases; tied on load
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if extra is not None:
+            extra(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)

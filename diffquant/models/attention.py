@@ -47,14 +47,19 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias by default) with a ``linear_in`` tap on its input, e.g. ``layers.0.mlp.up.input``."""
+    """nn.Linear (no bias by default) with a ``linear_in`` tap on its input (``layers.0.mlp.up.input``)
+    and an optional ``weight_quantizer`` (a fake-quantizer applied to the weight)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.input = Tap("linear_in")
+        self.weight_quantizer: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.input(x), self.weight, self.bias)
+        weight = self.weight
+        if self.weight_quantizer is not None:
+            weight = self.weight_quantizer.quantize_weight(weight)
+        return F.linear(self.input(x), weight, self.bias)
 
 
 def rope_cos_sin(
@@ -191,6 +196,8 @@ class Attention(nn.Module):
         bsz, heads, t, _ = components[0][0].shape
         s = components[0][1].shape[2]
         chunk = self.chunk_size or max(1, DEFAULT_MAP_BUDGET // max(1, bsz * heads * s))
+        if not all(getattr(tap.quantizer, "row_local", True) for tap in self._map_taps()):
+            chunk = t  # a scale shared across query rows (per tensor / head) must see the whole map
         valid_all = _valid_mask(t, s, pos0, v.device)
         names = [""] if len(components) == 1 else ["1", "2"]
         vf = v.float()

@@ -170,15 +170,31 @@ def matched_config(base: ModelConfig, kind: str) -> ModelConfig:
         )
     if kind == "diff_v2":
         extra = base.d_model * base.n_heads * base.head_dim + base.d_model * base.n_heads
-        ffn = base.ffn_dim - round(extra / (3 * base.d_model))
-        if ffn < 1:
+        exact = base.ffn_dim - extra / (3 * base.d_model)
+        if exact < 1:
             raise DiffquantError(
                 f"matched_config: ffn_dim={base.ffn_dim} is too small to absorb diff_v2's extra query heads"
             )
+        # Prefer a width that 32-element blocks (MX formats, int4 groups) divide, while within 0.9 %.
+        total = _count_parameters(base)
+        ffn = max(1, round(exact))
+        for multiple in (32, 16, 8):
+            candidate = max(multiple, multiple * round(exact / multiple))
+            if abs(3 * base.d_model * base.n_layers * (candidate - exact)) <= 0.009 * total:
+                ffn = candidate
+                break
         return dataclasses.replace(base, attention="diff_v2", ffn_dim=ffn)
     raise DiffquantError(
         f"matched_config: unknown kind {kind!r}; expected one of {', '.join(ATTENTION_KINDS)}"
     )
+
+
+def _count_parameters(c: ModelConfig) -> int:
+    """Parameters of a baseline config, from its shapes (embeddings, blocks, final norm, LM head)."""
+    attn = c.d_model * c.n_heads * c.head_dim * 2 + 2 * c.d_model * c.n_kv_heads * c.head_dim
+    block = attn + 3 * c.d_model * c.ffn_dim + 2 * c.d_model
+    head = 0 if c.tie_embeddings else c.vocab_size * c.d_model
+    return c.vocab_size * c.d_model + c.n_layers * block + c.d_model + head
 
 
 def matched_configs(base: ModelConfig) -> dict[str, ModelConfig]:
@@ -190,11 +206,11 @@ def matched_configs(base: ModelConfig) -> dict[str, ModelConfig]:
 PRESETS: dict[str, ModelConfig] = {
     # For trying every command in seconds.
     "tiny": ModelConfig(
-        d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=176, max_seq_len=256
+        d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=320, max_seq_len=256
     ),
-    # About the size of the CPU trial models (3.0M parameters with 259 byte-level tokens).
+    # About the size of the CPU trial models (3.3M parameters with 259 byte-level tokens).
     "small": ModelConfig(
-        d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=688, max_seq_len=512
+        d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768, max_seq_len=512
     ),
 }
 

@@ -1,0 +1,140 @@
+"""Quantized checkpoints: the base checkpoint plus the plan and the calibrated quantization state.
+
+A quantized folder holds ``config.json`` and ``model.safetensors`` (the unquantized base weights, so any
+plan can be re-applied or compared against), ``quant_plan.json`` (the plan) and
+``quant_state.safetensors`` (static scales and backend calibration state). Loading rebuilds the model
+by applying the plan to the base weights: fake-quant and both backends quantize weights
+deterministically, so the reloaded model gives identical logits. The folder is therefore not smaller
+than the base checkpoint; it records a quantized model exactly rather than packing it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from diffquant.errors import DiffquantError
+from diffquant.io.checkpoint import CONFIG_FILE, load_checkpoint, save_checkpoint
+from diffquant.models.transformer import DecoderLM
+
+PLAN_FILE = "quant_plan.json"
+STATE_FILE = "quant_state.safetensors"
+PLAN_FORMAT = "diffquant-quantized"
+
+
+def is_quantized(path: str | Path) -> bool:
+    return (Path(path) / PLAN_FILE).is_file()
+
+
+def base_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """The unquantized weights of a (possibly quantized) model, under the base model's keys."""
+    from diffquant.quant.plan import BackendLinear
+
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if ".quantizer." in name or ".weight_quantizer." in name or ".inner." in name:
+            continue
+        state[name] = tensor
+    for name, module in model.named_modules():
+        if isinstance(module, BackendLinear):
+            state[f"{name}.weight"] = module.source_weight
+            if module.source_bias is not None:
+                state[f"{name}.bias"] = module.source_bias
+    return state
+
+
+def quant_state(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """Static scales of the fake-quantizers and calibration state of backend layers."""
+    from diffquant.quant.plan import BackendLinear, fake_quantizers
+
+    state = {}
+    for name, q in fake_quantizers(model).items():
+        for buf in ("scale", "zero_point"):
+            value = getattr(q, buf)
+            if value is not None:
+                state[f"{name}.{buf}"] = value.detach().contiguous()
+    for name, module in model.named_modules():
+        if isinstance(module, BackendLinear) and module.backend == "quanto":
+            from diffquant.quant.backends.quanto import quanto_state
+
+            for key, value in quanto_state(module.inner).items():
+                state[f"{name}.inner.{key}"] = value.detach().contiguous()
+    return state
+
+
+def save_quantized(
+    model: DecoderLM, path: str | Path, meta: dict[str, Any] | None = None, overwrite: bool = False
+) -> Path:
+    plan = getattr(model, "quant_plan", None)
+    if plan is None:
+        raise DiffquantError("model has no quantization plan; use save_checkpoint for unquantized models")
+    base_state = base_state_dict(model)
+
+    def extra(folder: Path) -> None:
+        doc = {"format": PLAN_FORMAT, "plan": plan.to_dict(), "meta": meta or {}}
+        (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+        save_file(quant_state(model), str(folder / STATE_FILE), metadata={"format": "pt"})
+
+    return save_checkpoint(model, path, overwrite=overwrite, state=base_state, extra=extra)
+
+
+def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    from diffquant.quant.plan import QuantPlan
+
+    plan_path = Path(path) / PLAN_FILE
+    try:
+        doc = json.loads(plan_path.read_text())
+    except json.JSONDecodeError as err:
+        raise DiffquantError(f"{plan_path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or "plan" not in doc:
+        raise DiffquantError(
+            f"{plan_path}: not a diffquant quantization plan (expected 'format': '{PLAN_FORMAT}')"
+        )
+    return QuantPlan.from_dict(doc["plan"], source=str(plan_path)), doc.get("meta", {})
+
+
+def load_quantized(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DecoderLM:
+    from diffquant.quant.plan import BackendLinear, apply_plan, fake_quantizers
+
+    folder = Path(path)
+    plan, _ = read_plan(folder)
+    model = load_checkpoint(folder, device=device, dtype=dtype)
+    apply_plan(model, plan)
+    state_path = folder / STATE_FILE
+    if not state_path.is_file():
+        raise DiffquantError(
+            f"{folder}: missing {STATE_FILE} (a quantized checkpoint holds {CONFIG_FILE}, "
+            f"model.safetensors, {PLAN_FILE} and {STATE_FILE})"
+        )
+    try:
+        state = load_file(str(state_path), device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise DiffquantError(f"{state_path}: not a readable safetensors file ({err})") from None
+    quantizers = fake_quantizers(model)
+    backends = {n: m for n, m in model.named_modules() if isinstance(m, BackendLinear)}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        owner, _, buf = key.rpartition(".")
+        if owner in quantizers and buf in ("scale", "zero_point"):
+            setattr(quantizers[owner], buf, value)
+            continue
+        module_name, sep, inner_key = key.partition(".inner.")
+        if sep and module_name in backends:
+            pending.setdefault(module_name, {})[inner_key] = value
+            continue
+        raise DiffquantError(f"{state_path}: unexpected tensor {key} for plan {plan.name!r}")
+    for module_name, values in pending.items():
+        from diffquant.quant.backends.quanto import load_quanto_state
+
+        load_quanto_state(backends[module_name].inner, values)
+    missing = [n for n, q in quantizers.items() if q.scheme.is_static and q.scale is None]
+    if missing:
+        raise DiffquantError(f"{state_path}: missing static scales for {', '.join(missing[:5])}")
+    return model.eval()

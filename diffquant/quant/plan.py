@@ -1,0 +1,428 @@
+"""QuantPlan: quantization as data. Site patterns map to schemes; a backend may take over the Linears.
+
+A plan is a list of rules and an optional real backend::
+
+    name: w4a8
+    rules:
+      - weights: ["layers.*"]            # Linear modules by name glob
+        scheme: {format: int4, granularity: group(32)}
+      - sites: ["layers.*.input"]         # taps by site glob, or kind:NAME
+        scheme: int8:token
+    backend:                              # optional: real quantized layers (optimum-quanto or bitsandbytes)
+      name: quanto
+      weights: qint8
+      activations: qint8
+      modules: ["layers.*"]
+
+``apply_plan`` inserts FakeQuant modules at the matching taps and weights (weights are quantized once and
+cached), and swaps matching Linears for the backend's layers, keeping their input taps.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from diffquant.errors import DiffquantError
+from diffquant.models.attention import Linear
+from diffquant.models.taps import Tap, select_taps
+from diffquant.quant.fake import FakeQuant
+from diffquant.quant.schemes import Scheme
+
+BACKENDS = ("quanto", "bnb")
+QUANTO_WEIGHTS = ("qint8", "qint4", "qfloat8")
+QUANTO_ACTIVATIONS = ("qint8", "qfloat8")
+BNB_MODES = ("int8", "nf4", "fp4")
+
+
+@dataclass
+class Rule:
+    scheme: Scheme
+    sites: list[str] = field(default_factory=list)
+    weights: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in ("sites", "weights", "exclude"):
+            if getattr(self, key):
+                out[key] = list(getattr(self, key))
+        out["scheme"] = self.scheme.to_dict()
+        return out
+
+
+@dataclass
+class BackendSpec:
+    name: str
+    modules: list[str] = field(default_factory=lambda: ["layers.*"])
+    exclude: list[str] = field(default_factory=list)
+    weights: str = "qint8"  # quanto
+    activations: str | None = None  # quanto
+    mode: str = "int8"  # bnb
+    threshold: float = 6.0  # bnb LLM.int8 outlier threshold (Dettmers et al. 2022)
+    blocksize: int = 64  # bnb 4-bit
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "modules": list(self.modules)}
+        if self.exclude:
+            out["exclude"] = list(self.exclude)
+        if self.name == "quanto":
+            out.update(weights=self.weights, activations=self.activations)
+        else:
+            out.update(mode=self.mode, threshold=self.threshold, blocksize=self.blocksize)
+        return out
+
+
+@dataclass
+class QuantPlan:
+    name: str = "custom"
+    description: str = ""
+    rules: list[Rule] = field(default_factory=list)
+    backend: BackendSpec | None = None
+
+    # -------------------------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out["rules"] = [r.to_dict() for r in self.rules]
+        if self.backend is not None:
+            out["backend"] = self.backend.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> QuantPlan:
+        data = _mapping(data, source, {"name", "description", "rules", "backend"})
+        rules = []
+        raw_rules = data.get("rules", [])
+        if not isinstance(raw_rules, list):
+            raise DiffquantError(f"{source}: 'rules' must be a list")
+        for i, raw in enumerate(raw_rules):
+            where = f"{source}: rules[{i}]"
+            raw = _mapping(raw, where, {"sites", "weights", "exclude", "scheme"})
+            if "scheme" not in raw:
+                raise DiffquantError(f"{where}: missing key 'scheme'")
+            sites, weights = _patterns(raw, "sites", where), _patterns(raw, "weights", where)
+            if not sites and not weights:
+                raise DiffquantError(f"{where}: give 'sites' (taps) and/or 'weights' (Linear modules)")
+            scheme = Scheme.parse(raw["scheme"], where=f"{where}.scheme")
+            rules.append(Rule(scheme, sites, weights, _patterns(raw, "exclude", where)))
+        backend = None
+        if data.get("backend") is not None:
+            backend = _backend(data["backend"], f"{source}: backend")
+        if not rules and backend is None:
+            raise DiffquantError(f"{source}: a plan needs at least one rule or a backend")
+        return cls(str(data.get("name", "custom")), str(data.get("description", "")), rules, backend)
+
+    @classmethod
+    def load(cls, spec: str | Path) -> QuantPlan:
+        """A preset name or a YAML / JSON file."""
+        text = str(spec)
+        if text in PRESETS:
+            return preset(text)
+        path = Path(text)
+        if not path.is_file():
+            raise DiffquantError(
+                f"plan {text!r}: neither a preset nor a file; presets: {', '.join(sorted(PRESETS))}"
+            )
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise DiffquantError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        return cls.from_dict(data, source=str(path))
+
+    @property
+    def uses_static(self) -> bool:
+        return any(r.scheme.is_static for r in self.rules) or (
+            self.backend is not None
+            and self.backend.name == "quanto"
+            and self.backend.activations is not None
+        )
+
+
+def _mapping(data: Any, where: str, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise DiffquantError(f"{where}: expected a mapping, got {type(data).__name__}")
+    for key in data:
+        if key not in allowed:
+            raise DiffquantError(f"{where}: unknown key '{key}'; allowed keys: {', '.join(sorted(allowed))}")
+    return data
+
+
+def _patterns(raw: dict[str, Any], key: str, where: str) -> list[str]:
+    value = raw.get(key, [])
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise DiffquantError(f"{where}.{key}: expected a pattern or a list of patterns")
+    return value
+
+
+def _backend(raw: Any, where: str) -> BackendSpec:
+    raw = _mapping(
+        raw, where, {"name", "modules", "exclude", "weights", "activations", "mode", "threshold", "blocksize"}
+    )
+    name = raw.get("name")
+    if name not in BACKENDS:
+        raise DiffquantError(f"{where}.name: {name!r}; valid backends: {', '.join(BACKENDS)}")
+    spec = BackendSpec(
+        name=name,
+        modules=_patterns(raw, "modules", where) or ["layers.*"],
+        exclude=_patterns(raw, "exclude", where),
+    )
+    if name == "quanto":
+        extra = sorted(set(raw) & {"mode", "threshold", "blocksize"})
+        if extra:
+            raise DiffquantError(
+                f"{where}: '{extra[0]}' is a bnb option; quanto takes weights and activations"
+            )
+        spec.weights = raw.get("weights", "qint8")
+        spec.activations = raw.get("activations")
+        if spec.weights not in QUANTO_WEIGHTS:
+            raise DiffquantError(f"{where}.weights: {spec.weights!r}; valid: {', '.join(QUANTO_WEIGHTS)}")
+        if spec.activations is not None and spec.activations not in QUANTO_ACTIVATIONS:
+            raise DiffquantError(
+                f"{where}.activations: {spec.activations!r}; valid: {', '.join(QUANTO_ACTIVATIONS)} or null"
+            )
+    else:
+        extra = sorted(set(raw) & {"weights", "activations"})
+        if extra:
+            raise DiffquantError(
+                f"{where}: '{extra[0]}' is a quanto option; bnb takes mode, threshold, blocksize"
+            )
+        spec.mode = raw.get("mode", "int8")
+        spec.threshold = float(raw.get("threshold", 6.0))
+        spec.blocksize = int(raw.get("blocksize", 64))
+        if spec.mode not in BNB_MODES:
+            raise DiffquantError(f"{where}.mode: {spec.mode!r}; valid: {', '.join(BNB_MODES)}")
+    return spec
+
+
+# ------------------------------------------------------------------------------------------- presets
+def _rule(scheme: str | dict, sites=(), weights=(), exclude=()) -> dict[str, Any]:
+    out: dict[str, Any] = {"scheme": scheme}
+    if sites:
+        out["sites"] = list(sites)
+    if weights:
+        out["weights"] = list(weights)
+    if exclude:
+        out["exclude"] = list(exclude)
+    return out
+
+
+_LINEARS = ["layers.*"]  # every Linear inside the blocks; the LM head stays in full precision
+_LINEAR_INPUTS = ["layers.*.input"]
+_PRESET_DATA: dict[str, dict[str, Any]] = {}
+for _bits in (8, 6, 4):
+    for _gran, _suffix in (("tensor", ""), ("head", "-head"), ("row", "-row")):
+        _PRESET_DATA[f"attn-logits-int{_bits}{_suffix}"] = {
+            "description": f"attention logits to int{_bits}, dynamic absmax per {_gran} (DIFF paper, Fig. 8)",
+            "rules": [_rule(f"int{_bits}:{_gran}", sites=["kind:logits"])],
+        }
+_PRESET_DATA.update(
+    {
+        "attn-probs-int8": {
+            "description": "softmax probabilities to asymmetric int8 per row",
+            "rules": [
+                _rule({"format": "int8", "granularity": "row", "symmetric": False}, sites=["kind:probs"])
+            ],
+        },
+        "qk-int8-pv-fp8": {
+            "description": "SageAttention-style: int8 Q/K per 64-token block (K smoothed), "
+            "P in fp8_e4m3 at the static scale 1/448, V in fp8_e4m3 per channel",
+            "rules": [
+                _rule("int8:tokens(64)", sites=["kind:q"]),
+                _rule({"format": "int8", "granularity": "tokens(64)", "smooth": True}, sites=["kind:k"]),
+                _rule({"format": "fp8_e4m3", "scale": 1.0 / 448.0}, sites=["kind:probs"]),
+                _rule("fp8_e4m3:channel", sites=["kind:v"]),
+            ],
+        },
+        "w8a8": {
+            "description": "int8 weights per output channel, int8 Linear inputs per token (dynamic)",
+            "rules": [_rule("int8:channel", weights=_LINEARS), _rule("int8:token", sites=_LINEAR_INPUTS)],
+        },
+        "w4a8": {
+            "description": "int4 weights in groups of 32, int8 Linear inputs per token (dynamic)",
+            "rules": [_rule("int4:group(32)", weights=_LINEARS), _rule("int8:token", sites=_LINEAR_INPUTS)],
+        },
+        "w4a16": {
+            "description": "int4 weights in groups of 32, activations unquantized",
+            "rules": [_rule("int4:group(32)", weights=_LINEARS)],
+        },
+        "fp8": {
+            "description": "fp8_e4m3 weights per output channel and Linear inputs per token",
+            "rules": [
+                _rule("fp8_e4m3:channel", weights=_LINEARS),
+                _rule("fp8_e4m3:token", sites=_LINEAR_INPUTS),
+            ],
+        },
+        "mxfp4": {
+            "description": "OCP MXFP4 weights and Linear inputs (32-element blocks, E8M0 scales)",
+            "rules": [_rule("mxfp4", weights=_LINEARS), _rule("mxfp4", sites=_LINEAR_INPUTS)],
+        },
+        "nvfp4": {
+            "description": "NVFP4 weights and Linear inputs (16-element blocks, E4M3 scales, fp32 tensor scale)",
+            "rules": [_rule("nvfp4", weights=_LINEARS), _rule("nvfp4", sites=_LINEAR_INPUTS)],
+        },
+        "quanto-w8a8": {
+            "description": "optimum-quanto qint8 weights and qint8 activations (static, calibrated)",
+            "backend": {"name": "quanto", "weights": "qint8", "activations": "qint8"},
+        },
+        "quanto-w8": {
+            "description": "optimum-quanto qint8 weights",
+            "backend": {"name": "quanto", "weights": "qint8"},
+        },
+        "quanto-w4": {
+            "description": "optimum-quanto qint4 weights",
+            "backend": {"name": "quanto", "weights": "qint4"},
+        },
+        "bnb-int8": {
+            "description": "bitsandbytes LLM.int8 (threshold 6.0)",
+            "backend": {"name": "bnb", "mode": "int8", "threshold": 6.0},
+        },
+        "bnb-nf4": {
+            "description": "bitsandbytes NF4 weights (blocks of 64)",
+            "backend": {"name": "bnb", "mode": "nf4"},
+        },
+    }
+)
+PRESETS = tuple(sorted(_PRESET_DATA))
+
+
+def preset(name: str) -> QuantPlan:
+    if name not in _PRESET_DATA:
+        raise DiffquantError(f"unknown plan preset {name!r}; presets: {', '.join(PRESETS)}")
+    return QuantPlan.from_dict({"name": name, **_PRESET_DATA[name]}, source=f"preset {name}")
+
+
+# ------------------------------------------------------------------------------------------- apply
+class BackendLinear(nn.Module):
+    """A backend's quantized layer behind the original Linear's input tap.
+
+    ``source_weight`` keeps the float weight (not in the state dict) so the quantized model can be saved
+    as base weights + plan, and rebuilt exactly on load.
+    """
+
+    def __init__(self, linear: Linear, inner: nn.Module, backend: str) -> None:
+        super().__init__()
+        self.input = linear.input
+        self.inner = inner
+        self.backend = backend
+        self.source_weight = linear.weight.detach()
+        self.source_bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.input(x))
+
+
+def linear_modules(model: nn.Module) -> dict[str, Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def _select_linears(
+    model: nn.Module, patterns: list[str], exclude: list[str], where: str
+) -> dict[str, Linear]:
+    linears = linear_modules(model)
+    chosen = {}
+    for pattern in patterns:
+        hits = {n: m for n, m in linears.items() if fnmatch.fnmatchcase(n, pattern)}
+        if not hits:
+            example = ", ".join(list(linears)[:3])
+            raise DiffquantError(
+                f"{where}: weight pattern {pattern!r} matches no Linear (names look like {example})"
+            )
+        chosen.update(hits)
+    return {n: m for n, m in chosen.items() if not any(fnmatch.fnmatchcase(n, e) for e in exclude)}
+
+
+def apply_plan(model: nn.Module, plan: QuantPlan) -> list[tuple[str, str, str]]:
+    """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion."""
+    if getattr(model, "quant_plan", None) is not None:
+        raise DiffquantError("model is already quantized; apply a plan to the unquantized model")
+    applied = []
+    for i, rule in enumerate(plan.rules):
+        where = f"plan {plan.name}: rules[{i}]"
+        if rule.sites:
+            taps = select_taps(model, rule.sites)
+            for name, tap in taps.items():
+                if any(fnmatch.fnmatchcase(name, e) for e in rule.exclude):
+                    continue
+                tap.quantizer = FakeQuant(rule.scheme, name, tap.kind)
+                applied.append(("site", name, rule.scheme.label()))
+        if rule.weights:
+            for name, linear in _select_linears(model, rule.weights, rule.exclude, where).items():
+                linear.weight_quantizer = FakeQuant(rule.scheme, f"{name}.weight", "weight")
+                linear.weight_quantizer.quantize_weight(linear.weight)  # checks the shape now, not mid-run
+                applied.append(("weight", name, rule.scheme.label()))
+    if plan.backend is not None:
+        applied += _apply_backend(model, plan.backend)
+    model.quant_plan = plan
+    return applied
+
+
+def _apply_backend(model: nn.Module, spec: BackendSpec) -> list[tuple[str, str, str]]:
+    chosen = _select_linears(model, spec.modules, spec.exclude, f"backend {spec.name}")
+    applied = []
+    for name, linear in chosen.items():
+        if linear.weight_quantizer is not None:
+            raise DiffquantError(
+                f"{name}: a plan rule already fake-quantizes this weight; the backend would too"
+            )
+        if spec.name == "quanto":
+            from diffquant.quant.backends.quanto import to_quanto
+
+            inner = to_quanto(linear, weights=spec.weights, activations=spec.activations)
+            label = f"quanto {spec.weights}" + (f"/{spec.activations}" if spec.activations else "")
+        else:
+            from diffquant.quant.backends.bnb import to_bnb
+
+            inner = to_bnb(linear, mode=spec.mode, threshold=spec.threshold, blocksize=spec.blocksize)
+            label = f"bnb {spec.mode}"
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, BackendLinear(linear, inner, spec.name))
+        applied.append(("linear", name, label))
+    return applied
+
+
+def fake_quantizers(model: nn.Module) -> dict[str, FakeQuant]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuant)}
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> int:
+    """Run calibration batches: static FakeQuant scales and quanto activation scales. Returns tokens seen."""
+    plan: QuantPlan | None = getattr(model, "quant_plan", None)
+    quantizers = [q for q in fake_quantizers(model).values() if q.scheme.is_static]
+    uses_quanto = plan is not None and plan.backend is not None and plan.backend.activations is not None
+    if not quantizers and not uses_quanto:
+        return 0
+    for q in quantizers:
+        q.start_calibration()
+    context = nullcontext()
+    if uses_quanto and plan.backend.name == "quanto":
+        from diffquant.quant.backends.quanto import quanto_calibration
+
+        context = quanto_calibration()
+    with context:
+        for start in range(0, windows.shape[0], batch_size):
+            model(windows[start : start + batch_size])
+    for q in quantizers:
+        q.finish_calibration()
+    return windows.numel()
+
+
+def nan_counts(model: nn.Module) -> dict[str, int]:
+    """NaNs each quantizer has seen (propagated, not crashed on)."""
+    return {q.site: q.nan_count for q in fake_quantizers(model).values() if q.nan_count}
+
+
+def quantized_taps(model: nn.Module) -> dict[str, Tap]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Tap) and m.quantizer is not None}

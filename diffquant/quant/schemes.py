@@ -1,0 +1,342 @@
+"""Schemes: a number format plus a granularity, a scale format and a calibration method.
+
+A scheme is applied to a tensor whose layout is known (``diffquant.profile.sites``): granularities name
+which elements share one scale.
+
+Activations (taps; dims batch/pos/head/channel/key):
+- ``tensor``: one scale per sample (every dim but batch), so results never depend on batch composition;
+- ``head``: per sample and head;
+- ``row`` (alias ``token``): per vector along the last dim (a token's channels, a query row's keys);
+- ``channel``: per last-dim index, over all tokens of a sample;
+- ``block(n)``: n consecutive elements along the last dim (the MX / NVFP4 convention);
+- ``tokens(n)``: n consecutive positions per sample and head (SageAttention / FlashAttention-3 FP8 Q/K blocks).
+Weights ([out, in]): ``tensor``, ``channel`` (per output channel) and ``group(n)`` (n consecutive input
+channels per output channel, as GPTQ / AWQ / bitsandbytes blockwise).
+
+Calibration: ``dynamic`` computes the absmax scale from each tensor as it flows (the DIFF paper's Figure 8
+setting); ``absmax``, ``percentile`` and ``mse`` fix static scales from a calibration pass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.quant.formats import BLOCK_FORMATS, ELEMENT_FORMATS, ElementFormat, get_format, int_format
+
+CALIBRATIONS = ("dynamic", "absmax", "percentile", "mse")
+SCALE_FORMATS = ("fp32", "e8m0", "fp8_e4m3")
+_FIXED = ("tensor", "head", "row", "token", "channel")
+_SIZED = re.compile(r"^(block|tokens|group)\((\d+)\)$")
+GRANULARITIES = (*_FIXED, "block(n)", "tokens(n)", "group(n)")
+STATIC_GRANULARITIES = ("tensor", "head", "channel")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one site (or one weight) is quantized. See the module docstring for the vocabulary."""
+
+    format: str = "int8"
+    granularity: str = "tensor"
+    symmetric: bool = True
+    calibration: str = "dynamic"
+    percentile: float = 99.99
+    scale_format: str = "fp32"
+    smooth: bool = False  # SageAttention K smoothing: quantize x - mean over positions, add the mean back
+    scale: float | None = None  # a fixed scale (e.g. 1/448 for softmax probabilities in fp8_e4m3)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # --------------------------------------------------------------------------------- parsing
+    @classmethod
+    def parse(cls, value: Any, where: str = "scheme") -> Scheme:
+        """A dict of fields, or the shorthand ``FORMAT`` / ``FORMAT:GRANULARITY`` (``int4:row``)."""
+        if isinstance(value, Scheme):
+            return value
+        if isinstance(value, str):
+            fmt, _, gran = value.partition(":")
+            data: dict[str, Any] = {"format": fmt}
+            if gran:
+                data["granularity"] = gran
+            value = data
+        if not isinstance(value, dict):
+            raise DiffquantError(f"{where}: expected a mapping or 'FORMAT[:GRANULARITY]', got {value!r}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise DiffquantError(
+                f"{where}: unknown key '{unknown[0]}'; allowed keys: {', '.join(sorted(allowed))}"
+            )
+        try:
+            return cls(**value)
+        except DiffquantError as err:
+            raise DiffquantError(f"{where}: {err}") from None
+        except TypeError as err:
+            raise DiffquantError(f"{where}: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        defaults = Scheme.__dataclass_fields__
+        return {k: v for k, v in asdict(self).items() if k == "format" or v != defaults[k].default}
+
+    def validate(self) -> None:
+        bits = re.fullmatch(r"u?int(\d+)", str(self.format))
+        if bits and self.format not in ELEMENT_FORMATS:
+            raise DiffquantError(f"format {self.format!r}: bits {bits.group(1)} out of range 2..8")
+        if self.format not in ELEMENT_FORMATS and self.format not in BLOCK_FORMATS:
+            valid = ", ".join([*ELEMENT_FORMATS, *BLOCK_FORMATS])
+            raise DiffquantError(f"unknown format {self.format!r}; valid formats: {valid}")
+        if self.granularity not in _FIXED and not _SIZED.match(self.granularity):
+            raise DiffquantError(
+                f"unknown granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)} (n an integer)"
+            )
+        size = self.group_size
+        if size is not None and size < 1:
+            raise DiffquantError(f"granularity {self.granularity!r}: size must be >= 1")
+        if self.is_block_format and self.granularity != "tensor":
+            raise DiffquantError(
+                f"format {self.format} brings its own {BLOCK_FORMATS[self.format].block}-element blocks; "
+                f"granularity must be left as 'tensor' (got {self.granularity!r})"
+            )
+        if self.calibration not in CALIBRATIONS:
+            raise DiffquantError(
+                f"unknown calibration {self.calibration!r}; valid: {', '.join(CALIBRATIONS)}"
+            )
+        if self.is_static and self.granularity not in STATIC_GRANULARITIES:
+            raise DiffquantError(
+                f"calibration {self.calibration!r} fixes scales ahead of time, so the granularity must not "
+                f"depend on the input: one of {', '.join(STATIC_GRANULARITIES)} (got {self.granularity!r})"
+            )
+        if self.calibration in ("percentile", "mse") and self.granularity == "channel":
+            raise DiffquantError(f"calibration {self.calibration!r} supports granularity tensor or head")
+        if self.is_static and self.is_block_format:
+            raise DiffquantError(
+                f"format {self.format} scales its blocks dynamically; use calibration 'dynamic'"
+            )
+        if not 0 < self.percentile <= 100:
+            raise DiffquantError(f"percentile {self.percentile} out of range (0, 100]")
+        if self.scale_format not in SCALE_FORMATS:
+            raise DiffquantError(
+                f"unknown scale_format {self.scale_format!r}; valid: {', '.join(SCALE_FORMATS)}"
+            )
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise DiffquantError(f"scale {self.scale!r}: expected a number > 0")
+        if self.asymmetric and self.is_static:
+            raise DiffquantError("static calibration supports symmetric schemes only (set symmetric: true)")
+        if not self.symmetric and not self.format.startswith(("int", "uint")):
+            raise DiffquantError(f"symmetric: false applies to int formats only (format {self.format})")
+
+    # ------------------------------------------------------------------------------- properties
+    @property
+    def is_block_format(self) -> bool:
+        return self.format in BLOCK_FORMATS
+
+    @property
+    def asymmetric(self) -> bool:
+        """Min/max scale with a zero point: symmetric: false, or an unsigned uintN format."""
+        return not self.symmetric or self.format.startswith("uint")
+
+    @property
+    def is_static(self) -> bool:
+        return self.calibration != "dynamic"
+
+    @property
+    def group_size(self) -> int | None:
+        match = _SIZED.match(self.granularity)
+        return int(match.group(2)) if match else None
+
+    @property
+    def element(self) -> ElementFormat:
+        if self.is_block_format:
+            return BLOCK_FORMATS[self.format].element
+        if self.asymmetric:
+            return int_format(get_format(self.format).bits, symmetric=False)
+        return get_format(self.format)
+
+    def label(self) -> str:
+        return self.format if self.is_block_format else f"{self.format}:{self.granularity}"
+
+
+# ------------------------------------------------------------------------------------------ reduction
+def reduce_dims(layout: tuple[str, ...], granularity: str, weight: bool = False) -> tuple[int, ...]:
+    """Dims to reduce (absmax over) so that each remaining index owns one scale."""
+    n = len(layout)
+    if weight:  # [out, in]
+        return {"tensor": (0, 1), "channel": (1,)}[granularity]
+    keep_batch = tuple(i for i in range(n) if layout[i] != "batch")
+    if granularity == "tensor":
+        return keep_batch
+    if granularity == "head":
+        if "head" not in layout:
+            raise DiffquantError(f"granularity 'head' needs a head dim; this site's layout is {layout}")
+        return tuple(i for i in keep_batch if layout[i] != "head")
+    if granularity in ("row", "token"):
+        return (n - 1,) if n else ()
+    if granularity == "channel":
+        return tuple(i for i in keep_batch if i != n - 1)
+    raise AssertionError(granularity)
+
+
+def static_dims(layout: tuple[str, ...], granularity: str, weight: bool = False) -> tuple[int, ...]:
+    """Dims kept by a static scale (no batch dim): () for tensor, the head dim, or the last dim."""
+    if weight:
+        return {"tensor": (), "channel": (0,)}[granularity]
+    if granularity == "tensor":
+        return ()
+    if granularity == "head":
+        return (layout.index("head"),)
+    return (len(layout) - 1,)
+
+
+def masked_absmax(x: torch.Tensor, dims: tuple[int, ...], valid: torch.Tensor | None = None) -> torch.Tensor:
+    """absmax over ``dims`` (keepdim) ignoring NaN, +-Inf and entries where ``valid`` is False."""
+    mag = x.detach().abs().float()
+    keep = torch.isfinite(mag)
+    if valid is not None:
+        keep = keep & valid
+    mag = torch.where(keep, mag, torch.zeros((), dtype=mag.dtype, device=mag.device))
+    return mag.amax(dim=dims, keepdim=True) if dims else mag
+
+
+def round_scale(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """Scales as stored: fp32, a power of two (E8M0, rounded up so the max still fits) or an E4M3 value."""
+    if scale_format == "e8m0":
+        return torch.exp2(torch.ceil(torch.log2(scale)))
+    if scale_format == "fp8_e4m3":
+        # round up to the next E4M3 value so absmax / scale stays inside the element range
+        rounded = get_format("fp8_e4m3").round(scale)
+        bumped = rounded.to(torch.float8_e4m3fn).view(torch.uint8) + 1
+        up = bumped.view(torch.float8_e4m3fn).float()
+        return torch.where(rounded < scale, up, rounded)
+    return scale
+
+
+def scale_from_absmax(amax: torch.Tensor, element: ElementFormat, scheme: Scheme) -> torch.Tensor:
+    scale = amax / element.max_value
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return round_scale(scale, scheme.scale_format)
+
+
+def apply_scale(
+    x: torch.Tensor, scale: torch.Tensor, element: ElementFormat, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fake-quantize x with a given (broadcastable) scale: round(x / s [+ z]) to the codebook, then back."""
+    xf = x.float()
+    if zero_point is None:
+        return element.round(xf / scale) * scale
+    return (element.round(xf / scale + zero_point) - zero_point) * scale
+
+
+def asymmetric_params(
+    x: torch.Tensor, dims: tuple[int, ...], element: ElementFormat, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point covering [min, max] (min <= 0 <= max kept so that 0 is exact)."""
+    xf = x.detach().float()
+    keep = torch.isfinite(xf)
+    if valid is not None:
+        keep = keep & valid
+    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
+    lo = torch.where(keep, xf, zero).amin(dim=dims, keepdim=True) if dims else torch.minimum(xf, zero)
+    hi = torch.where(keep, xf, zero).amax(dim=dims, keepdim=True) if dims else torch.maximum(xf, zero)
+    scale = (hi - lo) / element.max_value
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero_point = torch.round(-lo / scale)
+    return scale, zero_point
+
+
+def group_view(x: torch.Tensor, size: int, dim: int, what: str) -> torch.Tensor:
+    """Split ``dim`` into (dim // size, size) so each group of ``size`` gets one scale."""
+    dim = dim % x.dim()
+    length = x.shape[dim]
+    if length % size:
+        raise DiffquantError(
+            f"{what}: block size {size} does not divide dimension {length} (size of dim {dim - x.dim()})"
+        )
+    return x.reshape(*x.shape[:dim], length // size, size, *x.shape[dim + 1 :])
+
+
+def quantize_dynamic(
+    x: torch.Tensor,
+    scheme: Scheme,
+    layout: tuple[str, ...],
+    valid: torch.Tensor | None = None,
+    weight: bool = False,
+    what: str = "tensor",
+) -> torch.Tensor:
+    """Fake-quantize ``x`` with scales computed from ``x`` itself at the scheme's granularity."""
+    from diffquant.quant.formats import quantize_blocks
+
+    if scheme.is_block_format:
+        if BLOCK_FORMATS[scheme.format].scale == "e4m3" and layout and layout[0] == "batch":
+            # NVFP4's fp32 tensor scale is per sample, like every other 'tensor' scale here
+            return torch.stack([quantize_blocks(xb.float(), scheme.format, dim=-1) for xb in x])
+        return quantize_blocks(x.float(), scheme.format, dim=-1)
+    element = scheme.element
+    size = scheme.group_size
+    if size is not None:
+        kind = scheme.granularity.split("(")[0]
+        if kind == "tokens":
+            if "pos" not in layout:
+                raise DiffquantError(f"{what}: granularity {scheme.granularity} needs a position dim")
+            # Token blocks are kernel tiles: the last one may be partial (padded here, cropped after).
+            dim = layout.index("pos")
+            length = x.shape[dim]
+            pad = (-length) % size
+            mask = torch.ones_like(x, dtype=torch.bool) if valid is None else valid.expand_as(x)
+            if pad:
+                x = torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1 :])], dim=dim)
+                mask = torch.cat(
+                    [mask, mask.new_zeros(*mask.shape[:dim], pad, *mask.shape[dim + 1 :])], dim=dim
+                )
+            view, vmask = group_view(x, size, dim, what), group_view(mask, size, dim, what)
+            keep = {0, dim}  # batch and block index; the head too, when there is one
+            if "head" in layout:
+                head = layout.index("head")
+                keep.add(head if head < dim else head + 1)
+            reduce = tuple(i for i in range(view.dim()) if i not in keep)
+            out = _quantize_view(view, reduce, element, scheme, vmask).reshape(x.shape)
+            return out.narrow(dim, 0, length)
+        else:  # block(n) / group(n): along the last dim
+            dim = x.dim() - 1
+            view = group_view(x, size, dim, what)
+            vmask = None if valid is None else group_view(valid.expand_as(x), size, dim, what)
+            reduce = (view.dim() - 1,)
+        out = _quantize_view(view, reduce, element, scheme, vmask)
+        return out.reshape(x.shape)
+    dims = reduce_dims(layout, scheme.granularity, weight=weight)
+    return _quantize_view(x, dims, element, scheme, valid)
+
+
+def _quantize_view(
+    x: torch.Tensor,
+    dims: tuple[int, ...],
+    element: ElementFormat,
+    scheme: Scheme,
+    valid: torch.Tensor | None,
+) -> torch.Tensor:
+    if scheme.scale is not None:
+        return apply_scale(x, torch.tensor(scheme.scale, dtype=torch.float32, device=x.device), element)
+    if scheme.asymmetric:
+        scale, zero_point = asymmetric_params(x, dims, element, valid)
+        return apply_scale(x, scale, element, zero_point)
+    scale = scale_from_absmax(masked_absmax(x, dims, valid), element, scheme)
+    return apply_scale(x, scale, element)
+
+
+def describe(scheme: Scheme) -> str:
+    """A short human label: 'int4 per-row dynamic', 'mxfp4 (32-blocks, E8M0)'."""
+    if scheme.is_block_format:
+        fmt = BLOCK_FORMATS[scheme.format]
+        return f"{scheme.format} ({fmt.block}-element blocks, {fmt.scale} scales)"
+    sym = " asymmetric" if scheme.asymmetric and scheme.format.startswith("int") else ""
+    return f"{scheme.format}{sym} per-{scheme.granularity} {scheme.calibration}"
+
+
+def bits_of(scheme: Scheme) -> float:
+    if scheme.is_block_format:
+        return BLOCK_FORMATS[scheme.format].bits_per_element
+    return float(scheme.element.bits)

@@ -1,0 +1,336 @@
+"""Schemes, fake-quant at taps and weights, plans, calibration, the error report, quantized checkpoints."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from diffquant import DiffquantError
+from diffquant.cli import main
+from diffquant.io import load_model, save_checkpoint, save_quantized
+from diffquant.quant.fake import FakeQuant
+from diffquant.quant.plan import PRESETS, QuantPlan, apply_plan, calibrate, nan_counts, preset
+from diffquant.quant.report import ErrorStats, compare_models
+from diffquant.quant.schemes import Scheme
+
+
+def _windows(n=4, t=24, vocab=61, seed=0):
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------- schemes
+def test_dynamic_int_per_tensor_is_absmax_over_127():
+    x = torch.randn(2, 5, 8) * torch.tensor([1.0, 10.0]).view(2, 1, 1)
+    fq = FakeQuant(Scheme.parse("int8:tensor"), "s", "resid")
+    y = fq(x)
+    for b in range(2):  # one scale per sample: its own absmax / 127
+        scale = x[b].abs().max() / 127
+        ref = torch.round(x[b] / scale).clamp(-127, 127) * scale
+        torch.testing.assert_close(y[b], ref, rtol=0, atol=1e-6)
+        assert (y[b] - x[b]).abs().max() <= scale / 2 + 1e-6
+
+
+@pytest.mark.parametrize(("gran", "dims"), [("row", (-1,)), ("channel", (1,)), ("head", None)])
+def test_granularities_reduce_the_right_dims(gran, dims):
+    kind = "head_out" if gran == "head" else "resid"
+    x = torch.randn(2, 6, 4, 8) if kind == "head_out" else torch.randn(2, 6, 8)
+    y = FakeQuant(Scheme.parse(f"int4:{gran}"), "s", kind)(x)
+    amax = x.abs().amax(dim=(1, 3), keepdim=True) if dims is None else x.abs().amax(dim=dims, keepdim=True)
+    scale = amax / 7
+    torch.testing.assert_close(y, torch.round(x / scale).clamp(-7, 7) * scale, rtol=0, atol=1e-6)
+
+
+def test_weight_groups_and_block_size_check():
+    w = torch.randn(6, 64)
+    fq = FakeQuant(Scheme.parse("int4:group(32)"), "w", "weight")
+    y = fq.quantize_weight(w)
+    g = w.view(6, 2, 32)
+    s = g.abs().amax(-1, keepdim=True) / 7
+    torch.testing.assert_close(y, (torch.round(g / s).clamp(-7, 7) * s).view(6, 64), rtol=0, atol=1e-6)
+    assert fq.quantize_weight(w) is y  # quantized once, cached
+    with pytest.raises(DiffquantError, match="block size 48 does not divide dimension 64"):
+        FakeQuant(Scheme.parse("int4:group(48)"), "w", "weight").quantize_weight(w)
+
+
+def test_asymmetric_keeps_zero_and_range():
+    x = torch.rand(3, 16) * 5 + 1  # all positive: asymmetric uses the whole code range
+    y = FakeQuant(Scheme(format="int8", granularity="row", symmetric=False), "s", "resid")(x.unsqueeze(0))[0]
+    step = (x.max(-1).values - torch.minimum(x.min(-1).values, torch.zeros(3))) / 255
+    assert ((y - x).abs() <= step[:, None] / 2 + 1e-5).all()
+
+
+def test_straight_through_gradient():
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    FakeQuant(Scheme.parse("int4:row"), "s", "resid")(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"format": "int5x"}, "unknown format 'int5x'; valid formats: int2, int3"),
+        ({"format": "int9"}, "bits 9 out of range 2..8"),
+        ({"format": "int4", "granularity": "col"}, "unknown granularity 'col'; valid: tensor, head, row"),
+        ({"format": "int4", "granularity": "row", "calibration": "absmax"}, "must not depend on the input"),
+        ({"format": "mxfp4", "granularity": "row"}, "brings its own 32-element blocks"),
+        ({"format": "int4", "colour": 1}, "unknown key 'colour'"),
+    ],
+)
+def test_bad_scheme_one_line(value, message):
+    with pytest.raises(DiffquantError) as err:
+        Scheme.parse(value)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_nan_propagates_and_is_counted():
+    x = torch.randn(1, 3, 8)
+    x[0, 1, 2] = float("nan")
+    fq = FakeQuant(Scheme.parse("int8:tensor"), "s", "resid")
+    y = fq(x)
+    assert torch.isnan(y[0, 1, 2]) and torch.isfinite(y).sum() == x.numel() - 1
+    assert fq.nan_count == 1
+
+
+# ------------------------------------------------------------------------ the paper's mechanism
+def _quantized_logits(plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of layer 0 after quantization, with one logit planted at 1000 before the quantizer."""
+    model = tiny_model("baseline", seed=1)
+    apply_plan(model, preset(plan_name))
+    tap = model.taps("layers.0.attn.logits")["layers.0.attn.logits"]
+    seen = {}
+
+    def plant(module, args):
+        logits, valid = args
+        logits = logits.clone()
+        logits[0, 0, 10, 3] = 1000.0
+        return (logits, valid)
+
+    tap.register_forward_pre_hook(plant)
+    tap.register_forward_hook(lambda m, a, out: seen.update(out=out, valid=a[1], raw=a[0]))
+    with torch.no_grad():
+        model(_windows(1, 16))
+    return seen["out"], seen["valid"].expand_as(seen["out"])
+
+
+def test_per_tensor_int4_zeroes_small_logits_per_row_keeps_them():
+    per_tensor, valid = _quantized_logits("attn-logits-int4")
+    per_row, _ = _quantized_logits("attn-logits-int4-row")
+    small = valid.clone()
+    small[0, 0, 10, 3] = False
+    # scale = 1000 / 7 ~ 143: every ordinary logit (|x| << 71) rounds to zero in that sample
+    assert (per_tensor[small] == 0).float().mean() > 0.99
+    assert per_tensor[0, 0, 10, 3] == pytest.approx(1000.0)
+    others = small.clone()
+    others[0, 0, 10] = False  # rows without the planted logit keep their resolution
+    assert (per_row[others] != 0).float().mean() > 0.9
+
+
+# ----------------------------------------------------------------------------------------- plans
+def test_every_preset_applies_to_every_kind(kind):
+    for name in PRESETS:
+        if name.startswith(("quanto", "bnb")):
+            continue
+        model = tiny_model(kind, d_model=64, head_dim=16, ffn_dim=128)
+        plan = preset(name)
+        applied = apply_plan(model, plan)
+        assert applied
+        calibrate(model, _windows(2, 16))
+        with torch.no_grad():
+            out = model(_windows(2, 16))
+        assert torch.isfinite(out).all(), name
+
+
+def test_plan_yaml_is_strict(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("name: x\nrules:\n  - sites: ['kind:logits']\n    schem: int8\n")
+    with pytest.raises(DiffquantError, match=r"plan.yaml: rules\[0\]: unknown key 'schem'; allowed keys"):
+        QuantPlan.load(path)
+    path.write_text("rules:\n  - sites: ['kind:logits']\n    scheme: {format: int4, granularity: row}\n")
+    plan = QuantPlan.load(path)
+    assert QuantPlan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+
+
+def test_plan_pattern_matching_nothing():
+    plan = QuantPlan.from_dict({"rules": [{"sites": "layers.*.attn.nowhere", "scheme": "int8"}]})
+    with pytest.raises(DiffquantError, match="matches no site"):
+        apply_plan(tiny_model("baseline"), plan)
+    plan = QuantPlan.from_dict({"rules": [{"weights": "nothing.*", "scheme": "int8:channel"}]})
+    with pytest.raises(DiffquantError, match="weight pattern 'nothing.\\*' matches no Linear"):
+        apply_plan(tiny_model("baseline"), plan)
+
+
+def test_per_tensor_logit_quantization_ignores_chunking():
+    model = tiny_model("diff_v2")
+    apply_plan(model, preset("attn-logits-int4"))
+    ids = _windows(2, 40)
+    with torch.no_grad():
+        model.set_attention_path("auto", chunk_size=7)
+        chunked = model(ids)
+        model.set_attention_path("auto", chunk_size=64)
+        whole = model(ids)
+    assert torch.equal(chunked, whole)
+
+
+# ----------------------------------------------------------------------------------- calibration
+def test_static_absmax_calibration_and_percentile_mse_clip():
+    model = tiny_model("baseline")
+    plans = {
+        cal: QuantPlan.from_dict(
+            {"rules": [{"sites": "kind:resid", "scheme": {"format": "int8", "calibration": cal}}]}
+        )
+        for cal in ("absmax", "percentile", "mse")
+    }
+    windows = _windows(4, 16)
+    with torch.no_grad():
+        resid = []
+        hook = model.layers[1].resid.register_forward_hook(lambda m, a, out: resid.append(out))
+        model(windows)
+        hook.remove()
+    amax = torch.cat(resid).abs().max()
+    scales = {}
+    for cal, plan in plans.items():
+        m = tiny_model("baseline")
+        apply_plan(m, plan)
+        calibrate(m, windows, batch_size=2)
+        scales[cal] = float(m.layers[1].resid.quantizer.scale)
+    assert scales["absmax"] == pytest.approx(float(amax) / 127, rel=1e-6)
+    assert scales["percentile"] <= scales["absmax"] * 1.011  # bin upper edge: within one bin of amax
+    assert 0 < scales["mse"] <= scales["absmax"] * 1.000001
+
+
+def test_static_before_calibration_is_an_error():
+    model = tiny_model("baseline")
+    apply_plan(
+        model,
+        QuantPlan.from_dict(
+            {"rules": [{"sites": "kind:resid", "scheme": {"format": "int8", "calibration": "absmax"}}]}
+        ),
+    )
+    with pytest.raises(DiffquantError, match="used before calibration"):
+        model(_windows(1, 8))
+
+
+# ------------------------------------------------------------------------------------ the report
+def test_error_stats_formulas():
+    r = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    q = torch.tensor([1.1, -2.0, 2.5, 0.5])
+    s = ErrorStats()
+    s.update(r[:2], q[:2])
+    s.update(r[2:], q[2:])
+    out = s.summary()
+    e = q - r
+    assert out["sqnr_db"] == pytest.approx(10 * math.log10(float((r * r).sum() / (e * e).sum())))
+    assert out["cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(r, q, dim=0)))
+    assert out["rel_l1"] == pytest.approx(float(e.abs().sum() / r.abs().sum()))
+    assert out["rmse"] == pytest.approx(float(e.pow(2).mean().sqrt()))
+
+
+def test_compare_models_sees_only_what_changed():
+    ref, quant = tiny_model("diff_v1"), tiny_model("diff_v1")
+    apply_plan(quant, preset("attn-logits-int8"))
+    report = compare_models(ref, quant, _windows(2, 16))
+    assert report["layers.0.attn.q"]["rmse"] == 0.0  # upstream of the first quantizer: identical
+    assert report["layers.0.attn.logits1"]["rmse"] > 0
+    assert 0.99 < report["logits"]["cosine"] < 1.0
+
+
+# --------------------------------------------------------------------------- checkpoints and CLI
+@pytest.mark.parametrize("plan_name", ["w8a8", "attn-logits-int4-row", "qk-int8-pv-fp8"])
+def test_quantized_round_trip_identical_logits(tmp_path, plan_name):
+    model = tiny_model("diff_v2", d_model=64, head_dim=16, ffn_dim=128)
+    apply_plan(model, preset(plan_name))
+    save_quantized(model, tmp_path / "q")
+    again = load_model(tmp_path / "q")
+    ids = _windows(2, 20)
+    with torch.no_grad():
+        assert torch.equal(again(ids), model(ids))
+
+
+def test_static_round_trip_keeps_scales(tmp_path):
+    model = tiny_model("baseline")
+    plan = QuantPlan.from_dict(
+        {"rules": [{"sites": "kind:linear_in", "scheme": {"format": "int8", "calibration": "mse"}}]}
+    )
+    apply_plan(model, plan)
+    calibrate(model, _windows(2, 16))
+    save_quantized(model, tmp_path / "q")
+    again = load_model(tmp_path / "q")
+    with torch.no_grad():
+        assert torch.equal(again(_windows(1, 9)), model(_windows(1, 9)))
+    with pytest.raises(DiffquantError, match="save_quantized"):
+        save_checkpoint(model, tmp_path / "plain")
+
+
+def test_cli_quantize_preset_and_plan_file(tmp_path, capsys):
+    base = tmp_path / "base"
+    save_checkpoint(tiny_model("diff_v2", vocab_size=259, max_seq_len=64), base)
+    data = tmp_path / "data.txt"
+    data.write_text("for i in range(10):\n    print(i * i)\n" * 60)
+    common = ["--calib-data", str(data), "--calib-tokens", "128", "--eval-tokens", "64", "--seq-len", "32"]
+    assert (
+        main(
+            ["quantize", str(base), "--plan", "attn-logits-int6-head", *common, "--out", str(tmp_path / "q1")]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "plan attn-logits-int6-head" in out and "layers.0.attn.logits1" in out
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "name: mine\nrules:\n  - sites: kind:linear_in\n    scheme: {format: int8, calibration: absmax}\n"
+    )
+    assert main(["quantize", str(base), "--plan", str(plan), *common, "--out", str(tmp_path / "q2")]) == 0
+    report = json.loads((tmp_path / "q2" / "quant_report.json").read_text())
+    assert report["plan"]["name"] == "mine" and report["report"]["logits"]["n"] > 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "q2")]) == 0
+    assert "quantized    plan mine" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "profile",
+                str(tmp_path / "q1"),
+                "--data",
+                str(data),
+                "--tokens",
+                "64",
+                "--seq-len",
+                "32",
+                "--out",
+                str(tmp_path / "prof"),
+            ]
+        )
+        == 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ("no-such-preset", "neither a preset nor a file; presets: attn-logits-int4"),
+        ("mxfp4", "does not divide"),
+    ],
+)
+def test_cli_quantize_bad_input(tmp_path, capsys, plan, message):
+    base = tmp_path / "base"
+    save_checkpoint(tiny_model("diff_v2", vocab_size=259, max_seq_len=64, ffn_dim=40), base)
+    data = tmp_path / "d.txt"
+    data.write_text("x = 1\n" * 100)
+    args = ["quantize", str(base), "--plan", plan, "--calib-data", str(data), "--seq-len", "32"]
+    assert main([*args, "--calib-tokens", "64", "--eval-tokens", "32", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "q").exists()
+
+
+def test_nan_counted_through_a_plan():
+    model = tiny_model("baseline")
+    apply_plan(model, preset("w8a8"))
+    model.embed.weight.data[5] = float("nan")
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 5, 2]]))
+    assert torch.isnan(out).any()
+    counts = nan_counts(model)
+    assert counts and all(v > 0 for v in counts.values())
