@@ -217,9 +217,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     )
     counts = _Counter(target for target, _, _ in applied)
     print(f"plan {plan.name}: {plan.description}" if plan.description else f"plan {plan.name}")
+    calibration = (
+        f"calibrated on {calibrated:,} tokens" if calibrated else "dynamic scales, no calibration needed"
+    )
     print(
         f"quantized {counts['site']} sites, {counts['weight']} weights, {counts['linear']} backend Linears; "
-        f"calibrated on {calibrated:,} tokens"
+        f"{calibration}"
     )
     same = (
         " (the calibration windows: the source is too small for a held-out part)" if held_out is calib else ""

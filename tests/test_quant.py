@@ -334,3 +334,90 @@ def test_nan_counted_through_a_plan():
     assert torch.isnan(out).any()
     counts = nan_counts(model)
     assert counts and all(v > 0 for v in counts.values())
+
+
+# ------------------------------------------------------------------------------- real backends
+def _backend_plan(name: str, **backend) -> QuantPlan:
+    return QuantPlan.from_dict({"name": name, "backend": {"name": name, **backend}})
+
+
+def _fake_weights(scheme: str) -> QuantPlan:
+    return QuantPlan.from_dict({"rules": [{"weights": "layers.*", "scheme": scheme}]})
+
+
+def _logits_pair(real: QuantPlan, fake: QuantPlan, **model_kw):
+    ids = _windows(2, 16)
+    a, b = tiny_model("diff_v2", **model_kw), tiny_model("diff_v2", **model_kw)
+    apply_plan(a, real)
+    apply_plan(b, fake)
+    calibrate(a, ids)
+    with torch.no_grad():
+        return a(ids), b(ids)
+
+
+def test_quanto_int8_weights_agree_with_fake_int8_per_channel():
+    # Same grid (absmax / 127 per output row, round half to even): the dequantized weights are equal,
+    # so the logits differ only by fp32 summation order.
+    real, fake = _logits_pair(_backend_plan("quanto", weights="qint8"), _fake_weights("int8:channel"))
+    torch.testing.assert_close(real, fake, rtol=1e-5, atol=1e-5)
+
+
+def test_bnb_nf4_agrees_with_fake_nf4_groups():
+    # bitsandbytes quantizes the row-major flattened weight in blocks of 64 with an fp32 absmax each:
+    # with in_features a multiple of 64 those blocks are our group(64) on the NF4 codebook.
+    kw = {"d_model": 64, "head_dim": 16, "ffn_dim": 128}
+    real, fake = _logits_pair(
+        _backend_plan("bnb", mode="nf4", blocksize=64), _fake_weights("nf4:group(64)"), **kw
+    )
+    torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4)
+
+
+def test_bnb_int8_agrees_with_fake_w8a8_on_a_linear():
+    # LLM.int8 with no input column beyond the 6.0 threshold is int8 weights per output row times int8
+    # inputs per token, both taken after an fp16 cast. The same scheme in fake-quant, applied to the same
+    # fp16-cast tensors, differs only by bitsandbytes' dequantisation constant 6.200124e-05 for 1/127^2
+    # (relative 1.8e-5) and fp32 summation: bound 3e-5 * sum |xq| |wq| per output.
+    from diffquant.models.attention import Linear
+    from diffquant.quant.backends.bnb import to_bnb
+
+    torch.manual_seed(0)
+    linear = Linear(64, 48)
+    x = torch.randn(3, 10, 64).clamp(-5.5, 5.5)
+    real = to_bnb(linear, mode="int8", threshold=6.0)(x)
+    xq = FakeQuant(Scheme.parse("int8:token"), "x", "linear_in")(x.half().float())
+    wq = FakeQuant(Scheme.parse("int8:channel"), "w", "weight").quantize_weight(
+        linear.weight.detach().half().float()
+    )
+    fake = xq @ wq.T
+    bound = 3e-5 * (xq.abs() @ wq.abs().T) + 1e-6
+    # fp16-cast inputs land exactly on rounding ties (x/s = k + 1/2) now and then; there the two round
+    # differently (half to even vs half away from zero): one step of slack for each tied element.
+    xh, wh = x.half().float(), linear.weight.detach().half().float()
+    sx, sw = xh.abs().amax(-1, keepdim=True) / 127, wh.abs().amax(-1, keepdim=True) / 127
+    tie_x = ((xh / sx).abs().frac() - 0.5).abs() < 1e-4
+    tie_w = ((wh / sw).abs().frac() - 0.5).abs() < 1e-4
+    bound = bound + (tie_x * sx) @ wq.abs().T + xq.abs() @ (tie_w * sw).T
+    assert ((real - fake).abs() <= bound).all()
+    assert ((real - fake).abs() / fake.abs().clamp_min(1e-3)).median() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        {"name": "quanto", "weights": "qint8", "activations": "qint8"},
+        {"name": "bnb", "mode": "int8"},
+        {"name": "bnb", "mode": "nf4", "blocksize": 32},
+        {"name": "quanto", "weights": "qint4"},
+    ],
+)
+def test_backend_round_trip_identical_logits(tmp_path, backend):
+    model = tiny_model("diff_v1")
+    apply_plan(model, QuantPlan.from_dict({"name": "b", "backend": backend}))
+    calibrate(model, _windows(2, 16))
+    save_quantized(model, tmp_path / "q")
+    again = load_model(tmp_path / "q")
+    ids = _windows(2, 12, seed=3)
+    with torch.no_grad():
+        assert torch.equal(again(ids), model(ids))
+    assert again.layers[0].attn.q_proj.input is not None  # taps survive the swap
+    assert "layers.0.attn.q_proj.input" in again.sites()

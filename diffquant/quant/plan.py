@@ -288,8 +288,9 @@ _PRESET_DATA.update(
             "backend": {"name": "bnb", "mode": "int8", "threshold": 6.0},
         },
         "bnb-nf4": {
-            "description": "bitsandbytes NF4 weights (blocks of 64)",
-            "backend": {"name": "bnb", "mode": "nf4"},
+            # blocks of 32 so that widths like 672 (a DIFF V2 FFN) divide; bnb 0.50's CPU kernel needs that
+            "description": "bitsandbytes NF4 weights (blocks of 32)",
+            "backend": {"name": "bnb", "mode": "nf4", "blocksize": 32},
         },
     }
 )

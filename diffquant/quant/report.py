@@ -138,7 +138,7 @@ def format_report(report: dict[str, dict], limit: int = 12) -> str:
     rows = [(n, s) for n, s in report.items() if n != "logits" and s["sqnr_db"] is not None]
     rows.sort(key=lambda r: r[1]["sqnr_db"])
     lines = [f"{'site':<32}{'SQNR dB':>9}{'cosine':>10}{'rel L1':>9}{'RMSE':>11}"]
-    for name, s in [("logits", report["logits"]), *rows[:limit]]:
+    for name, s in [("(model output logits)", report["logits"]), *rows[:limit]]:
         if s["n"] == 0 or s["sqnr_db"] is None:
             lines.append(f"{name:<32}{'exact':>9}")
             continue
