@@ -311,6 +311,7 @@ def test_cli_quantize_preset_and_plan_file(tmp_path, capsys):
     [
         ("no-such-preset", "neither a preset nor a file; presets: attn-logits-int4"),
         ("mxfp4", "does not divide"),
+        ("BADFILE", "rules[0].scheme: format 'int9': bits 9 out of range 2..8"),
     ],
 )
 def test_cli_quantize_bad_input(tmp_path, capsys, plan, message):
@@ -318,6 +319,9 @@ def test_cli_quantize_bad_input(tmp_path, capsys, plan, message):
     save_checkpoint(tiny_model("diff_v2", vocab_size=259, max_seq_len=64, ffn_dim=40), base)
     data = tmp_path / "d.txt"
     data.write_text("x = 1\n" * 100)
+    if plan == "BADFILE":
+        plan = str(tmp_path / "bad.yaml")
+        (tmp_path / "bad.yaml").write_text("rules:\n  - sites: kind:logits\n    scheme: int9\n")
     args = ["quantize", str(base), "--plan", plan, "--calib-data", str(data), "--seq-len", "32"]
     assert main([*args, "--calib-tokens", "64", "--eval-tokens", "32", "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
