@@ -60,17 +60,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    import torch
+    from diffquant.io import init_model, save_checkpoint
 
-    from diffquant.io import save_checkpoint
-    from diffquant.models import DecoderLM, preset_config
-
-    config = preset_config(args.preset, args.kind)
-    torch.manual_seed(args.seed)
-    model = DecoderLM(config)
+    model = init_model(f"init:{args.kind}:{args.preset}:{args.seed}")
     save_checkpoint(model, args.out, overwrite=args.force)
     print(
-        f"wrote {args.out}: {config.attention} ({args.preset}), {model.num_parameters():,} parameters, seed {args.seed}"
+        f"wrote {args.out}: {args.kind} ({args.preset}), {model.num_parameters():,} parameters, seed {args.seed}"
     )
     return 0
 
@@ -78,67 +73,33 @@ def _cmd_init(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from diffquant.data import ByteTokenizer, fingerprint, token_windows
+    from diffquant.data import fingerprint
     from diffquant.distributed import init_from_env, shutdown
     from diffquant.io import load_model
-    from diffquant.io.artifacts import manifest, sha256_file, write_json_atomic, write_text_atomic
-    from diffquant.profile.runner import profile_model
-    from diffquant.profile.tables import format_table5, layerwise, table5
+    from diffquant.io.artifacts import manifest, sha256_file, write_json_atomic
+    from diffquant.profile.runner import profile_stage
 
-    rank, world = init_from_env()
+    _, world = init_from_env()
     try:
         _positive(args, "tokens", "seq_len", "batch_size", "topk")
-        models = {}
+        models: dict = {}
         for spec in args.checkpoints:
-            model = load_model(spec)
-            cfg = model.config
-            if args.seq_len > cfg.max_seq_len:
-                raise DiffquantError(
-                    f"--seq-len {args.seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}"
-                )
-            if cfg.vocab_size < ByteTokenizer.vocab_size:
-                raise DiffquantError(
-                    f"{spec}: vocab_size {cfg.vocab_size} cannot hold the byte tokenizer's "
-                    f"{ByteTokenizer.vocab_size} ids"
-                )
-            models[_unique_name(spec, models)] = (spec, model)
-        windows = token_windows(args.data, args.tokens, args.seq_len)
-        n_tokens = windows.numel()
-        if n_tokens < args.tokens and rank == 0:
-            print(f"note: data source {args.data!r} holds only {n_tokens:,} tokens", file=sys.stderr)
+            models[_unique_name(spec, models)] = (spec, load_model(spec))
         out = Path(args.out)
-        tables, summaries = {}, {}
-        for name, (spec, model) in models.items():
-            profile = profile_model(
-                model,
-                windows,
-                batch_size=args.batch_size,
-                sites=args.sites,
-                topk=args.topk,
-                attention=False if args.no_attention_metrics else None,
-                progress=sys.stderr.isatty(),
-                desc=name,
-            )
-            if profile is None:  # not rank 0
-                continue
-            profile.meta.update(
-                model=name,
-                checkpoint=str(spec),
-                attention=model.config.attention,
-                config=model.config.to_dict(),
-            )
-            write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
-            tables[name] = table5(profile)
-            summaries[name] = {"table5": tables[name], "layerwise_hidden": layerwise(profile, "resid")}
-        if rank != 0:
-            return 0
-        text = format_table5(tables)
-        header = (
-            f"Table 5 view: k-th largest |x| and median |x| over {n_tokens:,} tokens "
-            f"({windows.shape[0]} windows of {args.seq_len}) from {args.data}"
+        header, text, n_tokens = profile_stage(
+            models,
+            data=args.data,
+            tokens=args.tokens,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            sites=args.sites,
+            topk=args.topk,
+            attention=False if args.no_attention_metrics else None,
+            out=out,
+            progress=sys.stderr.isatty(),
         )
-        write_text_atomic(out / "table5.txt", header + "\n" + text + "\n")
-        write_json_atomic(out / "table5.json", summaries)
+        if not header:  # not rank 0
+            return 0
         write_json_atomic(
             out / "manifest.json",
             manifest(
@@ -164,75 +125,70 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from collections import Counter as _Counter
-    from pathlib import Path
-
-    import torch
-
-    from diffquant.data import fingerprint, token_windows
-    from diffquant.io import load_model
-    from diffquant.io.artifacts import library_versions, write_json_atomic
-    from diffquant.io.quantized import is_quantized, save_quantized
-    from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
-    from diffquant.quant.report import compare_models, format_report
+    from diffquant.quant.run import quantize_checkpoint
 
     _positive(args, "calib_tokens", "eval_tokens", "seq_len", "batch_size")
-    if is_quantized(args.checkpoint):
-        raise DiffquantError(f"{args.checkpoint}: already quantized; quantize its base checkpoint instead")
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise DiffquantError(f"{out}: already exists (pass --force to replace it)")
-    plan = QuantPlan.load(args.plan)
-    reference = load_model(args.checkpoint)
-    if args.seq_len > reference.config.max_seq_len:
-        raise DiffquantError(
-            f"--seq-len {args.seq_len} exceeds the max_seq_len {reference.config.max_seq_len} of {args.checkpoint}"
-        )
-    model = load_model(args.checkpoint)
-    applied = apply_plan(model, plan)
-    windows = token_windows(args.calib_data, args.calib_tokens + args.eval_tokens, args.seq_len)
-    n_calib = max(1, min(windows.shape[0] - 1, -(-args.calib_tokens // args.seq_len)))
-    calib, held_out = windows[:n_calib], windows[n_calib:]
-    if held_out.shape[0] == 0:
-        held_out = calib  # a tiny source: report on the calibration text itself (said below)
-    with torch.no_grad():
-        calibrated = calibrate(model, calib, batch_size=args.batch_size)
-        report = compare_models(reference, model, held_out, batch_size=args.batch_size)
-    meta = {
-        "base": str(args.checkpoint),
-        "plan_source": str(args.plan),
-        "calibration": {
-            "source": args.calib_data,
-            "fingerprint": fingerprint(args.calib_data),
-            "tokens": calibrated,
-            "seq_len": args.seq_len,
-        },
-        "report_tokens": held_out.numel(),
-        "nan_counts": nan_counts(model),
-        "versions": library_versions(),
-    }
-    save_quantized(model, out, meta=meta, overwrite=args.force)
-    write_json_atomic(
-        out / "quant_report.json", {"plan": plan.to_dict(), "applied": applied, "report": report}
+    summary = quantize_checkpoint(
+        args.checkpoint,
+        args.plan,
+        calib_data=args.calib_data,
+        calib_tokens=args.calib_tokens,
+        eval_tokens=args.eval_tokens,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        out=args.out,
+        force=args.force,
     )
-    counts = _Counter(target for target, _, _ in applied)
-    print(f"plan {plan.name}: {plan.description}" if plan.description else f"plan {plan.name}")
-    calibration = (
-        f"calibrated on {calibrated:,} tokens" if calibrated else "dynamic scales, no calibration needed"
-    )
-    print(
-        f"quantized {counts['site']} sites, {counts['weight']} weights, {counts['linear']} backend Linears; "
-        f"{calibration}"
-    )
-    same = (
-        " (the calibration windows: the source is too small for a held-out part)" if held_out is calib else ""
-    )
-    print(f"error vs the unquantized model on {held_out.numel():,} held-out tokens{same}:")
-    print(format_report(report))
-    if meta["nan_counts"]:
-        print(f"NaN seen by quantizers: {meta['nan_counts']}")
-    print(f"wrote {out} (load it like any checkpoint: diffquant profile {out} ...)")
+    print(summary["text"])
     return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from diffquant.distributed import init_from_env, shutdown
+    from diffquant.eval.sweep import SweepSpec, format_results, run_sweep
+    from diffquant.eval.tasks import parse_task
+
+    init_from_env()
+    try:
+        _positive(args, "batch_size", "calib_tokens", "calib_seq_len")
+        models: dict = {}
+        for spec in args.models:
+            models[_unique_name(spec, models)] = spec
+        tasks = [parse_task(t, where=f"--task {t!r}") for t in args.task]
+        spec = SweepSpec(
+            models=models,
+            plans=list(args.plan),
+            tasks=tasks,
+            calib_data=args.calib_data,
+            calib_tokens=args.calib_tokens,
+            calib_seq_len=args.calib_seq_len,
+            batch_size=args.batch_size,
+        )
+        out = Path(args.out)
+        results = run_sweep(spec, out, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
+        if results is None:
+            return 0
+        print(format_results(spec, results))
+        print(f"wrote {out}/results.csv, results.json, timing.csv (cells in {out}/cells-rank*.jsonl)")
+        return 0
+    finally:
+        shutdown()
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from diffquant.distributed import init_from_env, shutdown
+    from diffquant.recipes import load_recipe, run_recipe
+
+    rank, _ = init_from_env()
+    try:
+        recipe = load_recipe(args.recipe, args.set)
+        log = print if rank == 0 else (lambda message: None)
+        run_recipe(recipe, args.out, progress=sys.stderr.isatty(), log=log)
+        return 0
+    finally:
+        shutdown()
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -246,7 +202,11 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def _unique_name(spec: str, taken: dict) -> str:
     from pathlib import Path
 
-    base = Path(str(spec).rstrip("/")).name or "model"
+    text = str(spec)
+    if text.startswith("init:"):  # init:KIND:PRESET[:SEED] -> KIND-PRESET
+        base = "-".join(text.split(":")[1:3])
+    else:
+        base = Path(text.rstrip("/")).name or "model"
     name, i = base, 2
     while name in taken:
         name, i = f"{base}-{i}", i + 1
@@ -323,6 +283,35 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--out", required=True, help="output folder")
     quant.add_argument("--force", action="store_true", help="replace an existing output folder")
     quant.set_defaults(func=_cmd_quantize)
+
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate models (optionally under quantization plans) on tasks: a resumable sweep",
+        description="Runs every model x plan x task cell (plan 'none' = unquantized is always included), "
+        "appending finished cells so a killed run resumes; prints the primary metric and its change.",
+    )
+    ev.add_argument(
+        "models", nargs="+", metavar="MODEL", help="checkpoint folders or init:KIND:PRESET[:SEED]"
+    )
+    ev.add_argument(
+        "--task",
+        action="append",
+        required=True,
+        help="bpb | retrieval | mc:path=FILE.jsonl, with options TYPE:key=value,... (repeatable)",
+    )
+    ev.add_argument("--plan", nargs="+", default=["none"], help="plans: none, preset names or YAML files")
+    ev.add_argument("--calib-data", default="stdlib:train", help="calibration data for static plans")
+    ev.add_argument("--calib-tokens", type=int, default=4096)
+    ev.add_argument("--calib-seq-len", type=int, default=256)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
+    ev.set_defaults(func=_cmd_eval)
+
+    run = sub.add_parser("run", help="run a YAML recipe (profile, quantize, eval, sweep) into a run folder")
+    run.add_argument("recipe", help="a recipe file, e.g. recipes/paper-fig8.yaml")
+    run.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
+    run.add_argument("--out", default=None, help="run folder (default: the recipe's output.dir)")
+    run.set_defaults(func=_cmd_run)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)

@@ -1,5 +1,8 @@
-"""Byte tokenizer, text sources, fingerprints and deterministic token windows."""
+"""Byte tokenizer, text sources, fingerprints and deterministic token streams and windows."""
 
+import hashlib
+import json
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -7,7 +10,15 @@ import torch
 
 import diffquant.data.corpus as corpus
 from diffquant import DiffquantError
-from diffquant.data import ByteTokenizer, Document, fingerprint, iter_documents, token_windows
+from diffquant.data import (
+    ByteTokenizer,
+    Document,
+    fingerprint,
+    iter_documents,
+    stdlib_split,
+    token_stream,
+    token_windows,
+)
 
 WIKITEXT = Path(__file__).parents[2] / "shared/data/wikitext-2-raw"
 BOS, EOS = 256, 257
@@ -153,6 +164,140 @@ def test_stdlib_source():
     assert first[0, 0].item() == BOS
     doc = next(iter_documents("stdlib"))
     assert first[0, 1 : 1 + 20].tolist() == list(doc.text.encode("utf-8"))[:20]
+
+
+def _stdlib_names() -> list[str]:
+    return [name for name, _ in corpus._entries("stdlib")]
+
+
+def test_stdlib_train_validation_split_by_path_hash():
+    names = _stdlib_names()
+    expected_val = [n for n in names if int(hashlib.sha256(n.encode()).hexdigest(), 16) % 20 == 0]
+    val = [name for name, _ in corpus._entries("stdlib:validation")]
+    train = [name for name, _ in corpus._entries("stdlib:train")]
+    assert val == expected_val  # the documented rule, in the source's sorted order
+    assert sorted(val + train) == names and not set(val) & set(train)
+    assert 0.02 < len(val) / len(names) < 0.10  # ~5 %
+    assert all(stdlib_split(n) == "validation" for n in val)
+    assert all(stdlib_split(n) == "train" for n in train)
+    # documents follow the split
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = list(iter_documents("stdlib:validation"))
+    assert [d.name for d in docs] == [n for n in val if (root / n).stat().st_size > 0]  # empty files skipped
+    assert next(iter_documents("stdlib:train")).name == next(n for n in train if (root / n).stat().st_size)
+    assert docs[0].text == (root / docs[0].name).read_bytes().decode("utf-8", errors="replace")
+    fp = fingerprint("stdlib:validation")
+    assert fp == fingerprint("stdlib:validation") and len(fp) == 64
+    stream = token_stream("stdlib:validation", max_tokens=50)
+    assert stream[0].item() == BOS and stream[1:50].tolist() == list(docs[0].text.encode())[:49]
+
+
+def test_unknown_stdlib_split_names_the_allowed_ones():
+    for bad in ("stdlib:test", "stdlib:", "stdlib:Train"):
+        with pytest.raises(DiffquantError) as info:
+            iter_documents(bad)
+        msg = _one_line_naming(info, bad)
+        assert "'stdlib:train'" in msg and "'stdlib:validation'" in msg
+
+
+# --------------------------------------------------------------------------------------------- jsonl
+def test_jsonl_file_one_document_per_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    lines = [
+        json.dumps({"text": "first", "meta": 1}),
+        "",  # blank lines are not records
+        json.dumps({"text": "line\nbreak é"}),
+        json.dumps({"text": ""}),  # empty text: skipped like an empty file
+        json.dumps({"text": "u\u2028v"}),  # a raw line separator inside a string is not a record break
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    docs = list(iter_documents(str(path)))
+    assert docs == [
+        Document("data.jsonl:1", "first"),
+        Document("data.jsonl:3", "line\nbreak é"),
+        Document("data.jsonl:5", "u\u2028v"),
+    ]
+    stream = token_stream(str(path))
+    expected = []
+    for doc in docs:
+        expected += [BOS, *doc.text.encode("utf-8"), EOS]
+    assert stream.tolist() == expected
+    assert fingerprint(str(path)) == fingerprint(str(path))
+
+
+def test_jsonl_inside_folder_and_fingerprint_sees_records(tmp_path):
+    root = _folder(tmp_path)
+    (root / "a" / "d.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "yz"}))
+    names = [d.name for d in iter_documents(str(root))]
+    assert names == ["a/c.md", "a/d.jsonl:1", "a/d.jsonl:2", "b.txt"]
+    assert [d.text for d in iter_documents(str(root))][1:3] == ["x", "yz"]
+    before = fingerprint(str(root))
+    (root / "a" / "d.jsonl").write_text(
+        json.dumps({"text": "x", "extra": 1}) + "\n" + json.dumps({"text": "yz"})
+    )
+    assert fingerprint(str(root)) == before  # only the text counts, not other fields
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"body": "no text"}), "no 'text' field"),
+        (json.dumps(["text"]), "no 'text' field"),
+        (json.dumps({"text": 3}), "must be a string"),
+    ],
+)
+def test_bad_jsonl_lines_name_file_and_line(tmp_path, line, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n\n" + line + "\n")
+    with pytest.raises(DiffquantError) as info:
+        list(iter_documents(str(path)))
+    msg = _one_line_naming(info, str(path))
+    assert "bad.jsonl:3" in msg and needle in msg
+    # in a folder the relative name is given
+    folder = tmp_path / "f"
+    (folder / "sub").mkdir(parents=True)
+    path.rename(folder / "sub" / "bad.jsonl")
+    with pytest.raises(DiffquantError) as info:
+        list(iter_documents(str(folder)))
+    assert "sub/bad.jsonl:3" in _one_line_naming(info, str(folder))
+
+
+# -------------------------------------------------------------------------------------- token_stream
+def test_token_stream_is_the_stream_windows_cut(tmp_path):
+    root = str(_folder(tmp_path))
+    stream = [BOS, 0xC3, 0xA9, EOS, BOS, ord("h"), ord("i"), ord("\n"), EOS]
+    full = token_stream(root)
+    assert full.dtype == torch.long and full.dim() == 1
+    assert full.tolist() == stream
+    assert token_stream(root, None).tolist() == stream
+    for k in (1, 3, 4, 8, 9, 100):
+        assert token_stream(root, k).tolist() == stream[:k]
+    for seq_len in (1, 2, 3, 4):
+        w = token_windows(root, n_tokens=9, seq_len=seq_len)
+        assert torch.equal(w.flatten(), full[: w.numel()])
+    for bad in (0, -1, 2.0, True, "3"):
+        with pytest.raises(DiffquantError) as info:
+            token_stream(root, bad)
+        assert "max_tokens" in _one_line_naming(info, root)
+
+
+def test_token_stream_stops_reading_once_enough_tokens(tmp_path, monkeypatch):
+    root = tmp_path / "many"
+    root.mkdir()
+    for i in range(20):
+        (root / f"{i:02d}.txt").write_text("x" * 10)  # 12 tokens each
+    reads = []
+    original = corpus._read
+    monkeypatch.setattr(corpus, "_read", lambda *a: reads.append(a[1]) or original(*a))
+    assert token_stream(str(root), 13).numel() == 13
+    assert reads == ["00.txt", "01.txt"]
+    reads.clear()
+    assert token_stream(str(root), 12).numel() == 12
+    assert reads == ["00.txt"]
+    reads.clear()
+    assert token_stream(str(root)).numel() == 240
+    assert len(reads) == 20
 
 
 # ----------------------------------------------------------------------------------------- wikitext

@@ -1,14 +1,19 @@
-"""Text sources for calibration and profiling: the Python standard library, a text file or a folder.
+"""Text sources for calibration, profiling and evaluation: the Python standard library (whole or split),
+a text file, a JSONL file or a folder.
 
-Profiles and quantization scales are only comparable when they saw the same tokens, so every source reads
-in a fixed order (sorted relative paths), windows are cut deterministically, and :func:`fingerprint`
-names the exact text a result came from. The ``stdlib`` source needs no download: every Python install
-carries ~30 MB of real text (code, docstrings, comments), which suits offline machines and tests.
+Profiles, quantization scales and perplexities are only comparable when they saw the same tokens, so every
+source reads in a fixed order (sorted relative paths), windows are cut deterministically, and
+:func:`fingerprint` names the exact text a result came from. The ``stdlib`` source needs no download:
+every Python install carries ~30 MB of real text (code, docstrings, comments), which suits offline
+machines and tests. ``stdlib:train`` / ``stdlib:validation`` split it by a hash of each file's relative
+path, so calibration and evaluation text never overlap and the split is the same on every machine that
+has the same files (no random seed, no file list to ship).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import sysconfig
@@ -22,11 +27,16 @@ from diffquant.data.tokenizer import ByteTokenizer
 from diffquant.errors import DiffquantError
 
 STDLIB = "stdlib"
+STDLIB_SPLITS = ("train", "validation")
+# 1 in VALIDATION_MODULUS stdlib files (by path hash) is validation text: ~5 % of the files.
+VALIDATION_MODULUS = 20
 TEXT_SUFFIXES = (".txt", ".raw", ".md", ".py", ".json", ".jsonl", ".csv", ".rst", ".tokens")
 # Directories of the standard library that are not the library itself (installed packages, test suites
 # with deliberately odd files, bytecode caches).
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-_EXPECTED = "expected 'stdlib', a text file or a folder of text files"
+_EXPECTED = (
+    "expected 'stdlib', 'stdlib:train', 'stdlib:validation', a text or .jsonl file or a folder of text files"
+)
 
 
 @dataclass(frozen=True)
@@ -50,11 +60,37 @@ def _walk(root: Path, keep_file, skip_dir) -> list[tuple[str, Path]]:
     return found
 
 
+def stdlib_split(relative_path: str) -> str:
+    """``'validation'`` for ~1 in 20 stdlib files, else ``'train'``, decided by the file's relative posix path.
+
+    A hash of the path (not a seeded shuffle, not the file content) keeps the split stable across machines,
+    runs and edits of a file, and lets a file be assigned without listing the others.
+    """
+    digest = hashlib.sha256(relative_path.encode("utf-8")).hexdigest()
+    return "validation" if int(digest, 16) % VALIDATION_MODULUS == 0 else "train"
+
+
+def _stdlib_entries(split: str | None) -> list[tuple[str, Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = _walk(root, lambda f: f.endswith(".py"), lambda d: d in _STDLIB_SKIP)
+    if split is None:
+        return files
+    return [(name, path) for name, path in files if stdlib_split(name) == split]
+
+
 def _entries(source: str) -> list[tuple[str, Path]]:
     """The files a source consists of, without reading them (so a small request reads little)."""
     if source == STDLIB:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return _walk(root, lambda f: f.endswith(".py"), lambda d: d in _STDLIB_SKIP)
+        return _stdlib_entries(None)
+    if source.startswith(STDLIB + ":"):
+        # The prefix is reserved: a file really named like this is reachable as ./stdlib:name.
+        split = source[len(STDLIB) + 1 :]
+        if split not in STDLIB_SPLITS:
+            allowed = ", ".join(repr(f"{STDLIB}:{s}") for s in STDLIB_SPLITS)
+            raise DiffquantError(
+                f"data source {source!r}: unknown stdlib split {split!r}; expected {allowed}"
+            )
+        return _stdlib_entries(split)
     path = Path(source).expanduser() if source else None
     if path is not None and path.is_file():
         return [(path.name, path)]
@@ -76,14 +112,46 @@ def _read(source: str, name: str, path: Path) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def _is_jsonl(path: Path) -> bool:
+    return path.name.lower().endswith(".jsonl")
+
+
+def _jsonl_documents(source: str, name: str, text: str) -> Iterator[Document]:
+    """One document per line of a JSONL file, from its ``"text"`` field, named ``name:LINE`` (1-based).
+
+    JSONL is how most released corpora ship (one record per line with a ``text`` field); reading it as
+    raw text would feed the model JSON quoting and escapes instead of the text. Blank lines are skipped
+    (a trailing newline is not a record); empty texts are skipped like empty files.
+    """
+    # split("\n"), not splitlines(): JSON strings may hold raw U+2028 and friends, which are not records.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"data source {source!r}: {name}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DiffquantError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict) or "text" not in record:
+            raise DiffquantError(f"{where}: no 'text' field (expected a JSON object with a 'text' string)")
+        value = record["text"]
+        if not isinstance(value, str):
+            raise DiffquantError(f"{where}: field 'text' must be a string, got {type(value).__name__}")
+        if value:
+            yield Document(f"{name}:{lineno}", value)
+
+
 def iter_documents(source: str) -> Iterator[Document]:
     """The documents of ``source`` in a fixed order, read lazily one at a time.
 
     ``source`` is ``'stdlib'`` (the running Python's standard-library .py files, without site-packages,
-    test/tests folders and __pycache__), a path to a text file (one document, whatever its suffix), or a
-    folder (every non-hidden file under it with a suffix in TEXT_SUFFIXES). Files are sorted by relative
-    path and decoded as UTF-8 with replacement characters; empty files are skipped. A missing source
-    raises at once; a source without any text raises once iteration finds none.
+    test/tests folders and __pycache__), ``'stdlib:train'`` / ``'stdlib:validation'`` (the ~95 % / ~5 %
+    of those files chosen by :func:`stdlib_split`), a path to a text file (one document, whatever its
+    suffix), a ``.jsonl`` file (one document per line, its ``"text"`` field, named ``file.jsonl:LINE``),
+    or a folder (every non-hidden file under it with a suffix in TEXT_SUFFIXES; .jsonl files inside it
+    are read as JSONL too). Files are sorted by relative path and decoded as UTF-8 with replacement
+    characters; empty files and texts are skipped. A missing source raises at once; a source without any
+    text raises once iteration finds none.
     """
     entries = _entries(source)
     if not entries:
@@ -95,7 +163,11 @@ def _read_documents(source: str, entries: list[tuple[str, Path]]) -> Iterator[Do
     found = False
     for name, path in entries:
         text = _read(source, name, path)
-        if text:
+        if _is_jsonl(path):
+            for doc in _jsonl_documents(source, name, text):
+                found = True
+                yield doc
+        elif text:
             found = True
             yield Document(name, text)
     if not found:
@@ -120,34 +192,55 @@ def fingerprint(source: str) -> str:
     return h.hexdigest()
 
 
-def token_windows(
-    source: str, n_tokens: int, seq_len: int, tokenizer: ByteTokenizer | None = None
-) -> torch.Tensor:
-    """The first ceil(n_tokens / seq_len) windows (n_windows, seq_len) of ``source``'s token stream, long.
+def _check_count(source: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DiffquantError(f"data source {source!r}: {name} must be an integer >= 1, got {value!r}")
 
-    The stream is [BOS] + tokens + [EOS] for each document in order, cut into consecutive non-overlapping
-    windows (a window may span documents, as in LM pretraining). Documents are read only until enough
-    tokens are there. A source shorter than the request yields the whole windows it has (fewer rows; the
-    caller reports it); one shorter than a single window is an error. ``tokenizer`` defaults to
-    :class:`ByteTokenizer`.
+
+def token_stream(
+    source: str, max_tokens: int | None = None, tokenizer: ByteTokenizer | None = None
+) -> torch.Tensor:
+    """The first ``max_tokens`` ids (1-D, long) of ``source``'s token stream; ``None`` for all of it.
+
+    The stream is [BOS] + tokens + [EOS] for each document in order: the one sequence that
+    :func:`token_windows` cuts into rows and that perplexity evaluation slides over, so both see the
+    same tokens for the same source. Documents are read only until ``max_tokens`` are there; a shorter
+    source yields what it has. ``tokenizer`` defaults to :class:`ByteTokenizer`.
     """
-    for name, value in (("n_tokens", n_tokens), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DiffquantError(f"data source {source!r}: {name} must be an integer >= 1, got {value!r}")
+    if max_tokens is not None:
+        _check_count(source, "max_tokens", max_tokens)
     tokenizer = tokenizer or ByteTokenizer()
-    n_windows = math.ceil(n_tokens / seq_len)
-    need = n_windows * seq_len
     pieces: list[torch.Tensor] = []
     have = 0
     for doc in iter_documents(source):
         ids = torch.tensor(tokenizer.encode(doc.text, bos=True, eos=True), dtype=torch.long)
         pieces.append(ids)
         have += ids.numel()
-        if have >= need:
+        if max_tokens is not None and have >= max_tokens:
             break
+    stream = torch.cat(pieces)
+    return stream if max_tokens is None else stream[:max_tokens]
+
+
+def token_windows(
+    source: str, n_tokens: int, seq_len: int, tokenizer: ByteTokenizer | None = None
+) -> torch.Tensor:
+    """The first ceil(n_tokens / seq_len) windows (n_windows, seq_len) of ``source``'s token stream, long.
+
+    The stream (:func:`token_stream`) is [BOS] + tokens + [EOS] for each document in order, cut into
+    consecutive non-overlapping windows (a window may span documents, as in LM pretraining). Documents are
+    read only until enough tokens are there. A source shorter than the request yields the whole windows it
+    has (fewer rows; the caller reports it); one shorter than a single window is an error. ``tokenizer``
+    defaults to :class:`ByteTokenizer`.
+    """
+    _check_count(source, "n_tokens", n_tokens)
+    _check_count(source, "seq_len", seq_len)
+    n_windows = math.ceil(n_tokens / seq_len)
+    stream = token_stream(source, n_windows * seq_len, tokenizer)
+    have = stream.numel()
     if have < seq_len:
         raise DiffquantError(
             f"data source {source!r} has {have} tokens, fewer than one window of seq_len {seq_len}"
         )
     n_windows = min(n_windows, have // seq_len)
-    return torch.cat(pieces)[: n_windows * seq_len].view(n_windows, seq_len)
+    return stream[: n_windows * seq_len].view(n_windows, seq_len)

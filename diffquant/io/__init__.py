@@ -10,7 +10,7 @@ from diffquant.errors import DiffquantError
 from diffquant.io.checkpoint import load_checkpoint, read_config, save_checkpoint
 from diffquant.models.transformer import DecoderLM
 
-__all__ = ["load_checkpoint", "load_model", "read_config", "save_checkpoint", "save_quantized"]
+__all__ = ["init_model", "load_checkpoint", "load_model", "read_config", "save_checkpoint", "save_quantized"]
 
 
 def save_quantized(*args, **kwargs):
@@ -26,13 +26,16 @@ KNOWN_SCHEMES = ("zoo", "hf", "unilm")
 def load_model(
     spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
-    """Load a model from a specifier: a native checkpoint folder, quantized or not.
+    """Load a model from a specifier: a native checkpoint folder (quantized or not), or
+    ``init:KIND:PRESET[:SEED]``, a randomly initialised model (to try recipes before training anything).
 
     Specifiers with a scheme (``zoo:``, ``hf:``, ``unilm:``) are reserved for the converters; naming one
     that this version cannot read is an error rather than a guess at a folder of that name.
     """
     text = str(spec)
     scheme = text.split(":", 1)[0]
+    if scheme == "init":
+        return init_model(text, device=device, dtype=dtype)
     if ":" in text and scheme in KNOWN_SCHEMES:
         raise DiffquantError(
             f"model specifier {text!r}: '{scheme}:' models are not supported by this version; "
@@ -43,3 +46,28 @@ def load_model(
     if is_quantized(text):
         return load_quantized(text, device=device, dtype=dtype)
     return load_checkpoint(text, device=device, dtype=dtype)
+
+
+def init_model(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DecoderLM:
+    """``init:KIND:PRESET[:SEED]``: a seeded random model, the same as ``diffquant init`` writes."""
+    from diffquant.models import ATTENTION_KINDS, PRESETS, preset_config
+
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[1] not in ATTENTION_KINDS or parts[2] not in PRESETS:
+        raise DiffquantError(
+            f"model specifier {spec!r}: expected init:KIND:PRESET[:SEED] with KIND one of "
+            f"{', '.join(ATTENTION_KINDS)} and PRESET one of {', '.join(PRESETS)}"
+        )
+    try:
+        seed = int(parts[3]) if len(parts) == 4 else 0
+    except ValueError:
+        raise DiffquantError(f"model specifier {spec!r}: seed {parts[3]!r} is not an integer") from None
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = DecoderLM(preset_config(parts[2], parts[1]))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval()

@@ -204,9 +204,10 @@ def matched_configs(base: ModelConfig) -> dict[str, ModelConfig]:
 
 # Baseline presets; `diffquant init --kind K --preset P` derives kind K from preset P.
 PRESETS: dict[str, ModelConfig] = {
-    # For trying every command in seconds.
+    # For trying every command in seconds. Widths chosen so every derived matrix (DIFF V2's FFN too)
+    # divides into 32-element blocks, so MX / group presets apply to all three kinds.
     "tiny": ModelConfig(
-        d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=320, max_seq_len=256
+        d_model=96, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, ffn_dim=256, max_seq_len=256
     ),
     # About the size of the CPU trial models (3.3M parameters with 259 byte-level tokens).
     "small": ModelConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -40,3 +41,75 @@ def profile_model(
     if parts is None:
         return None
     return merge_profiles(Profile.from_dict(p) for p in parts)
+
+
+def profile_stage(
+    models: dict[str, tuple[str, DecoderLM]],
+    *,
+    data: str,
+    tokens: int,
+    seq_len: int,
+    batch_size: int,
+    sites: str | Sequence[str],
+    topk: int,
+    attention: bool | None,
+    out: Path,
+    progress: bool = False,
+) -> tuple[str, str, int]:
+    """Profile each (spec, model) on the same windows; write profile/NAME.json, table5.{txt,json}.
+
+    Returns (header, table, tokens) on rank 0 and ("", "", tokens) elsewhere. Shared by
+    `diffquant profile` and recipes.
+    """
+    from diffquant.data import ByteTokenizer, token_windows
+    from diffquant.errors import DiffquantError
+    from diffquant.io.artifacts import write_json_atomic, write_text_atomic
+    from diffquant.profile.tables import format_table5, layerwise, table5
+
+    for spec, model in models.values():
+        cfg = model.config
+        if seq_len > cfg.max_seq_len:
+            raise DiffquantError(f"--seq-len {seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}")
+        if cfg.vocab_size < ByteTokenizer.vocab_size:
+            raise DiffquantError(
+                f"{spec}: vocab_size {cfg.vocab_size} cannot hold the byte tokenizer's {ByteTokenizer.vocab_size} ids"
+            )
+    windows = token_windows(data, tokens, seq_len)
+    rank, _ = rank_and_world()
+    tables, summaries = {}, {}
+    for name, (spec, model) in models.items():
+        profile = profile_model(
+            model,
+            windows,
+            batch_size=batch_size,
+            sites=sites,
+            topk=topk,
+            attention=attention,
+            progress=progress,
+            desc=name,
+        )
+        if profile is None:
+            continue
+        profile.meta.update(
+            model=name,
+            checkpoint=str(spec),
+            attention=model.config.attention,
+            config=model.config.to_dict(),
+            data=data,
+        )
+        write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
+        tables[name] = table5(profile)
+        summaries[name] = {"table5": tables[name], "layerwise_hidden": layerwise(profile, "resid")}
+    n_tokens = windows.numel()
+    if rank != 0:
+        return "", "", n_tokens
+    header = (
+        f"Table 5 view: k-th largest |x| and median |x| over {n_tokens:,} tokens "
+        f"({windows.shape[0]} windows of {seq_len}) from {data}"
+    )
+    if n_tokens < tokens:
+        header += f" (the source holds only {n_tokens:,} tokens)"
+    text = format_table5(tables)
+    write_text_atomic(out / "table5.txt", header + "\n" + text + "\n")
+    write_json_atomic(out / "table5.json", {"tokens": n_tokens, "data": data, "models": summaries})
+    return header, text, n_tokens

@@ -1,0 +1,547 @@
+"""Needle retrieval: the DIFF paper's multi-needle test and its attention-noise metric (arXiv 2410.05258).
+
+Protocol (DIFF paper, key information retrieval, Tables 2-3): a context of filler text holds N "needles",
+sentences that give a city a magic number ("The magic number of Paris is 4721."); the model is asked for the
+number of one of R queried cities, whose needle sits at a given depth of the context (0/25/50/75/100 %).
+The paper reports accuracy for N/R = 1/1, 2/2, 4/2, 6/2 at 4K context, and (Table 3) the attention mass that
+the answer position puts on the answer span versus the rest of the context: Transformer 0.03-0.09 / 0.49-0.54,
+DIFF 0.27-0.40 / 0.01-0.02, the paper's evidence that differential attention cancels "attention noise".
+
+Three scores per prompt, because byte-level models small enough to profile rarely retrieve perfectly and a
+single exact-match number would sit at 0 for most of them:
+
+- greedy: the answer bytes decoded greedily match exactly (the paper's accuracy);
+- rank: the true number has the highest log-likelihood among the numbers of all needles in the context plus
+  random distractors (at least 4 candidates), a graded signal with a known chance level;
+- attention: answer / rest mass of the answer position's attention row (Table 3), measured with the
+  Profiler's span metric on the map the layer actually applies (softmax for the baseline, the differential
+  map A1 - lambda A2 for DIFF, not renormalised).
+
+Everything is seeded, so two models (or a model before and after quantization) see identical prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from diffquant.data.tokenizer import ByteTokenizer
+from diffquant.errors import DiffquantError
+from diffquant.models.taps import model_taps
+from diffquant.profile.profiler import Profile, Profiler, merge_profiles
+
+__all__ = [
+    "CITIES",
+    "FILLER_SENTENCES",
+    "NeedleSample",
+    "RetrievalConfig",
+    "SampleScore",
+    "evaluate_retrieval",
+    "make_samples",
+    "prompt_ids",
+    "score_samples",
+]
+
+TOKENIZER = ByteTokenizer()
+
+# Single-word ASCII names, none a suffix of another ("York" would hide inside "New York"), so a needle's
+# city is unambiguous for the model and for the test doubles that parse prompts.
+CITIES: tuple[str, ...] = (
+    "Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Vienna", "Prague", "Warsaw", "Lisbon",
+    "Dublin", "Oslo", "Stockholm", "Helsinki", "Copenhagen", "Amsterdam", "Brussels", "Athens", "Istanbul",
+    "Cairo", "Nairobi", "Lagos", "Johannesburg", "Mumbai", "Delhi", "Bangkok", "Singapore", "Jakarta",
+    "Manila", "Seoul", "Beijing", "Shanghai", "Sydney", "Melbourne", "Auckland", "Toronto", "Montreal",
+    "Chicago", "Boston", "Denver", "Seattle", "Houston", "Lima", "Santiago", "Bogota", "Havana",
+    "Reykjavik", "Budapest", "Zurich", "Munich",
+)  # fmt: skip
+
+# The built-in haystack: plain, digit-free sentences (digits would be decoys for the magic numbers), varied
+# enough that a byte-level model cannot find the needle just by spotting the one non-repeating sentence.
+FILLER_SENTENCES: tuple[str, ...] = (
+    "The river bends twice before it reaches the old mill at the edge of town.",
+    "Most of the orchard was planted by a family who left long before anyone can remember.",
+    "On quiet mornings the fog rolls down from the hills and settles over the fields.",
+    "A good notebook is worth more than a clever memory when the details start to pile up.",
+    "The library keeps its maps in wide drawers that squeak whenever someone opens them.",
+    "Bakers in the market square start work while the streets are still dark and empty.",
+    "Every spring the swallows return to the same beams under the roof of the barn.",
+    "Nobody could explain why the clock in the tower always ran a little fast in winter.",
+    "The ferry crosses the lake slowly, and most passengers spend the trip watching the water.",
+    "Learning a new language feels hopeless for a while and then suddenly begins to click.",
+    "The museum moved its oldest paintings to a cooler room to protect the fading colours.",
+    "Children along the coast learn early to read the tide from the colour of the sand.",
+    "A long walk after dinner tends to settle the mind better than any argument does.",
+    "The carpenter insisted that a table is only finished when nobody notices the joints.",
+    "Rain on a tin roof makes an afternoon feel longer and somehow more comfortable.",
+    "Old railway lines across the valley have been turned into paths for cyclists and walkers.",
+    "The committee argued for hours about the colour of the new benches in the park.",
+    "Some gardeners swear that plants grow better when someone talks to them each morning.",
+    "The lighthouse keeper wrote letters every evening, although few of them were ever sent.",
+    "In the mountains the weather can change from sunshine to snow within a single hour.",
+    "A well-made soup needs patience more than it needs any rare or expensive ingredient.",
+    "The students kept a small telescope on the roof and took turns watching the planets.",
+    "Traders once carried salt, wool and spices along the narrow road through the pass.",
+    "The choir practised in the cold church because the acoustics there were beyond compare.",
+    "Foxes have become bold enough to wander through the gardens in the middle of the day.",
+    "Her grandfather repaired radios in a workshop that smelled of solder and dust.",
+    "The annual fair brings jugglers, musicians and a great deal of noise to the village.",
+    "Reading aloud is a habit that slows the reader down and makes the story last longer.",
+    "The bridge was painted a bright shade of red so that ships could see it through the mist.",
+    "After the harvest the farmers gather in the hall to share food and tell old stories.",
+    "A stray cat adopted the bookshop and now sleeps on the poetry shelf every afternoon.",
+    "The canal freezes only in the hardest winters, and then the whole town goes skating.",
+)
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """One retrieval task: N needles, R queried cities, the depths to test and the context size.
+
+    The defaults are the paper's 1/1 cell at a size a small byte-level model can hold (``context_bytes``
+    plus ~80 bytes of question must fit the model's ``max_seq_len``).
+    """
+
+    n_needles: int = 1  # N: needle sentences (city -> number) in the context
+    n_queries: int = 1  # R: cities asked about, each scored as its own prompt over the same context
+    depths: tuple[float, ...] = (0, 25, 50, 75, 100)  # % depth of the queried needle in the context
+    samples_per_depth: int = 10
+    context_bytes: int = 1024  # approximate size of the filler + needles context
+    digits: int = 4  # magic numbers have this many digits (first digit non-zero)
+    seed: int = 0
+    filler: str | None = None  # filler text; None = the built-in FILLER_SENTENCES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depths", tuple(self.depths))  # a list from YAML would be unhashable
+
+        def need(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise DiffquantError(f"retrieval {name}: expected {expected}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.n_needles) and 1 <= self.n_needles <= len(CITIES), "n_needles", f"1..{len(CITIES)}")
+        need(is_int(self.n_queries) and 1 <= self.n_queries <= self.n_needles, "n_queries", "1..n_needles")
+        need(
+            len(self.depths) > 0
+            and all(
+                isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d <= 100 for d in self.depths
+            ),
+            "depths",
+            "a non-empty list of percentages in [0, 100]",
+        )
+        need(
+            is_int(self.samples_per_depth) and self.samples_per_depth >= 1,
+            "samples_per_depth",
+            "an integer >= 1",
+        )
+        need(is_int(self.context_bytes) and self.context_bytes >= 0, "context_bytes", "an integer >= 0")
+        need(is_int(self.digits) and self.digits >= 1, "digits", "an integer >= 1")
+        need(
+            9 * 10 ** (self.digits - 1) >= self.n_candidates,
+            "digits",
+            f"enough {self.digits}-digit numbers for {self.n_candidates} distinct candidates",
+        )
+        need(is_int(self.seed), "seed", "an integer")
+        need(self.filler is None or isinstance(self.filler, str), "filler", "a string or None")
+
+    @property
+    def n_candidates(self) -> int:
+        """Candidates per prompt: every needle's number, plus distractors up to 4 (chance <= 25 %)."""
+        return max(self.n_needles, 4)
+
+
+@dataclass(frozen=True)
+class NeedleSample:
+    """One scored prompt. Offsets are token indices of ``prompt_ids(sample)`` (BOS at index 0)."""
+
+    prompt: str  # context + question, ends right before the answer
+    answer: str  # e.g. " 4721": what should follow the prompt
+    answer_span: tuple[int, int]  # [start, end) token indices of the queried needle's number digits
+    query_pos: int  # token index of the last prompt token, where the answer's first byte is predicted
+    candidates: tuple[str, ...]  # answer strings to rank, sorted (so the position leaks nothing)
+    label: int  # index of ``answer`` in ``candidates``
+    depth: float
+    city: str
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    """Per-sample outcome, kept so callers can inspect failures, not only the averages."""
+
+    greedy: str  # the greedily decoded continuation (len(answer) bytes)
+    greedy_ok: bool
+    scores: tuple[float, ...]  # summed log-probabilities of the candidates' bytes, in candidate order
+    rank_credit: float  # 1 when the label alone is the best candidate, 1/k when tied with k-1 others, else 0
+
+
+# ------------------------------------------------------------------------------------------- samples
+def _filler_sentences(text: str | None) -> list[str]:
+    """The haystack as sentences, whitespace-normalised; long runs without punctuation are wrapped so the
+    needle can still be placed at a fine-grained depth."""
+    if text is None:
+        return list(FILLER_SENTENCES)
+    if "magic number" in text.lower():
+        raise DiffquantError(
+            "retrieval filler: must not contain 'magic number' (it would plant fake needles)"
+        )
+    sentences = []
+    for piece in re.split(r"(?<=[.!?])\s+|\n+", text):
+        piece = " ".join(piece.split())
+        sentences.extend(textwrap.wrap(piece, width=200, break_long_words=True))
+    if not sentences:
+        raise DiffquantError("retrieval filler: no text left after splitting into sentences")
+    return sentences
+
+
+def _needle(city: str, number: int) -> str:
+    return f"The magic number of {city} is {number}."
+
+
+def _question(city: str) -> str:
+    return f"\nWhat is the magic number of {city}? The magic number of {city} is"
+
+
+def make_samples(cfg: RetrievalConfig) -> list[NeedleSample]:
+    """The prompts of ``cfg``: for each depth, sample index and query, one NeedleSample.
+
+    Seeding is paired across depths: sample i draws its cities, numbers, distractors and filler from a
+    generator seeded by (seed, i) only, and only the placement of the non-queried needles depends on the
+    depth. So depth effects are measured on the same haystacks, not confounded with a different draw per
+    depth; a different seed gives different samples.
+
+    Placement: the context is a sequence of sentence slots (filler plus needles). The R queried needles
+    occupy consecutive slots starting at slot round(depth/100 * (M - R)) of M, so 0 % puts the first
+    queried needle in the first sentence and 100 % puts the last one in the last sentence before the
+    question; the other needles take random other slots.
+    """
+    sentences = _filler_sentences(cfg.filler)
+    n, r = cfg.n_needles, cfg.n_queries
+    lo, hi = 10 ** (cfg.digits - 1), 10**cfg.digits
+    samples: list[NeedleSample] = []
+    contents = []
+    for i in range(cfg.samples_per_depth):
+        rng = random.Random(f"diffquant-retrieval:{cfg.seed}:{i}")
+        cities = rng.sample(CITIES, n)
+        numbers = rng.sample(range(lo, hi), cfg.n_candidates)  # needles first, then distractors
+        needles = [_needle(c, x) for c, x in zip(cities, numbers, strict=False)]
+        budget = cfg.context_bytes - sum(len(s.encode()) + 1 for s in needles)
+        start = rng.randrange(len(sentences))
+        filler: list[str] = []
+        used = 0
+        while True:
+            s = sentences[(start + len(filler)) % len(sentences)]
+            if used + len(s.encode()) + 1 > budget:
+                break
+            filler.append(s)
+            used += len(s.encode()) + 1
+        candidates = tuple(sorted(f" {x}" for x in numbers))
+        contents.append((cities, numbers[:n], needles, filler, candidates))
+    for depth in cfg.depths:
+        for i, (cities, numbers, needles, filler, candidates) in enumerate(contents):
+            rng = random.Random(f"diffquant-retrieval:{cfg.seed}:{i}:{float(depth)!r}")
+            m = len(filler) + n
+            base = round(float(depth) / 100 * (m - r))
+            slots: list[int | None] = [None] * m  # needle index per slot, None = filler
+            for q in range(r):
+                slots[base + q] = q
+            free = [k for k in range(m) if slots[k] is None]
+            for j, k in zip(range(r, n), rng.sample(free, n - r), strict=True):
+                slots[k] = j
+            parts: list[str] = []
+            digit_start: dict[int, int] = {}
+            offset = 1  # token index: BOS sits at 0
+            fill = iter(filler)
+            for k, j in enumerate(slots):
+                text = next(fill) if j is None else needles[j]
+                if k:
+                    offset += 1  # the joining space
+                if j is not None:
+                    digit_start[j] = offset + len(f"The magic number of {cities[j]} is ".encode())
+                parts.append(text)
+                offset += len(text.encode())
+            context = " ".join(parts)
+            for q in range(r):
+                prompt = context + _question(cities[q])
+                answer = f" {numbers[q]}"
+                samples.append(
+                    NeedleSample(
+                        prompt=prompt,
+                        answer=answer,
+                        answer_span=(digit_start[q], digit_start[q] + cfg.digits),
+                        query_pos=len(prompt.encode()),
+                        candidates=candidates,
+                        label=candidates.index(answer),
+                        depth=float(depth),
+                        city=cities[q],
+                    )
+                )
+    return samples
+
+
+def prompt_ids(sample: NeedleSample) -> torch.Tensor:
+    """BOS followed by the prompt's UTF-8 bytes, 1-D long: the exact tokens the offsets refer to."""
+    return torch.tensor(TOKENIZER.encode(sample.prompt, bos=True), dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------------------- scoring
+def _device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
+def _check_samples(model: Any, samples: Sequence[NeedleSample]) -> None:
+    """Fail before any compute: bad labels, a non-byte vocabulary, or a prompt the model cannot hold."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab <= TOKENIZER.bos_id:
+        raise DiffquantError(
+            f"retrieval needs a byte-level model (vocab_size >= {TOKENIZER.vocab_size}); this one has {vocab}"
+        )
+    for s in samples:
+        if not 0 <= s.label < len(s.candidates) or s.candidates[s.label] != s.answer:
+            raise DiffquantError(
+                f"needle sample for {s.city!r}: candidates[label] is not the answer {s.answer!r}"
+            )
+        if any(not c.encode() for c in s.candidates) or not s.answer.encode():
+            raise DiffquantError(f"needle sample for {s.city!r}: empty answer or candidate")
+    max_len = getattr(config, "max_seq_len", None)
+    if max_len is None:
+        return
+    # The last candidate byte is never fed, so BOS + prompt + (answer - 1) tokens must fit.
+    worst = max(samples, key=lambda s: len(s.prompt.encode()) + max(len(c.encode()) for c in s.candidates))
+    p = len(worst.prompt.encode())
+    a = max(len(c.encode()) for c in worst.candidates)
+    if p + a > max_len:
+        raise DiffquantError(
+            f"needle prompt of {p} bytes + answer of {a} bytes exceeds the model's max_seq_len {max_len} "
+            f"(BOS included, the last answer byte is not fed); lower context_bytes by at least {p + a - max_len}"
+        )
+
+
+def _span_kind(model: Any) -> str | None:
+    """The map the layers apply: diff_map for DIFF, probs for the baseline; None without taps."""
+    if not hasattr(model, "named_modules"):
+        return None
+    kinds = {tap.kind for tap in model_taps(model).values()}
+    return "diff_map" if "diff_map" in kinds else "probs" if "probs" in kinds else None
+
+
+def _branch_cache(model: Any, cache: Any, rows: torch.Tensor) -> Any | None:
+    """A new cache holding batch rows ``rows`` of ``cache``, or None when the cache's layout is unknown.
+
+    DecoderLM's cache rebinds (torch.cat) rather than mutates its tensors, so branches are independent.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(getattr(x, "k", None) is not None for x in layers):
+        return None
+    branch = model.new_cache()
+    for src, dst in zip(layers, branch.layers, strict=True):
+        dst.k = src.k.index_select(0, rows.to(src.k.device))
+        dst.v = src.v.index_select(0, rows.to(src.v.device))
+    return branch
+
+
+def _greedy(model: Any, ids: torch.Tensor, last: torch.Tensor, cache: Any, steps: int) -> torch.Tensor:
+    """Greedy continuation (B, steps): with the KV cache when there is one, else by full recomputation."""
+    out = [last.argmax(-1)]
+    seq = ids
+    for _ in range(steps - 1):
+        tok = out[-1][:, None]
+        if cache is not None:
+            logits = model(tok, cache)
+        else:
+            seq = torch.cat([seq, tok], dim=1)
+            logits = model(seq)
+        out.append(logits[:, -1].float().argmax(-1))
+    return torch.stack(out, dim=1)
+
+
+def _candidate_scores(
+    model: Any,
+    ids: torch.Tensor,
+    last_logp: torch.Tensor,
+    cache: Any,
+    candidates: list[list[list[int]]],
+    batch_size: int,
+) -> list[list[float]]:
+    """Summed log-probabilities of each row's candidate byte strings after its prompt.
+
+    The first byte is read from the prompt's last position; the rest come from one more forward over the
+    candidate bytes (all but the last), branching the prompt's KV cache when possible and otherwise
+    recomputing prompt + candidate. Candidates of unequal length are right-padded: under the causal mask
+    nothing after a position changes its logits, so padding cannot change a score.
+    """
+    scores = [[float(last_logp[b, c[0]]) for c in cands] for b, cands in enumerate(candidates)]
+    pairs = [(b, j) for b, cands in enumerate(candidates) for j, c in enumerate(cands) if len(c) > 1]
+    for k in range(0, len(pairs), batch_size):
+        chunk = pairs[k : k + batch_size]
+        width = max(len(candidates[b][j]) - 1 for b, j in chunk)
+        cont = torch.zeros((len(chunk), width), dtype=torch.long, device=ids.device)  # pad: byte 0, unread
+        for i, (b, j) in enumerate(chunk):
+            c = candidates[b][j]
+            cont[i, : len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+        rows = torch.tensor([b for b, _ in chunk], dtype=torch.long, device=ids.device)
+        branch = _branch_cache(model, cache, rows) if cache is not None else None
+        if branch is not None:
+            logits = model(cont, branch)
+        else:
+            logits = model(torch.cat([ids.index_select(0, rows), cont], dim=1))[:, -width:]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        for i, (b, j) in enumerate(chunk):
+            c = candidates[b][j]
+            target = torch.tensor(c[1:], dtype=torch.long, device=logp.device)
+            picked = logp[i, : len(c) - 1].gather(-1, target[:, None]).squeeze(-1)
+            scores[b][j] += float(picked.double().sum())
+    return scores
+
+
+def _rank_credit(scores: Sequence[float], label: int) -> float:
+    """1/k when the label is among the k candidates with the best score, else 0.
+
+    Ties split the credit (the expected accuracy of a uniformly random tie-break) instead of going to the
+    first candidate: a model that cannot tell the candidates apart then scores exactly chance. NaN scores
+    never win.
+    """
+    finite = [s for s in scores if not math.isnan(s)]
+    if math.isnan(scores[label]) or not finite:
+        return 0.0
+    best = max(finite)
+    ties = [i for i, s in enumerate(scores) if s == best]
+    return 1.0 / len(ties) if label in ties else 0.0
+
+
+def score_samples(
+    model: Any,
+    samples: Sequence[NeedleSample],
+    *,
+    batch_size: int = 8,
+    attention: bool = True,
+    progress: bool = False,
+) -> tuple[list[SampleScore], Profile | None]:
+    """Score every sample; returns per-sample scores and the merged span Profile (None if not measured).
+
+    ``model(ids (B, T)) -> logits (B, T, V)`` is all that is required; a ``new_cache()`` method enables
+    cached decoding, and taps (a DecoderLM) enable the attention metric. Prompts are batched only with
+    prompts of the same length, so no padding enters a prompt and batching cannot change a result; the
+    attention pass is the prompt's own forward, run under a Profiler with the answer span set.
+    """
+    samples = list(samples)
+    if not samples:
+        raise DiffquantError("retrieval: no samples to score")
+    if batch_size < 1:
+        raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
+    _check_samples(model, samples)
+    device = _device(model)
+    has_cache = callable(getattr(model, "new_cache", None))
+    span_kind = _span_kind(model) if attention else None
+
+    by_len: dict[int, list[int]] = {}
+    for idx, s in enumerate(samples):
+        by_len.setdefault(len(s.prompt.encode()), []).append(idx)
+    batches = [g[k : k + batch_size] for g in by_len.values() for k in range(0, len(g), batch_size)]
+
+    results: list[SampleScore | None] = [None] * len(samples)
+    profiles = []
+    with torch.no_grad():
+        for batch in tqdm(batches, desc="retrieval", unit="batch", disable=not progress, leave=False):
+            chosen = [samples[i] for i in batch]
+            ids = torch.stack([prompt_ids(s) for s in chosen]).to(device)
+            cache = model.new_cache() if has_cache else None
+            args = (ids,) if cache is None else (ids, cache)
+            if span_kind is not None:
+                # topk=1: the per-site statistics are a by-product here; only the span metric is read.
+                with Profiler(model, sites=f"kind:{span_kind}", topk=1, attention=True) as prof:
+                    prof.spans = [(s.answer_span[0], s.answer_span[1], s.query_pos) for s in chosen]
+                    logits = model(*args)
+                profiles.append(prof.result())
+            else:
+                logits = model(*args)
+            last = logits[:, -1].float()
+            candidates = [[TOKENIZER.encode(c) for c in s.candidates] for s in chosen]
+            # Ranking first: it branches the prompt's cache, which greedy decoding then extends in place.
+            scores = _candidate_scores(
+                model, ids, torch.log_softmax(last, dim=-1), cache, candidates, batch_size
+            )
+            steps = max(len(s.answer.encode()) for s in chosen)
+            generated = _greedy(model, ids, last, cache, steps).tolist()
+            for i, s, sc, gen in zip(batch, chosen, scores, generated, strict=True):
+                answer = TOKENIZER.encode(s.answer)
+                gen = gen[: len(answer)]
+                results[i] = SampleScore(
+                    greedy=TOKENIZER.decode(gen),
+                    greedy_ok=gen == answer,
+                    scores=tuple(sc),
+                    rank_credit=_rank_credit(sc, s.label),
+                )
+    profile = merge_profiles(profiles) if profiles else None
+    return [r for r in results if r is not None], profile
+
+
+def _span_means(profile: Profile | None) -> tuple[float | None, float | None]:
+    """Answer / rest mass averaged over layers of the per-layer mean over heads (DIFF paper, Table 3)."""
+    if profile is None:
+        return None, None
+    answer, rest = [], []
+    for kind, acc in profile.attention.values():
+        if kind != "span":
+            continue
+        summary = acc.summary()
+        if summary["answer_mass"]["mean"] is not None:
+            answer.append(summary["answer_mass"]["mean"])
+            rest.append(summary["rest_mass"]["mean"])
+    if not answer:
+        return None, None
+    return sum(answer) / len(answer), sum(rest) / len(rest)
+
+
+def evaluate_retrieval(
+    model: Any,
+    cfg: RetrievalConfig | Sequence[NeedleSample],
+    *,
+    batch_size: int = 8,
+    attention: bool = True,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Needle-retrieval accuracy (greedy exact match and candidate ranking) and attention span mass.
+
+    Returns ``acc_greedy``, ``acc_rank`` (ties split the credit, see :func:`_rank_credit`), ``chance_rank``
+    (mean 1/len(candidates): what acc_rank a model that cannot tell the numbers apart gets), ``n``,
+    ``answer_mass`` / ``rest_mass`` (None when not measured: attention off, or a model without taps) and
+    ``by_depth``: {depth: {acc_greedy, acc_rank, n}}.
+    """
+    samples = make_samples(cfg) if isinstance(cfg, RetrievalConfig) else list(cfg)
+    scores, profile = score_samples(
+        model, samples, batch_size=batch_size, attention=attention, progress=progress
+    )
+    answer_mass, rest_mass = _span_means(profile)
+
+    def accs(pairs: list[tuple[NeedleSample, SampleScore]]) -> dict[str, Any]:
+        n = len(pairs)
+        return {
+            "acc_greedy": sum(sc.greedy_ok for _, sc in pairs) / n,
+            "acc_rank": sum(sc.rank_credit for _, sc in pairs) / n,
+            "n": n,
+        }
+
+    pairs = list(zip(samples, scores, strict=True))
+    by_depth: dict[float, list[tuple[NeedleSample, SampleScore]]] = {}
+    for s, sc in pairs:
+        by_depth.setdefault(s.depth, []).append((s, sc))
+    return {
+        **accs(pairs),
+        "chance_rank": sum(1.0 / len(s.candidates) for s in samples) / len(samples),
+        "answer_mass": answer_mass,
+        "rest_mass": rest_mass,
+        "by_depth": {d: accs(v) for d, v in sorted(by_depth.items())},
+    }

@@ -1,0 +1,141 @@
+"""Tasks as data (the lm-evaluation-harness habit): a type, its parameters, and one primary metric.
+
+Task types:
+- ``bpb``: bits per byte and perplexity on a text source (``data``, ``tokens``, ``seq_len``, ``stride``);
+- ``retrieval``: needle retrieval, the DIFF paper's Tables 2-3 protocol (``needles``, ``queries``,
+  ``depths``, ``samples_per_depth``, ``context_bytes``, ``digits``, ``seed``, ``attention``);
+- ``mc``: multiple choice from HellaSwag-format JSONL (``path``, ``limit``).
+
+On the command line a task is ``TYPE`` or ``TYPE:key=value,key=value`` (``bpb:data=stdlib:validation,tokens=4096``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from diffquant.errors import DiffquantError
+
+# type -> {parameter: default}; a default of REQUIRED must be given.
+REQUIRED = object()
+TASK_PARAMS: dict[str, dict[str, Any]] = {
+    "bpb": {"data": "stdlib:validation", "tokens": 16384, "seq_len": None, "stride": None},
+    "retrieval": {
+        "needles": 1,
+        "queries": 1,
+        "depths": [0, 25, 50, 75, 100],
+        "samples_per_depth": 10,
+        "context_bytes": None,  # None: the model's max_seq_len - 128 (room for the question and answer)
+        "digits": 4,
+        "seed": 0,
+        "attention": True,
+    },
+    "mc": {"path": REQUIRED, "limit": None},
+}
+# type -> (primary metric, higher is better)
+PRIMARY: dict[str, tuple[str, bool]] = {
+    "bpb": ("bits_per_byte", False),
+    "retrieval": ("acc_rank", True),
+    "mc": ("acc_norm", True),
+}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.type
+
+    @property
+    def primary(self) -> tuple[str, bool]:
+        return PRIMARY[self.type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **({"name": self.name} if self.name else {}), **self.params}
+
+
+def parse_task(value: Any, where: str = "task") -> TaskSpec:
+    """A task from a YAML mapping ({type: bpb, tokens: 4096}) or the command-line form."""
+    if isinstance(value, TaskSpec):
+        return value
+    if isinstance(value, str):
+        kind, _, rest = value.partition(":")
+        data: dict[str, Any] = {"type": kind}
+        for item in filter(None, rest.split(",")):
+            key, eq, raw = item.partition("=")
+            if not eq:
+                raise DiffquantError(f"{where}: {item!r} is not key=value (in {value!r})")
+            data[key.strip()] = yaml.safe_load(raw) if raw else None
+        value = data
+    if not isinstance(value, dict):
+        raise DiffquantError(f"{where}: expected a mapping or 'TYPE[:key=value,...]', got {value!r}")
+    kind = value.get("type")
+    if kind not in TASK_PARAMS:
+        raise DiffquantError(f"{where}.type: {kind!r}; valid task types: {', '.join(TASK_PARAMS)}")
+    allowed = TASK_PARAMS[kind]
+    params = {}
+    for key, val in value.items():
+        if key in ("type", "name"):
+            continue
+        if key not in allowed:
+            raise DiffquantError(
+                f"{where}: unknown key '{key}' for task type {kind}; allowed keys: "
+                f"{', '.join(['name', 'type', *allowed])}"
+            )
+        params[key] = val
+    for key, default in allowed.items():
+        if key not in params:
+            if default is REQUIRED:
+                raise DiffquantError(f"{where}: task type {kind} needs '{key}'")
+            params[key] = default
+    if kind == "retrieval":
+        params["depths"] = [float(d) for d in params["depths"]]
+    return TaskSpec(kind, params, str(value.get("name", "")))
+
+
+def run_task(model, task: TaskSpec, *, batch_size: int = 8, progress: bool = False) -> dict[str, Any]:
+    """Evaluate ``model`` on ``task``; a flat dict of metrics (numbers or None)."""
+    p = task.params
+    if task.type == "bpb":
+        from diffquant.eval.perplexity import evaluate_bpb
+
+        return evaluate_bpb(
+            model,
+            p["data"],
+            max_tokens=int(p["tokens"]),
+            seq_len=p["seq_len"],
+            stride=p["stride"],
+            batch_size=batch_size,
+            progress=progress,
+        )
+    if task.type == "retrieval":
+        from diffquant.eval.retrieval import RetrievalConfig, evaluate_retrieval
+
+        cfg = RetrievalConfig(
+            n_needles=int(p["needles"]),
+            n_queries=int(p["queries"]),
+            depths=tuple(p["depths"]),
+            samples_per_depth=int(p["samples_per_depth"]),
+            context_bytes=int(p["context_bytes"] or model.config.max_seq_len - 128),
+            digits=int(p["digits"]),
+            seed=int(p["seed"]),
+        )
+        result = evaluate_retrieval(
+            model, cfg, batch_size=batch_size, attention=bool(p["attention"]), progress=progress
+        )
+        by_depth = result.pop("by_depth", {})
+        for depth, values in by_depth.items():
+            result[f"acc_rank@{float(depth):g}"] = values["acc_rank"]
+        return result
+    if task.type == "mc":
+        from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
+
+        items = load_mc_jsonl(p["path"])
+        return evaluate_mc(model, items, batch_size=batch_size, limit=p["limit"])
+    raise AssertionError(task.type)

@@ -1,0 +1,96 @@
+"""Quantize a checkpoint end to end: plan -> calibrate -> error report -> quantized checkpoint.
+
+Shared by ``diffquant quantize`` and the recipes' quantize stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffquant.errors import DiffquantError
+
+
+def quantize_checkpoint(
+    checkpoint: str,
+    plan_spec: str,
+    *,
+    calib_data: str,
+    calib_tokens: int,
+    eval_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    out: str | Path,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Write the quantized model of ``checkpoint`` under ``plan_spec`` to ``out``.
+
+    The error report compares against the unquantized model on held-out windows (those after the
+    calibration windows in the same source). Returns a summary with the printed text and the report.
+    """
+    from diffquant.data import fingerprint, token_windows
+    from diffquant.io import load_model
+    from diffquant.io.artifacts import library_versions, write_json_atomic
+    from diffquant.io.quantized import is_quantized, save_quantized
+    from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
+    from diffquant.quant.report import compare_models, format_report
+
+    if is_quantized(checkpoint):
+        raise DiffquantError(f"{checkpoint}: already quantized; quantize its base checkpoint instead")
+    out = Path(out)
+    if out.exists() and not force:
+        raise DiffquantError(f"{out}: already exists (pass --force to replace it)")
+    plan = QuantPlan.load(plan_spec)
+    reference = load_model(checkpoint)
+    if seq_len > reference.config.max_seq_len:
+        raise DiffquantError(
+            f"--seq-len {seq_len} exceeds the max_seq_len {reference.config.max_seq_len} of {checkpoint}"
+        )
+    model = load_model(checkpoint)
+    applied = apply_plan(model, plan)
+    windows = token_windows(calib_data, calib_tokens + eval_tokens, seq_len)
+    n_calib = max(1, min(windows.shape[0] - 1, -(-calib_tokens // seq_len)))
+    calib, held_out = windows[:n_calib], windows[n_calib:]
+    same = held_out.shape[0] == 0
+    if same:
+        held_out = calib  # a tiny source: report on the calibration text itself (said below)
+    with torch.no_grad():
+        calibrated = calibrate(model, calib, batch_size=batch_size)
+        report = compare_models(reference, model, held_out, batch_size=batch_size)
+    meta = {
+        "base": str(checkpoint),
+        "plan_source": str(plan_spec),
+        "calibration": {
+            "source": calib_data,
+            "fingerprint": fingerprint(calib_data),
+            "tokens": calibrated,
+            "seq_len": seq_len,
+        },
+        "report_tokens": held_out.numel(),
+        "nan_counts": nan_counts(model),
+        "versions": library_versions(),
+    }
+    save_quantized(model, out, meta=meta, overwrite=force)
+    write_json_atomic(
+        out / "quant_report.json", {"plan": plan.to_dict(), "applied": applied, "report": report}
+    )
+    counts = Counter(target for target, _, _ in applied)
+    calibration = (
+        f"calibrated on {calibrated:,} tokens" if calibrated else "dynamic scales, no calibration needed"
+    )
+    lines = [
+        f"plan {plan.name}: {plan.description}" if plan.description else f"plan {plan.name}",
+        f"quantized {counts['site']} sites, {counts['weight']} weights, {counts['linear']} backend Linears; "
+        f"{calibration}",
+        f"error vs the unquantized model on {held_out.numel():,} held-out tokens"
+        + (" (the calibration windows: the source is too small for a held-out part)" if same else "")
+        + ":",
+        format_report(report),
+    ]
+    if meta["nan_counts"]:
+        lines.append(f"NaN seen by quantizers: {meta['nan_counts']}")
+    lines.append(f"wrote {out} (load it like any checkpoint: diffquant profile {out} ...)")
+    return {"text": "\n".join(lines), "report": report, "logits_sqnr_db": report["logits"]["sqnr_db"]}
