@@ -173,3 +173,25 @@ def test_bad_values_and_overrides():
     assert apply_override(raw, "models.b=init:baseline:tiny")["models"]["b"] == "init:baseline:tiny"
     with pytest.raises(DiffquantError, match="does not exist"):
         apply_override(raw, "eval.tasks[3].tokens=7")
+
+
+def test_eval_cli_multiple_choice_and_retrieval(tmp_path, capsys):
+    items = tmp_path / "mc.jsonl"
+    rows = [
+        {"ctx": f"Question {i}: two plus {i} is", "endings": [str(2 + i), "blue", "seven"], "label": 0}
+        for i in range(6)
+    ]
+    items.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", "init:diff_v1:tiny", "--task", f"mc:path={items}", "--out", str(tmp_path / "e")]
+    args += ["--task", "retrieval:samples_per_depth=1,context_bytes=96,depths=[0]"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "mc: acc_norm" in out and "retrieval: acc_rank" in out
+    results = json.loads((tmp_path / "e" / "results.json").read_text())
+    metrics = {(r["task"], r["metric"]) for r in results["rows"]}
+    assert {
+        ("mc", "acc"),
+        ("mc", "acc_norm"),
+        ("retrieval", "acc_greedy"),
+        ("retrieval", "answer_mass"),
+    } <= metrics
