@@ -191,6 +191,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
         shutdown()
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from diffquant.plots import render_run
+
+    what = [w for item in args.what for w in item.split(",")] if args.what else None
+    records = render_run(
+        Path(args.run_dir),
+        what=what,
+        formats=tuple(args.format),
+        dpi=args.dpi,
+        layer=args.layer,
+        head=args.head,
+    )
+    if not records:
+        raise DiffquantError(f"{args.run_dir}: no figure could be drawn from its artifacts")
+    for record in records:
+        print(f"{record.name:<28} {', '.join(str(p) for p in record.paths)}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from diffquant.report import write_report
+
+    md, page = write_report(args.run_dir, dpi=args.dpi)
+    print(f"wrote {md} and {page}")
+    return 0
+
+
 def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
@@ -312,6 +341,28 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
     run.add_argument("--out", default=None, help="run folder (default: the recipe's output.dir)")
     run.set_defaults(func=_cmd_run)
+
+    plot = sub.add_parser("plot", help="draw the figures of a run folder (from its artifacts only)")
+    plot.add_argument("run_dir", help="a run folder written by profile / eval / run")
+    plot.add_argument(
+        "--what",
+        nargs="+",
+        help="figure families: hist, hist-layers, layerwise, maps, degradation, act-scales, lambda",
+    )
+    plot.add_argument("--format", nargs="+", default=["png"], choices=("png", "svg", "pdf"))
+    plot.add_argument("--dpi", type=int, default=150)
+    plot.add_argument(
+        "--layer", type=int, default=None, help="layer of the attention-map figure (default: last)"
+    )
+    plot.add_argument("--head", type=int, default=0, help="head of the attention-map figure")
+    plot.set_defaults(func=_cmd_plot)
+
+    report = sub.add_parser(
+        "report", help="write report.md and a self-contained report.html for a run folder"
+    )
+    report.add_argument("run_dir")
+    report.add_argument("--dpi", type=int, default=150)
+    report.set_defaults(func=_cmd_report)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)

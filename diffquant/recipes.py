@@ -190,8 +190,16 @@ def run_recipe(
         _stage_quantize(recipe, out, log)
     if "eval" in present or "sweep" in present:
         _stage_sweep(recipe, out, progress, log)
-    if "plots" in present and recipe["plots"]["enabled"]:
-        log("plots: not part of this version yet (figures come with `diffquant plot`); skipped")
+    figures: list = []
+    if recipe["plots"]["enabled"]:
+        from diffquant.plots import render_run
+
+        figures = render_run(out, formats=tuple(recipe["plots"]["formats"]), dpi=recipe["plots"]["dpi"])
+        log(f"plots: {len(figures)} figures in {out / 'figures'}")
+    from diffquant.report import write_report
+
+    md, page = write_report(out, figures=figures)
+    log(f"report: {md}, {page}")
     log(f"done: {out}")
     return out
 

@@ -55,15 +55,18 @@ def profile_stage(
     attention: bool | None,
     out: Path,
     progress: bool = False,
+    map_len: int = 64,
 ) -> tuple[str, str, int]:
     """Profile each (spec, model) on the same windows; write profile/NAME.json, table5.{txt,json}.
 
-    Returns (header, table, tokens) on rank 0 and ("", "", tokens) elsewhere. Shared by
+    Also saves the attention maps of the first ``map_len`` positions of the first window
+    (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens) on rank 0 and ("", "", tokens) elsewhere. Shared by
     `diffquant profile` and recipes.
     """
     from diffquant.data import ByteTokenizer, token_windows
     from diffquant.errors import DiffquantError
     from diffquant.io.artifacts import write_json_atomic, write_text_atomic
+    from diffquant.profile.maps import capture_maps, save_maps
     from diffquant.profile.tables import format_table5, layerwise, table5
 
     for spec, model in models.values():
@@ -98,6 +101,14 @@ def profile_stage(
             data=data,
         )
         write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
+        sample = windows[0, :map_len]
+        save_maps(
+            out / "profile" / f"{name}.maps.safetensors",
+            capture_maps(model, sample),
+            model=name,
+            attention=model.config.attention,
+            tokens=sample.tolist(),
+        )
         tables[name] = table5(profile)
         summaries[name] = {"table5": tables[name], "layerwise_hidden": layerwise(profile, "resid")}
     n_tokens = windows.numel()

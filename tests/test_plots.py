@@ -1,0 +1,368 @@
+"""Figures drawn from a run folder's artifacts: pixel size, non-blank images, one series per model,
+render_run's files and filters, and one-line errors naming the damaged file.
+
+The artifacts come from the real profile and sweep stages on tiny random models (one module-scoped
+fixture, a few seconds), so the figures are tested against the formats those stages actually write.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffquant.errors import DiffquantError
+from diffquant.plots import (
+    FAMILIES,
+    fig_act_scales,
+    fig_attention_maps,
+    fig_degradation,
+    fig_histograms,
+    fig_lambda,
+    fig_layerwise,
+    load_run,
+    model_colors,
+    render_run,
+)
+from diffquant.plots.figures import plan_point
+from diffquant.plots.style import KIND_FAMILIES, save_figure
+
+MODELS = ("baseline", "diff_v1", "diff_v2")
+DPI = 40  # small images keep the suite fast; pixel size is checked against figsize * dpi all the same
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "differential", "attention"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run folder as `diffquant run` leaves it: manifest, profiles + maps of three tiny models, a sweep."""
+    from diffquant.eval.sweep import SweepSpec, run_sweep
+    from diffquant.eval.tasks import parse_task
+    from diffquant.io import load_model
+    from diffquant.io.artifacts import manifest, write_json_atomic
+    from diffquant.profile.runner import profile_stage
+
+    root = tmp_path_factory.mktemp("plots")
+    text = root / "data.txt"
+    rng = np.random.default_rng(0)
+    text.write_text(" ".join(WORDS[i] for i in rng.integers(0, len(WORDS), 900)))
+    run = root / "run"
+    specs = {k: f"init:{k}:tiny" for k in MODELS}
+    write_json_atomic(run / "manifest.json", manifest("run", recipe={"models": specs}))
+    models = {k: (s, load_model(s)) for k, s in specs.items()}
+    profile_stage(
+        models,
+        data=str(text),
+        tokens=512,
+        seq_len=64,
+        batch_size=4,
+        sites="*",
+        topk=20,
+        attention=None,
+        out=run,
+    )
+    spec = SweepSpec(
+        models=specs,
+        plans=[
+            "attn-logits-int8",
+            "attn-logits-int4",
+            "attn-logits-int8-row",
+            "attn-logits-int4-row",
+            "w8a8",
+        ],
+        tasks=[parse_task(f"bpb:data={text},tokens=256,seq_len=64")],
+        calib_data=str(text),
+        calib_tokens=128,
+        calib_seq_len=64,
+    )
+    run_sweep(spec, run / "sweep")
+    return run
+
+
+@pytest.fixture(scope="module")
+def art(run_dir):
+    return load_run(run_dir)
+
+
+@pytest.fixture()
+def fresh_run(run_dir, tmp_path) -> Path:
+    """A private copy of the run folder (render_run writes into it)."""
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _assert_png(fig, folder: Path, name: str = "fig", dpi: int = DPI) -> np.ndarray:
+    """Save ``fig`` as PNG; check the pixel size is figsize x dpi and the image is not blank."""
+    from matplotlib.image import imread
+
+    (path,) = save_figure(fig, folder, name, ["png"], dpi)
+    img = imread(path)
+    width, height = fig.get_size_inches()
+    assert img.shape[:2] == (round(height * dpi), round(width * dpi))
+    assert float(np.var(img[..., :3])) > 1e-3, "image is blank"
+    return img
+
+
+def _labelled(ax, names=MODELS) -> list[str]:
+    return [line.get_label() for line in ax.get_lines() if line.get_label() in names]
+
+
+# ------------------------------------------------------------------------------------------ colours
+def test_model_colors_fixed_per_kind_and_distinct():
+    colors = model_colors([("b", "baseline"), ("d1", "diff_v1"), ("d2", "diff_v2")])
+    assert colors == {
+        n: KIND_FAMILIES[k][0] for n, k in (("b", "baseline"), ("d1", "diff_v1"), ("d2", "diff_v2"))
+    }
+    # order of listing does not change the colour of the first model of a kind
+    assert model_colors([("d2", "diff_v2"), ("b", "baseline")]) == {"d2": colors["d2"], "b": colors["b"]}
+    many = model_colors([(f"m{i}", ["baseline", "diff_v1", "diff_v2", "other"][i % 4]) for i in range(24)])
+    assert len(set(many.values())) == 24
+    assert many["m4"] in KIND_FAMILIES["baseline"] and many["m4"] != many["m0"]
+
+
+def test_import_is_light():
+    code = "import sys, diffquant, diffquant.plots; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+# ------------------------------------------------------------------------------------------ figures
+@pytest.mark.parametrize("kind", ["logits", "resid"])
+def test_histograms(art, tmp_path, kind):
+    colors = art.colors()
+    fig = fig_histograms(art.profiles, kind, colors=colors)
+    (ax,) = fig.axes
+    assert sorted(_labelled(ax)) == sorted(MODELS)
+    for line in ax.get_lines():
+        if line.get_label() in MODELS:
+            assert line.get_color() == colors[line.get_label()]
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    xs = [line.get_xdata()[0] for line in ax.get_lines() if len(line.get_xdata()) == 2]  # axvlines
+    assert 6.0 in xs  # the LLM.int8 threshold
+    _assert_png(fig, tmp_path)
+
+
+def test_histograms_per_layer(art, tmp_path):
+    fig = fig_histograms(art.profiles, "q", per_layer=True)
+    assert len(fig.axes) == 2  # two layers
+    for ax in fig.axes:
+        assert sorted(_labelled(ax)) == sorted(MODELS)
+    _assert_png(fig, tmp_path)
+
+
+def test_layerwise(art, tmp_path):
+    fig = fig_layerwise(art.profiles, "resid", colors=art.colors())
+    (ax,) = fig.axes
+    assert sorted(_labelled(ax)) == sorted(MODELS)  # one legend entry (the top-1 line) per model
+    assert len(ax.get_lines()) == 4 * len(MODELS)  # top-1/2/3 and median per model
+    assert ax.get_yscale() == "log"
+    _assert_png(fig, tmp_path)
+
+
+def test_attention_maps(art, tmp_path):
+    fig = fig_attention_maps(art.maps, layer=1, head=0, max_len=48)
+    with_images = [ax for ax in fig.axes if ax.images]
+    assert len(with_images) == 4 + 4 + 1  # two DIFF rows of four panels, one baseline panel
+    assert all(len(ax.images) == 1 for ax in with_images)
+    titles = [ax.get_title() for ax in with_images]
+    assert sum(t.startswith("diff_v1:") for t in titles) == 4 and "baseline: softmax A" in titles
+    assert all(ax.images[0].get_array().shape == (48, 48) for ax in with_images)
+    for ax in with_images:  # diverging map centred at zero
+        lo, hi = ax.images[0].get_clim()
+        assert ax.images[0].get_cmap().name.startswith("RdBu_r") and lo == pytest.approx(-hi)
+    # DIFF V2: lambda * A2 uses lambda at each query row; A1 - lambda*A2 equals the model's own diff_map
+    maps = art.maps["diff_v2"][0]
+    lam, a2 = maps["layers.1.lambda"][0, :48].double(), maps["layers.1.probs2"][0, :48, :48].double()
+    by_title = {ax.get_title().split(" (")[0]: ax.images[0].get_array() for ax in with_images}
+    shown = np.ma.filled(by_title["diff_v2: λ·A2"], 0.0)
+    np.testing.assert_allclose(shown, np.tril((lam[:, None] * a2).numpy()), atol=1e-12)
+    diff = np.ma.filled(by_title["diff_v2: A1 − λ·A2"], 0.0)
+    np.testing.assert_allclose(
+        diff, np.tril(maps["layers.1.diff_map"][0, :48, :48].double().numpy()), atol=1e-6
+    )
+    _assert_png(fig, tmp_path)
+    with pytest.raises(DiffquantError, match="head 7"):
+        fig_attention_maps(art.maps, layer=0, head=7)
+
+
+def test_degradation(art, tmp_path):
+    colors = art.colors()
+    fig = fig_degradation(art.results, art.sweep, colors=colors)
+    *curve_axes, bars_ax = fig.axes
+    assert len(curve_axes) == len(MODELS)  # one panel per model
+    lines = [ln for ax in curve_axes for ln in ax.get_lines()]
+    labels = [ln.get_label() for ln in lines if not ln.get_label().startswith("_")]
+    assert sorted(labels) == sorted(f"{m} · {g}" for m in MODELS for g in ("per-tensor", "per-row"))
+    for line in lines:
+        if not line.get_label().startswith("_"):
+            assert list(line.get_xdata()) == [4.0, 8.0, 16.0]
+            assert line.get_color() == colors[line.get_label().split(" · ")[0]]
+    assert sum(ln.get_label() == "_ref" for ln in lines) == len(MODELS)  # unquantized levels
+    # w8a8 mixes granularities: it is a bar per model in the second panel
+    assert [c.get_label() for c in bars_ax.containers] == list(MODELS)
+    assert [t.get_text() for t in bars_ax.get_xticklabels()] == ["w8a8"]
+    _assert_png(fig, tmp_path)
+    with pytest.raises(DiffquantError, match="no task 'nope'"):
+        fig_degradation(art.results, art.sweep, task="nope")
+
+
+def test_plan_point_classifies_plans():
+    from diffquant.quant.plan import preset
+
+    assert plan_point(None) is None
+    assert plan_point(preset("attn-logits-int4-row").to_dict()) == (4.0, "per-row")
+    assert plan_point(preset("attn-logits-int6").to_dict()) == (6.0, "per-tensor")
+    assert plan_point(preset("w8a8").to_dict()) is None  # per-channel weights + per-token inputs
+    assert plan_point(preset("w4a8").to_dict()) is None  # two formats
+    assert plan_point(preset("bnb-int8").to_dict()) is None  # a backend, no rules
+    bits, label = plan_point(preset("mxfp4").to_dict())
+    assert label == "mxfp4 blocks" and bits > 4
+
+
+def test_act_scales(art, tmp_path):
+    fig = fig_act_scales(art.profiles, colors=art.colors())
+    assert len(fig.axes) == 2
+    for ax in fig.axes:
+        assert sorted(_labelled(ax)) == sorted(MODELS)
+    assert "layers.0.mlp.down.input" in fig.axes[0].get_title()
+    width = art.profiles["baseline"].sites["layers.0.mlp.down.input"].summary()["channel_absmax_shape"][0]
+    assert len(fig.axes[0].get_lines()[0].get_xdata()) == width
+    _assert_png(fig, tmp_path)
+    with pytest.raises(DiffquantError, match="no per-channel"):
+        fig_act_scales(art.profiles, site="no.such.site")
+
+
+def test_lambda(art, tmp_path):
+    fig = fig_lambda(art.profiles, colors=art.colors())
+    per_layer, per_head = fig.axes
+    assert sorted(_labelled(per_layer)) == ["diff_v1", "diff_v2"]  # the baseline has no lambda
+    v1 = next(ln for ln in per_layer.get_lines() if ln.get_label() == "diff_v1")
+    scalar = art.maps["diff_v1"][0]["layers.0.lambda"].item()
+    assert v1.get_ydata()[0] == pytest.approx(scalar, rel=1e-6)
+    assert [c.get_label() for c in per_head.containers if c.get_label() in MODELS] == ["diff_v2"]
+    heads = art.maps["diff_v2"][0]["layers.0.lambda"].shape[0]
+    assert len(per_head.containers[0].lines[0].get_xdata()) == 2 * heads  # layers x heads points
+    _assert_png(fig, tmp_path)
+    with pytest.raises(DiffquantError, match="no DIFF model"):
+        fig_lambda({"baseline": art.profiles["baseline"]})
+
+
+# --------------------------------------------------------------------------------------- render_run
+def test_render_run_writes_every_figure(fresh_run):
+    records = render_run(fresh_run, dpi=DPI)
+    names = {r.name for r in records}
+    kinds = ("logits", "resid", "q", "k", "v", "mlp_act", "linear_in")
+    expected = {f"hist-{k}" for k in kinds} | {f"hist-layers-{k}" for k in kinds}
+    expected |= {
+        "layerwise-resid",
+        "layerwise-logits",
+        "maps-L1-H0",
+        "degradation-bpb",
+        "act-scales",
+        "lambda",
+    }
+    assert names == expected
+    assert {r.kind for r in records} == set(FAMILIES)
+    on_disk = {p.name for p in (fresh_run / "figures").iterdir()}
+    assert on_disk == {f"{n}.png" for n in expected} | {"figures.json"}  # no temporary files left
+    for r in records:
+        assert r.paths == (fresh_run / "figures" / f"{r.name}.png",) and r.caption
+    index = json.loads((fresh_run / "figures" / "figures.json").read_text())
+    assert {e["name"] for e in index["figures"]} == expected
+    assert index["figures"][0]["files"][0].startswith("figures/")
+
+
+def test_render_run_filter_formats_and_layer(fresh_run):
+    from matplotlib.image import imread
+
+    records = render_run(fresh_run, what=["maps", "lambda"], formats=("png", "svg"), dpi=60, layer=0, head=1)
+    assert [r.name for r in records] == ["maps-L0-H1", "lambda"]
+    files = sorted(p.name for p in (fresh_run / "figures").iterdir())
+    assert files == ["figures.json", "lambda.png", "lambda.svg", "maps-L0-H1.png", "maps-L0-H1.svg"]
+    assert "<svg" in (fresh_run / "figures" / "lambda.svg").read_text()[:2000]
+    assert imread(fresh_run / "figures" / "lambda.png").shape[:2] == (4 * 60, 12 * 60)  # figsize 12 x 4 in
+    with pytest.raises(DiffquantError, match="unknown figure 'histo'"):
+        render_run(fresh_run, what=["histo"])
+    with pytest.raises(DiffquantError, match="attention maps hold layers"):
+        render_run(fresh_run, what="maps", layer=5)
+
+
+def test_render_run_skips_missing_optional_parts(fresh_run):
+    shutil.rmtree(fresh_run / "sweep")
+    for name in ("diff_v1", "diff_v2"):
+        (fresh_run / "profile" / f"{name}.json").unlink()
+        (fresh_run / "profile" / f"{name}.maps.safetensors").unlink()
+    records = render_run(fresh_run, dpi=DPI)
+    assert {r.kind for r in records} == set(FAMILIES) - {"lambda", "degradation"}
+    with pytest.raises(DiffquantError, match="cannot draw 'degradation'"):
+        render_run(fresh_run, what=["degradation"])
+    with pytest.raises(DiffquantError, match="cannot draw 'lambda'"):
+        render_run(fresh_run, what=["lambda"])
+
+
+def test_render_run_eval_layout(tmp_path, run_dir):
+    """`diffquant eval --out RUN` puts results.json and sweep.json at the top of the folder."""
+    run = tmp_path / "eval"
+    run.mkdir()
+    for name in ("results.json", "sweep.json"):
+        shutil.copy(run_dir / "sweep" / name, run / name)
+    records = render_run(run, dpi=DPI)
+    assert [r.name for r in records] == ["degradation-bpb"]
+    (run / "sweep.json").unlink()
+    with pytest.raises(DiffquantError, match="sweep.json: sweep description not found"):
+        render_run(run)
+
+
+# ------------------------------------------------------------------------------------------- errors
+def _one_line_error(run: Path, match: str, **kwargs) -> str:
+    with pytest.raises(DiffquantError) as info:
+        render_run(run, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg and match in msg, msg
+    return msg
+
+
+def test_error_empty_run_folder(tmp_path):
+    _one_line_error(tmp_path, str(tmp_path))
+    _one_line_error(tmp_path / "missing", "run folder not found")
+
+
+def test_error_corrupt_profile(fresh_run):
+    path = fresh_run / "profile" / "diff_v1.json"
+    path.write_text(path.read_text()[:5000])
+    assert "not valid JSON" in _one_line_error(fresh_run, str(path))
+
+
+def test_error_profile_of_another_version(fresh_run):
+    path = fresh_run / "profile" / "baseline.json"
+    data = json.loads(path.read_text())
+    data["format_version"] = 99
+    path.write_text(json.dumps(data))
+    assert "99" in _one_line_error(fresh_run, str(path))
+
+
+def test_error_malformed_profile_structure(fresh_run):
+    path = fresh_run / "profile" / "diff_v2.json"
+    data = json.loads(path.read_text())
+    del data["sites"]["layers.0.resid"]["hist"]
+    path.write_text(json.dumps(data))
+    _one_line_error(fresh_run, str(path))
+
+
+def test_error_corrupt_or_missing_maps(fresh_run):
+    path = fresh_run / "profile" / "diff_v2.maps.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header!!}")
+    _one_line_error(fresh_run, str(path))
+    path.unlink()
+    _one_line_error(fresh_run, str(path))
+    # figures that do not need the maps still render
+    assert [r.name for r in render_run(fresh_run, what="lambda", dpi=DPI)] == ["lambda"]
+
+
+def test_error_corrupt_sweep_results(fresh_run):
+    path = fresh_run / "sweep" / "results.json"
+    path.write_text("{")
+    _one_line_error(fresh_run, str(path), what="degradation")
