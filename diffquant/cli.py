@@ -220,6 +220,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from diffquant.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig.load(args.recipe, args.set)
+    if args.out:
+        cfg.out = args.out
+    train(cfg, resume=args.resume, stop_after=args.stop_after, recipe_text=Path(args.recipe).read_text())
+    return 0
+
+
 def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
@@ -274,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="write a randomly initialised checkpoint (to try every command)")
     init.add_argument("out", help="output folder")
     init.add_argument("--kind", choices=("baseline", "diff_v1", "diff_v2"), default="baseline")
-    init.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    init.add_argument("--preset", choices=("tiny", "zoo", "small"), default="tiny")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--force", action="store_true", help="replace an existing folder")
     init.set_defaults(func=_cmd_init)
@@ -363,6 +375,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.add_argument("--dpi", type=int, default=150)
     report.set_defaults(func=_cmd_report)
+
+    tr = sub.add_parser("train", help="train a model from a training recipe (recipes/zoo-*.yaml)")
+    tr.add_argument("recipe", help="a training recipe, e.g. recipes/zoo-diff_v2.yaml")
+    tr.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    tr.add_argument("--stop-after", type=int, default=None, help="stop after this step (schedule unchanged)")
+    tr.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
+    tr.add_argument("--out", default=None, help="run folder (default: the recipe's out or runs/train/NAME)")
+    tr.set_defaults(func=_cmd_train)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)

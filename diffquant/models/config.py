@@ -209,6 +209,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         d_model=96, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, ffn_dim=256, max_seq_len=256
     ),
+    # The zoo: trains in minutes on 2 CPU cores; DIFF V2's derived FFN (352) still takes 32-blocks.
+    "zoo": ModelConfig(
+        d_model=96, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=24, ffn_dim=384, max_seq_len=512
+    ),
     # About the size of the CPU trial models (3.3M parameters with 259 byte-level tokens).
     "small": ModelConfig(
         d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768, max_seq_len=512
