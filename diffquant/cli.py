@@ -232,6 +232,39 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from diffquant.recipes import load_recipe, run_recipe
+    from diffquant.zoo import ZOO_DIR
+
+    start = time.perf_counter()
+    recipe = load_recipe(ZOO_DIR / "demo.yaml")
+    out = run_recipe(recipe, args.out, progress=sys.stderr.isatty())
+    print(f"demo finished in {time.perf_counter() - start:.0f} s; open {Path(out) / 'report.html'}")
+    return 0
+
+
+def _cmd_zoo(args: argparse.Namespace) -> int:
+    from diffquant.zoo import card, zoo_names
+
+    names = zoo_names()
+    if not names:
+        raise DiffquantError("no zoo models are shipped with this installation")
+    print(
+        f"{'model':<10}{'attention':<10}{'params':>10}{'tokens':>11}{'train bpb':>11}{'val bpb':>9}{'retrieval':>11}"
+    )
+    for name in names:
+        c = card(name)
+        acc = c["retrieval"]["acc_rank"]
+        print(
+            f"zoo:{name:<6}{c['kind']:<10}{c['parameters']:>10,}{c['tokens']:>11,}{c['train_bpb']:>11.3f}"
+            f"{c['val_bpb']:>9.3f}{acc:>11.2f}"
+        )
+    return 0
+
+
 def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
@@ -383,6 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
     tr.add_argument("--out", default=None, help="run folder (default: the recipe's out or runs/train/NAME)")
     tr.set_defaults(func=_cmd_train)
+
+    demo = sub.add_parser(
+        "demo", help="the whole study on the zoo: Table 5, quantization sweep, retrieval, figures, report"
+    )
+    demo.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo)")
+    demo.set_defaults(func=_cmd_demo)
+
+    zoo = sub.add_parser("zoo", help="list the zoo models with their cards")
+    zoo.set_defaults(func=_cmd_zoo)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)

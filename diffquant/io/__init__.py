@@ -20,14 +20,14 @@ def save_quantized(*args, **kwargs):
     return _save(*args, **kwargs)
 
 
-KNOWN_SCHEMES = ("zoo", "hf", "unilm")
+KNOWN_SCHEMES = ("hf", "unilm")
 
 
 def load_model(
     spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
-    """Load a model from a specifier: a native checkpoint folder (quantized or not), or
-    ``init:KIND:PRESET[:SEED]``, a randomly initialised model (to try recipes before training anything).
+    """Load a model from a specifier: a native checkpoint folder (quantized or not), ``zoo:NAME`` (the
+    models shipped with diffquant), or ``init:KIND:PRESET[:SEED]``, a randomly initialised model.
 
     Specifiers with a scheme (``zoo:``, ``hf:``, ``unilm:``) are reserved for the converters; naming one
     that this version cannot read is an error rather than a guess at a folder of that name.
@@ -36,6 +36,10 @@ def load_model(
     scheme = text.split(":", 1)[0]
     if scheme == "init":
         return init_model(text, device=device, dtype=dtype)
+    if scheme == "zoo":
+        from diffquant.zoo import zoo_path
+
+        return load_checkpoint(zoo_path(text[4:]), device=device, dtype=dtype or torch.float32)
     if ":" in text and scheme in KNOWN_SCHEMES:
         raise DiffquantError(
             f"model specifier {text!r}: '{scheme}:' models are not supported by this version; "

@@ -1,0 +1,56 @@
+"""The zoo: small baseline / DIFF V1 / DIFF V2 models trained by this project's own recipes.
+
+Each model is a native checkpoint folder shipped inside the package (``diffquant/zoo/NAME``) with a
+``card.json``: the recipe, steps, tokens, final training and validation bits per byte, retrieval accuracy
+and the sha256 of its weights. Every command loads them as ``zoo:NAME``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from diffquant.errors import DiffquantError
+
+ZOO_DIR = Path(__file__).resolve().parent
+FILES = ("config.json", "model.safetensors", "card.json")
+
+
+def zoo_names() -> list[str]:
+    return sorted(p.name for p in ZOO_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def zoo_path(name: str) -> Path:
+    path = ZOO_DIR / name
+    if not (path / "config.json").is_file():
+        names = ", ".join(zoo_names()) or "none shipped"
+        raise DiffquantError(f"zoo model {name!r} not found; zoo models: {names}")
+    return path
+
+
+def card(name: str) -> dict[str, Any]:
+    return json.loads((zoo_path(name) / "card.json").read_text())
+
+
+def publish(final_dir: str | Path, name: str) -> Path:
+    """Copy a training run's ``final/`` folder (weights, config, card) into the package as zoo:NAME."""
+    src = Path(final_dir)
+    for f in FILES:
+        if not (src / f).is_file():
+            raise DiffquantError(
+                f"{src}: missing {f} (expected the final/ folder of a `diffquant train` run)"
+            )
+    dest = ZOO_DIR / name
+    dest.mkdir(exist_ok=True)
+    for f in FILES:
+        shutil.copyfile(src / f, dest / f)
+    return dest
+
+
+if __name__ == "__main__":  # python -m diffquant.zoo publish runs/train/zoo-baseline/final baseline
+    if len(sys.argv) != 4 or sys.argv[1] != "publish":
+        sys.exit("usage: python -m diffquant.zoo publish FINAL_DIR NAME")
+    print(publish(sys.argv[2], sys.argv[3]))
