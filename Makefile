@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint pytest format clean
+.PHONY: setup test lint pytest format clean demo
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ pytest: setup
 	$(BIN)/python -m pytest
 
 test: lint pytest
+
+demo: setup
+	$(BIN)/diffquant demo
 
 format: setup
 	$(BIN)/ruff format .

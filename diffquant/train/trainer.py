@@ -142,7 +142,7 @@ def _lambda_columns(model) -> dict[str, float]:
     out = {}
     for i, attn in enumerate(model.attention_modules()):
         if attn.kind == "diff_v1":
-            out[f"lambda_L{i}"] = float(attn.lambda_value())
+            out[f"lambda_L{i}"] = float(attn.lambda_value().detach())
         elif attn.kind == "diff_v2" and getattr(attn, "_last_lambda", None) is not None:
             lam = attn._last_lambda  # (B, T, H)
             for h in range(lam.shape[-1]):

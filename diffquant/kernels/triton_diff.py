@@ -1,0 +1,609 @@
+"""Fused forward kernels for DIFF V1 and DIFF V2 attention in Triton (causal prefill, GQA, quantized variants).
+
+One program owns (batch, differential head i, block of ``block_m`` queries) and makes ONE pass over the K/V
+tiles of the head's kv group, keeping two online softmaxes side by side (running max m, running sum l and an
+output accumulator per map), in the FlashAttention-2 form (Dao 2023, arXiv 2307.08691, Algorithm 1):
+
+    m_new = max(m, rowmax(S)),  alpha = exp(m - m_new),  P = exp(S - m_new),
+    l = alpha * l + rowsum(P),  acc = alpha * acc + P V,  and at the end O = acc / l.
+
+Both maps of a DIFF head read the same V tile (V2: also the same K tile), which is the point of fusing them:
+V is loaded once for two maps. The epilogue combines the maps:
+
+* DIFF V2 (DIFF V2 post; unilm ``multihead_flashdiffv2``): out = acc1 / l1 - lambda_t * acc2 / l2, lambda per
+  token and head.
+* DIFF V1 (DIFF paper arXiv 2410.05258, Eq. 1-3): x = acc1 / l1 - lambda * acc2 / l2 over the 2d-wide value
+  head, then (1 - lambda_init) * RMSNorm(x) * weight. A program owns whole 2d rows, so the norm is local.
+
+Quantized variants (SageAttention, Zhang et al. 2024, arXiv 2410.02367 / 2411.10958):
+
+* ``qk`` int8 / fp8_e4m3: Q and K are quantized in torch per block of tokens (the same code as the reference,
+  :func:`diffquant.kernels.reference.quantize_tokens`, K smoothed by its mean over tokens), handed to the kernel as
+  codes plus a per-token copy of the block scale; the kernel takes dot(codes_q, codes_k) (int8 x int8 -> int32
+  on a GPU, exact) times scale_q * scale_k. The smoothing mean only shifts each query row's logits by
+  q . mean(K), which softmax ignores, so it is dropped, except when the logits themselves are quantized: then
+  the shift is passed in as a per-row bias so the quantized logits equal the model's.
+* ``pv`` fp8_e4m3: P is scaled by 448 and rounded to e4m3 in the kernel, V is quantized in torch per channel
+  (the model's ``fp8_e4m3:channel``), the V scale / 448 is applied in the epilogue. As in SageAttention, the P
+  that is rounded is the running-max-relative exp(S - m_running) in [0, 1], not the final normalized
+  probability the reference rounds: both are within one e4m3 rounding (relative 2^-4) of the exact value, so
+  kernel and reference differ by at most two roundings per element (see the tests for the bound).
+  ``pv`` bf16: P and V rounded to bfloat16 before the product (the FlashAttention-2 habit), fp32 accumulation.
+  ``two_pass=True`` instead makes a first pass for the row max and sum only and rounds the exactly normalized
+  P in the second, as the model's fake-quant ``probs`` taps do (P / float32(1/448) for fp8): then kernel and
+  reference agree to fp32 level (but for rare flips at rounding ties), at the price of computing Q K^T twice.
+* ``logits_bits``: round(S / s_h) clamped to +-(2^(b-1) - 1) times s_h, with a static scale per query head.
+
+Rounding is written out with fp32 / integer arithmetic instead of Triton casts, because Triton's interpreter
+(CPU) does not implement the narrowing casts faithfully (seen with triton 3.7.1: fp32 -> e4m3 rounds ties away
+from zero, does not saturate (500 -> 256) and flushes subnormals; fp32 -> bf16 truncates, also with
+``fp_downcast_rounding="rtne"``), and a kernel must compute the same numbers on CPU and GPU:
+
+* round-half-to-even: (x + 1.5 * 2^23) - 1.5 * 2^23 for |x| < 2^22 (the fp32 adder does the rounding);
+* bf16: add 0x7FFF + (lowest kept bit) to the fp32 bits and clear the low 16 bits (RNE);
+* e4m3 (OCP OFP8, max 448, 3 mantissa bits, subnormal quantum 2^-9): clamp to +-448, take the binade exponent
+  e = floor(log2 |y|) from the float bits, clamp e to [-6, 8], and round y / 2^(e-3) half-to-even, exactly
+  as :class:`diffquant.quant.formats.ElementFormat` does. On a GPU the rounded value is then cast to
+  ``tl.float8e4nv`` (exact, it is on the codebook) so that P @ V runs as an fp8 tensor-core product.
+
+Interpreter notes (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (triton#11584), so when
+interpreting every tile is upcast to fp32 before ``tl.dot`` (exact: bf16 and e4m3 values are fp32 values, and
+int8 dot products stay below 2^24 for d <= 128). Compiled, bf16 / int8 / fp8 tiles go to the tensor cores as
+they are (int8 x int8 -> int32; 8-bit products only when the reduction dim is >= 32, else through bf16, which
+is exact for int8 codes and e4m3 values), and fp32 tiles use ``input_precision="ieee"`` (TF32 would lose the
+1e-4 match; use bf16 inputs or ``pv="bf16"`` for speed). Every variant compiles for sm_90 with Triton 3.7
+(checked offline with ``triton.compile``, and the RNE add pair survives into the PTX); none has been run on a
+GPU yet: ``pytest -m gpu`` with TRITON_INTERPRET=0 does that.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from diffquant.errors import DiffquantError
+from diffquant.kernels.reference import (
+    FP8_P_SCALE,
+    CoreQuant,
+    kv_heads_v1,
+    kv_heads_v2,
+    logits_scales,
+    quantize_tokens,
+    quantize_values,
+)
+
+__all__ = ["diff_v1_attention", "diff_v2_attention", "kernel_round"]
+
+_QK_MODES = {None: 0, "int8": 1, "fp8_e4m3": 2}
+_PV_MODES = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
+# Masked logits are -1e30 in the kernel, not -inf, so that (masked - running max) never is (-inf) - (-inf) = NaN.
+_P_STEP = float(torch.tensor(1.0 / FP8_P_SCALE, dtype=torch.float32))  # the model's fp32 P scale 1/448
+
+
+# ------------------------------------------------------------------------------------------ device helpers
+@triton.jit
+def _rne(x):
+    """Round half to even for |x| < 2^22: after adding 1.5 * 2^23 the fp32 ulp is 1, so the add rounds."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_e4m3(x):
+    """Round fp32 ``x`` to the nearest OCP e4m3 value (RNE, saturating at +-448, with subnormals)."""
+    y = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |y|); 0 gives -127
+    e = tl.minimum(tl.maximum(e, -6), 8)  # below 2^-6 the quantum stays the subnormal 2^-9
+    up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): exact power-of-two scaling
+    down = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    return _rne(y * up) * down
+
+
+@triton.jit
+def _round_bf16(x):
+    """Round fp32 ``x`` to the nearest bfloat16 value, ties to even, returned as fp32 (finite inputs).
+
+    Adding 0x7FFF plus the lowest kept bit to the float's bits and clearing the low 16 bits is RNE at 8
+    significand bits; a carry into the exponent is the correct round-up to the next binade.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, NATIVE8: tl.constexpr):
+    """a @ b with fp32 accumulation, exact for the operand types used here.
+
+    Interpreter (UPCAST): fp32 operands, since its bf16 dot is wrong. Compiled: fp32 tiles in IEEE fp32 (not
+    TF32); bf16 / fp16 on the tensor cores; int8 -> int32 and e4m3 -> fp32 tensor-core products when the
+    reduction dim is >= 32 (NATIVE8), else the codes go through bf16, which holds every int8 code and every
+    e4m3 value exactly (a conservative choice for the narrow 8-bit MMA shapes, at 2x the MMA cost).
+    """
+    # one return at the end: the compiler visits code after a constexpr branch's return too
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif a.dtype == tl.float32:
+        out = tl.dot(a, b.to(tl.float32), input_precision="ieee")
+    elif a.dtype == tl.int8 and NATIVE8:
+        out = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    elif a.dtype == tl.float8e4nv and NATIVE8:
+        out = tl.dot(a, b)
+    elif a.dtype == tl.int8 or a.dtype == tl.float8e4nv:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _logits(
+    q, k, qs, ks, qb, ls, sm_scale,
+    QK_MODE: tl.constexpr, LOGITS_QMAX: tl.constexpr, UPCAST: tl.constexpr, NATIVE8: tl.constexpr,
+):  # fmt: skip
+    """Scaled (and optionally quantized) logits of a (BM, D) query tile against a (BN, D) key tile.
+
+    Quantized Q/K: the tiles hold codes, the logit is dot(codes) * scale_q * scale_k / sqrt(d).
+    """
+    s = _dot(q, tl.trans(k), UPCAST, NATIVE8)
+    if QK_MODE != 0:  # noqa: SIM108 (constexpr branches, one compiled)
+        s = s * (qs * sm_scale)[:, None] * ks[None, :]
+    else:
+        s = s * sm_scale
+    if LOGITS_QMAX > 0:
+        s = s + qb[:, None]
+        t = tl.minimum(tl.maximum(tl.div_rn(s, ls), -LOGITS_QMAX), LOGITS_QMAX)
+        s = _rne(t) * ls
+    return s
+
+
+@triton.jit
+def _pv(
+    p, v, p_step, PV_MODE: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr, NATIVE8: tl.constexpr
+):
+    """P (BM, BN) fp32 in [0, 1] times a V tile (BN, DV), in the operand format PV_MODE.
+
+    fp8: one pass rounds exp(S - m_running) * 448 (SageAttention); two passes round the normalized P as the
+    model does, round(P / p_step) with p_step = float32(1/448). The scale goes back on in the epilogue.
+    """
+    if PV_MODE == 2:
+        if TWO_PASS:  # noqa: SIM108 (constexpr branches, one compiled)
+            p8 = _round_e4m3(tl.div_rn(p, p_step))
+        else:
+            p8 = _round_e4m3(p * 448.0)
+        if not UPCAST:
+            p8 = p8.to(tl.float8e4nv)  # exact: p8 is on the e4m3 codebook
+        out = _dot(p8, v, UPCAST, NATIVE8)
+    elif PV_MODE == 1:
+        pb = _round_bf16(p)
+        vb = _round_bf16(v.to(tl.float32))
+        if not UPCAST:
+            pb = pb.to(tl.bfloat16)  # exact, as above
+            vb = vb.to(tl.bfloat16)
+        out = _dot(pb, vb, UPCAST, NATIVE8)
+    else:
+        out = _dot(p, v, UPCAST, NATIVE8)
+    return out
+
+
+@triton.jit
+def _tile_logits(
+    k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+    stride_kh, stride_kt, T, S, sm_scale,
+    BLOCK_N: tl.constexpr, K_PER_KV: tl.constexpr, CAUSAL: tl.constexpr, QK_MODE: tl.constexpr,
+    LOGITS_QMAX: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Masked logits (BM, BN) of both maps against key tile ``start_n``; masked entries are -1e30."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < S
+    k1 = tl.load(k_base + kh1 * stride_kh + offs_n[:, None] * stride_kt, mask=n_ok[:, None], other=0.0)
+    ks1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if QK_MODE != 0:
+        ks1 = tl.load(ks_base + kh1 * S + offs_n, mask=n_ok, other=0.0)
+    if K_PER_KV == 2:
+        k2 = tl.load(k_base + kh2 * stride_kh + offs_n[:, None] * stride_kt, mask=n_ok[:, None], other=0.0)
+        ks2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if QK_MODE != 0:
+            ks2 = tl.load(ks_base + kh2 * S + offs_n, mask=n_ok, other=0.0)
+    else:
+        k2 = k1
+        ks2 = ks1
+    visible = n_ok[None, :]
+    if CAUSAL:
+        # query t sees keys <= S - T + t (bottom-right aligned; T == S in prefill)
+        visible = visible & (offs_n[None, :] <= (S - T + offs_m)[:, None])
+    s1 = _logits(q1, k1, qs1, ks1, qb1, ls1, sm_scale, QK_MODE, LOGITS_QMAX, UPCAST, q1.shape[1] >= 32)
+    s2 = _logits(q2, k2, qs2, ks2, qb2, ls2, sm_scale, QK_MODE, LOGITS_QMAX, UPCAST, q2.shape[1] >= 32)
+    return tl.where(visible, s1, -1.0e30), tl.where(visible, s2, -1.0e30), offs_n, n_ok
+
+
+@triton.jit
+def _diff_attn_fwd(
+    Q, K, V, LAM, OUT,
+    QS, KS, QB, VS, LS, NW,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_lb, stride_lh, stride_lt,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_heads, n_rep, n_q_heads, n_k_heads, T, S,
+    sm_scale, p_step, out_scale, eps,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_PER_KV: tl.constexpr, IS_V1: tl.constexpr, CAUSAL: tl.constexpr,
+    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, LOGITS_QMAX: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One (batch, head, query block): two online softmaxes over the shared K/V tiles, then the epilogue."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    i = pid_bh % n_heads
+    j = i // n_rep  # kv head (V2) / kv pair (V1) of differential head i
+    qh1 = 2 * i
+    qh2 = 2 * i + 1
+    kh1 = j * K_PER_KV  # V2: both maps on K head j; V1: K components 2j and 2j + 1
+    kh2 = j * K_PER_KV + (K_PER_KV - 1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    m_ok = offs_m < T
+
+    q_base = Q + b.to(tl.int64) * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q1 = tl.load(q_base + qh1 * stride_qh, mask=m_ok[:, None], other=0.0)
+    q2 = tl.load(q_base + qh2 * stride_qh, mask=m_ok[:, None], other=0.0)
+    qs1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qs2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qb1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qb2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ls1 = tl.load(LS + qh1)  # 1.0 unless the logits are quantized
+    ls2 = tl.load(LS + qh2)
+    if QK_MODE != 0:
+        qs_base = QS + (b * n_q_heads).to(tl.int64) * T + offs_m
+        qs1 = tl.load(qs_base + qh1 * T, mask=m_ok, other=0.0)
+        qs2 = tl.load(qs_base + qh2 * T, mask=m_ok, other=0.0)
+    if LOGITS_QMAX > 0 and QK_MODE != 0:
+        qb_base = QB + (b * n_q_heads).to(tl.int64) * T + offs_m
+        qb1 = tl.load(qb_base + qh1 * T, mask=m_ok, other=0.0)
+        qb2 = tl.load(qb_base + qh2 * T, mask=m_ok, other=0.0)
+
+    m1 = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    m2 = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+
+    k_base = K + b.to(tl.int64) * stride_kb + offs_d[None, :] * stride_kd
+    v_base = V + b.to(tl.int64) * stride_vb + j * stride_vh + offs_dv[None, :] * stride_vd
+    ks_base = KS + (b * n_k_heads).to(tl.int64) * S
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, S - T + (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        s1, s2, offs_n, n_ok = _tile_logits(
+            k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+            stride_kh, stride_kt, T, S, sm_scale,
+            BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, LOGITS_QMAX, UPCAST,
+        )  # fmt: skip
+        m1_new = tl.maximum(m1, tl.max(s1, 1))
+        m2_new = tl.maximum(m2, tl.max(s2, 1))
+        alpha1 = tl.exp(m1 - m1_new)
+        alpha2 = tl.exp(m2 - m2_new)
+        p1 = tl.exp(s1 - m1_new[:, None])
+        p2 = tl.exp(s2 - m2_new[:, None])
+        l1 = l1 * alpha1 + tl.sum(p1, 1)
+        l2 = l2 * alpha2 + tl.sum(p2, 1)
+        if not TWO_PASS:
+            v = tl.load(v_base + offs_n[:, None] * stride_vt, mask=n_ok[:, None], other=0.0)
+            acc1 = acc1 * alpha1[:, None] + _pv(p1, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
+            acc2 = acc2 * alpha2[:, None] + _pv(p2, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
+        m1 = m1_new
+        m2 = m2_new
+
+    # key 0 is visible to every row (causal prefill) or all keys are (non-causal), so l1, l2 >= 1
+    if TWO_PASS:
+        # second pass: the exactly normalized P = exp(S - m) / l, quantized as the model quantizes it
+        for start_n in range(0, hi, BLOCK_N):
+            s1, s2, offs_n, n_ok = _tile_logits(
+                k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+                stride_kh, stride_kt, T, S, sm_scale,
+                BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, LOGITS_QMAX, UPCAST,
+            )  # fmt: skip
+            p1 = tl.exp(s1 - m1[:, None]) / l1[:, None]
+            p2 = tl.exp(s2 - m2[:, None]) / l2[:, None]
+            v = tl.load(v_base + offs_n[:, None] * stride_vt, mask=n_ok[:, None], other=0.0)
+            acc1 += _pv(p1, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
+            acc2 += _pv(p2, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
+        o1 = acc1
+        o2 = acc2
+        if PV_MODE == 2:
+            vs = tl.load(VS + b * DV + offs_dv) * p_step
+            o1 = o1 * vs[None, :]
+            o2 = o2 * vs[None, :]
+    else:
+        o1 = acc1 / l1[:, None]
+        o2 = acc2 / l2[:, None]
+        if PV_MODE == 2:
+            vs = tl.load(VS + b * DV + offs_dv) * (1.0 / 448.0)
+            o1 = o1 * vs[None, :]
+            o2 = o2 * vs[None, :]
+    lam = tl.load(LAM + b.to(tl.int64) * stride_lb + i * stride_lh + offs_m * stride_lt, mask=m_ok, other=0.0)
+    x = o1 - lam.to(tl.float32)[:, None] * o2
+    if IS_V1:
+        ms = tl.sum(x * x, 1) / DV
+        x = x * (1.0 / tl.sqrt(ms + eps))[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(NW + offs_dv).to(tl.float32)
+            x = x * w[None, :]
+        x = x * out_scale
+    if OUT.dtype.element_ty == tl.bfloat16:
+        x = _round_bf16(x)  # RNE here; the interpreter's own bf16 cast truncates
+    o_ptr = OUT + b.to(tl.int64) * stride_ob + i * stride_oh + offs_m[:, None] * stride_ot
+    tl.store(o_ptr + offs_dv[None, :] * stride_od, x.to(OUT.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _round_kernel(X, Y, n, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(X + offs, mask=ok, other=0.0)
+    if MODE == 0:
+        y = _rne(x)
+    elif MODE == 1:
+        y = _round_e4m3(x)
+    else:
+        y = _round_bf16(x)
+    tl.store(Y + offs, y, mask=ok)
+
+
+# ------------------------------------------------------------------------------------------ host side
+def kernel_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The kernels' in-register rounding applied to fp32 ``x``: "int" (half to even, |x| < 2^22),
+    "fp8_e4m3" or "bf16". Exposed so tests can hold it against :mod:`diffquant.quant.formats` and torch casts."""
+    modes = {"int": 0, "fp8_e4m3": 1, "bf16": 2}
+    if fmt not in modes:
+        raise DiffquantError(f"kernel_round: fmt {fmt!r}; expected one of {', '.join(modes)}")
+    xf = x.detach().float().contiguous().reshape(-1)
+    y = torch.empty_like(xf)
+    block = 1024
+    _round_kernel[(triton.cdiv(xf.numel(), block),)](xf, y, xf.numel(), MODE=modes[fmt], BLOCK=block)
+    return y.reshape(x.shape)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_dims(d: int, block_m: int, block_n: int) -> None:
+    if not (_pow2(d) and 16 <= d <= 128):
+        raise DiffquantError(
+            f"triton diff attention: head dim {d} unsupported; the kernel tiles need a power of two in 16..128"
+        )
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if not (_pow2(blk) and blk >= 16):
+            raise DiffquantError(f"triton diff attention: {name}={blk} must be a power of two >= 16")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise DiffquantError(
+                f"{name}: expected (batch, heads, positions, channels), got {tuple(x.shape)}"
+            )
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise DiffquantError(f"{name}: dtype {x.dtype} unsupported (float32, bfloat16, float16)")
+        if x.device != q.device:
+            raise DiffquantError(f"{name} is on {x.device}, q on {q.device}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise DiffquantError(
+            "triton diff attention needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing the kernels)"
+        )
+    if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[2] != v.shape[2]:
+        raise DiffquantError(
+            f"batch / length mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if causal and q.shape[2] > k.shape[2]:
+        raise DiffquantError(f"causal attention with more queries ({q.shape[2]}) than keys ({k.shape[2]})")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_head: torch.Tensor,
+    quant: CoreQuant,
+) -> dict:
+    """The kernel operands for ``quant``: codes and scales in torch (one place, shared with the reference)."""
+    dev = q.device
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    ops = {"q": q, "k": k, "v": v, "qs": dummy, "ks": dummy, "qb": dummy, "vs": dummy, "ls": dummy}
+    if quant.qk is not None:
+        tq = quantize_tokens(q, quant.qk, quant.block, smooth=False)
+        tk = quantize_tokens(k, quant.qk, quant.block, smooth=True)
+        code_dtype = torch.int8 if quant.qk == "int8" else torch.float8_e4m3fn
+        ops["q"], ops["k"] = tq.codes.to(code_dtype), tk.codes.to(code_dtype)
+        ops["qs"], ops["ks"] = tq.scale, tk.scale
+        if quant.logits_bits is not None:
+            # the smoothing shift q . mean(K) / sqrt(d) of each row: softmax ignores it, logit rounding does not
+            mean = tk.mean.index_select(1, kv_head.to(dev))  # (B, nq, 1, d)
+            ops["qb"] = ((tq.dequant() * mean).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
+    if quant.pv == "fp8_e4m3":
+        codes, scale = quantize_values(v, quant.pv)
+        # fp8 storage is exact (the codes are e4m3 values); the interpreter loads and upcasts it fine
+        ops["v"] = codes.to(torch.float8_e4m3fn)
+        ops["vs"] = scale.reshape(v.shape[0], v.shape[-1]).contiguous()
+    ops["ls"] = torch.ones(q.shape[1], dtype=torch.float32, device=dev)
+    if quant.logits_bits is not None:
+        ops["ls"] = logits_scales(quant, q.shape[1], dev)
+    ops["upcast"] = _interpreting()  # the interpreter runs CUDA tensors too, with the same dot limitations
+    return ops
+
+
+def _launch(
+    ops: dict,
+    lam: torch.Tensor,
+    lam_strides: tuple[int, int, int],
+    out: torch.Tensor,
+    *,
+    n_heads: int,
+    n_rep: int,
+    d: int,
+    dv: int,
+    k_per_kv: int,
+    is_v1: bool,
+    causal: bool,
+    quant: CoreQuant,
+    block_m: int,
+    block_n: int,
+    out_scale: float = 1.0,
+    eps: float = 1e-5,
+    norm_weight: torch.Tensor | None = None,
+    two_pass: bool = False,
+) -> None:
+    q, k, v = ops["q"], ops["k"], ops["v"]
+    bsz, n_q_heads, t, _ = q.shape
+    s = k.shape[2]
+    nw = norm_weight if norm_weight is not None else ops["qs"]
+    grid = (triton.cdiv(t, block_m), bsz * n_heads)
+    _diff_attn_fwd[grid](
+        q, k, v, lam, out,
+        ops["qs"], ops["ks"], ops["qb"], ops["vs"], ops["ls"], nw,
+        *q.stride(), *k.stride(), *v.stride(), *lam_strides, *out.stride(),
+        n_heads, n_rep, n_q_heads, k.shape[1], t, s,
+        1.0 / math.sqrt(d), _P_STEP, out_scale, eps,
+        D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        K_PER_KV=k_per_kv, IS_V1=is_v1, CAUSAL=causal,
+        QK_MODE=_QK_MODES[quant.qk], PV_MODE=_PV_MODES[quant.pv],
+        LOGITS_QMAX=int(quant.logits_qmax), HAS_WEIGHT=norm_weight is not None,
+        TWO_PASS=two_pass, UPCAST=ops["upcast"],
+    )  # fmt: skip
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A fresh torch.empty output in the inputs' dtype (the kernel writes every element), or the caller's
+    ``out`` (any float dtype and strides; the kernel casts on store)."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != shape or out.device != like.device:
+        raise DiffquantError(
+            f"out: expected shape {shape} on {like.device}, got {tuple(out.shape)} on {out.device}"
+        )
+    return out
+
+
+def diff_v2_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    quant: CoreQuant = CoreQuant(),  # noqa: B008 (frozen dataclass, immutable)
+    causal: bool = True,
+    block_m: int = 16,
+    block_n: int = 16,
+    two_pass: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused DIFF V2 attention: q (B, 2H, T, d) interleaved pairs, k/v (B, Hkv, S, d), lam (B, H, T).
+
+    Returns (B, H, T, d) in q's dtype (written into ``out`` when given): A[2i] V - lam_i A[2i+1] V, query head
+    2i + c on kv head i // (H / Hkv). Same semantics as :func:`diffquant.kernels.reference.diff_v2_core`;
+    ``quant`` selects the quantized variant. ``causal`` aligns the mask bottom-right (T == S for prefill).
+    ``two_pass`` rounds the exactly normalized P for ``pv`` bf16 / fp8 (the model's semantics, equal to the
+    reference up to fp32 summation order) at the price of computing Q K^T twice; the default single pass
+    rounds the running-max-relative P as SageAttention does (within two roundings of the reference).
+    ``block_m`` / ``block_n``: query / key tile sizes (powers of two >= 16).
+    """
+    _check_inputs(q, k, v, causal)
+    bsz, nq, t, d = q.shape
+    if nq % 2:
+        raise DiffquantError(f"diff_v2_attention: q must hold 2H interleaved heads, got {nq}")
+    if v.shape[-1] != d or k.shape[-1] != d or v.shape[1] != k.shape[1]:
+        raise DiffquantError(
+            f"diff_v2_attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}"
+        )
+    _check_dims(d, block_m, block_n)
+    heads = nq // 2
+    kv_head = kv_heads_v2(nq, k.shape[1])
+    lam = lam.to(device=q.device)
+    if tuple(lam.shape) != (bsz, heads, t):
+        raise DiffquantError(
+            f"diff_v2_attention: lam must be (B, H, T) = {(bsz, heads, t)}, got {tuple(lam.shape)}"
+        )
+    ops = _prepare(q, k, v, kv_head, quant)
+    result = _output(out, (bsz, heads, t, d), q)
+    _launch(
+        ops, lam, tuple(lam.stride()), result,
+        n_heads=heads, n_rep=heads // k.shape[1], d=d, dv=d, k_per_kv=1, is_v1=False, causal=causal,
+        quant=quant, block_m=block_m, block_n=block_n, two_pass=two_pass,
+    )  # fmt: skip
+    return result
+
+
+def diff_v1_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lam: float | torch.Tensor,
+    lambda_init: float,
+    norm_weight: torch.Tensor | None,
+    *,
+    eps: float = 1e-5,
+    quant: CoreQuant = CoreQuant(),  # noqa: B008 (frozen dataclass, immutable)
+    causal: bool = True,
+    block_m: int = 16,
+    block_n: int = 16,
+    two_pass: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused DIFF V1 attention: q (B, 2H, T, d), k (B, 2Hkv, S, d) interleaved components, v (B, Hkv, S, 2d).
+
+    Returns (B, H, T, 2d) in q's dtype: (1 - lambda_init) * RMSNorm_2d(A1 V - lam A2 V) * norm_weight, pair i
+    on kv pair i // (H / Hkv). ``lam`` is the layer's scalar lambda (a float or a one-element tensor, read on
+    the device, so passing the model's tensor costs no host sync). Same semantics as
+    :func:`diffquant.kernels.reference.diff_v1_core`; ``quant``, ``causal``, ``two_pass``, the blocks and
+    ``out`` as in :func:`diff_v2_attention`.
+    """
+    _check_inputs(q, k, v, causal)
+    bsz, nq, t, d = q.shape
+    nk = k.shape[1]
+    if nq % 2 or nk % 2:
+        raise DiffquantError(
+            f"diff_v1_attention: q and k must hold interleaved component pairs, got {nq}, {nk}"
+        )
+    if k.shape[-1] != d or v.shape[1] * 2 != nk or v.shape[-1] != 2 * d or v.shape[2] != k.shape[2]:
+        raise DiffquantError(
+            f"diff_v1_attention: need k (B, 2Hkv, S, {d}) and v (B, Hkv, S, {2 * d}); "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    _check_dims(d, block_m, block_n)
+    heads = nq // 2
+    kv_head = kv_heads_v1(nq, nk)
+    lam_t = torch.as_tensor(lam, dtype=torch.float32, device=q.device).reshape(-1)
+    if lam_t.numel() != 1:
+        raise DiffquantError(
+            f"diff_v1_attention: lam must be one scalar per layer, got {lam_t.numel()} values"
+        )
+    if norm_weight is not None:
+        if tuple(norm_weight.shape) != (2 * d,):
+            raise DiffquantError(
+                f"diff_v1_attention: norm_weight must be ({2 * d},), got {tuple(norm_weight.shape)}"
+            )
+        norm_weight = norm_weight.detach().float().contiguous()
+    ops = _prepare(q, k, v, kv_head, quant)
+    result = _output(out, (bsz, heads, t, 2 * d), q)
+    _launch(
+        ops, lam_t, (0, 0, 0), result,
+        n_heads=heads, n_rep=heads // (nk // 2), d=d, dv=2 * d, k_per_kv=2, is_v1=True, causal=causal,
+        quant=quant, block_m=block_m, block_n=block_n, out_scale=1.0 - float(lambda_init), eps=float(eps),
+        norm_weight=norm_weight, two_pass=two_pass,
+    )  # fmt: skip
+    return result
