@@ -25,6 +25,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     groups = model.parameter_groups()
     per_kind = Counter(model.sites().values())
     sites = {k: per_kind[k] for k in SITE_KINDS if per_kind[k]}
+    from diffquant.kernels.dispatch import planned_paths
+
     if args.json:
         plan = getattr(model, "quant_plan", None)
         info = {
@@ -33,6 +35,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "config": cfg.to_dict(),
             "parameters": {**groups, "total": sum(groups.values())},
             "sites": {**sites, "total": sum(sites.values())},
+            "attention_paths": {
+                "cuda": planned_paths(model, cuda=True),
+                "cpu": planned_paths(model, cuda=False),
+            },
         }
         print(json.dumps(info, indent=2))
         return 0
@@ -48,6 +54,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if count:
             print(f"  {name:<11}{count:>12,}  {100 * count / total:5.1f} %")
     print(f"sites        {sum(sites.values())} ({', '.join(f'{k} {n}' for k, n in sites.items())})")
+    from diffquant.kernels.dispatch import planned_paths
+
+    cuda = ", ".join(f"{k} {n}" for k, n in planned_paths(model, cuda=True).items())
+    cpu = ", ".join(f"{k} {n}" for k, n in planned_paths(model, cuda=False).items())
+    print(f"attention    layers per path: on CUDA {cuda}; on CPU {cpu}")
     plan = getattr(model, "quant_plan", None)
     if plan is not None:
         print(f"quantized    plan {plan.name}: {plan.description or 'custom'}")

@@ -27,6 +27,7 @@ from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.eval.tasks import TaskSpec, parse_task, run_task
 from diffquant.io.artifacts import write_json_atomic, write_text_atomic
+from diffquant.kernels.dispatch import path_summary
 
 NONE_PLAN = "none"
 RESULT_COLUMNS = ("model", "attention", "plan", "task", "metric", "value", "unquantized", "delta")
@@ -168,6 +169,7 @@ def run_sweep(
             "plan": cell.plan,
             "task": cell.task,
             "metrics": _clean(metrics),
+            "attention_paths": path_summary(model),
             "seconds": time.perf_counter() - start,
         }
         _append(path, record)
@@ -245,10 +247,12 @@ def write_results(spec: SweepSpec, out: Path, records: dict[str, dict[str, Any]]
     }
     write_json_atomic(out / "results.json", results)
     timing = io.StringIO()
-    timing.write("model,plan,task,seconds\n")
+    timing.write("model,plan,task,seconds,attention_paths\n")
     for cell in spec.cells():
         if cell.key in records:
-            timing.write(f"{cell.model},{cell.plan},{cell.task},{records[cell.key]['seconds']:.3f}\n")
+            rec = records[cell.key]
+            paths = " ".join(f"{k}:{n}" for k, n in rec.get("attention_paths", {}).items())
+            timing.write(f"{cell.model},{cell.plan},{cell.task},{rec['seconds']:.3f},{paths}\n")
     write_text_atomic(out / "timing.csv", timing.getvalue())
     return results
 

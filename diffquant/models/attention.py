@@ -121,6 +121,8 @@ class Attention(nn.Module):
         self.q, self.k, self.v = Tap("q"), Tap("k"), Tap("v")
         self.path = "auto"
         self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
+        self.kernel = "auto"  # "auto": Triton kernel on CUDA when the plan fits; "triton": also on CPU; "off"
+        self.last_path = "not run"
 
     # ------------------------------------------------------------------------------ kind-specific
     def _components(
@@ -149,23 +151,52 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
         positions = torch.arange(pos0, pos0 + t, device=x.device)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
-        q = self.q(apply_rope(q, cos, sin))
-        k = self.k(apply_rope(k, cos, sin))
-        v = self.v(v)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        core = self._kernel_core(x, cache)
+        if core is not None:
+            from diffquant.kernels.dispatch import run_kernel
+
+            # The fused kernel quantizes Q/K/P/V itself, exactly as the taps' fake-quantizers would;
+            # the q/k/v and map taps are not called on this path.
+            out = run_kernel(self, q, k, v, self._lambda(x), core)
+            self.last_path = "triton"
+            return self._output(out, bsz, t)
+        q, k, v = self.q(q), self.k(k), self.v(v)
         if cache is not None:
             k, v = cache.append(k, v)
         lam = self._lambda(x)
+        if cache is None and x.is_cuda and _flash_ready(self, x):
+            from diffquant.kernels.flash import diff_v1_flash, diff_v2_flash
+
+            out = (diff_v2_flash if self.kind == "diff_v2" else diff_v1_flash)(q, k, v, lam)
+            self.last_path = "flash"
+            return self._output(self._finish_heads(out), bsz, t)
         components, v = self._components(q, k, v)
         if self._use_explicit():
             out = self._explicit(components, v, lam, pos0)
+            self.last_path = "explicit"
         else:
             if self._maps_observed():
                 # Observers see the maps, but the output stays the fused one, bit for bit.
                 self._explicit(components, v, lam, pos0, need_output=False)
             out = self._fused(components, v, lam, pos0)
-        out = self._finish_heads(out)  # (B, H, T, dv)
+            self.last_path = "sdpa"
+        return self._output(self._finish_heads(out), bsz, t)
+
+    def _output(self, out: torch.Tensor, bsz: int, t: int) -> torch.Tensor:
+        """Per-head output (B, H, T, dv) -> head_out tap -> o_proj -> attn_out tap."""
         out = self.head_out(out.transpose(1, 2))  # (B, T, H, dv)
         return self.out(self.o_proj(out.reshape(bsz, t, -1)))
+
+    def _kernel_core(self, x: torch.Tensor, cache: LayerKV | None):
+        """The Triton kernel's CoreQuant when this call should run it (prefill on CUDA, or forced), else None."""
+        if cache is not None or self.kernel == "off" or (self.kernel == "auto" and not x.is_cuda):
+            return None
+        if self._maps_observed() and self.kernel == "auto":
+            return None  # someone watches the maps: they only exist on the explicit path
+        from diffquant.kernels.dispatch import kernel_core
+
+        return kernel_core(self)
 
     def _use_explicit(self) -> bool:
         """Explicit output when forced, or when a quantizer rewrites a map (hooks alone only observe)."""
@@ -221,6 +252,12 @@ class Attention(nn.Module):
         return torch.cat(pieces, dim=2).to(v.dtype) if need_output else None
 
 
+def _flash_ready(attn: Attention, x: torch.Tensor) -> bool:
+    from diffquant.kernels.dispatch import flash_ready
+
+    return flash_ready(attn, x)
+
+
 def _valid_mask(t: int, s: int, pos0: int, device: torch.device) -> torch.Tensor:
     """(1, 1, T, S) bool: query at absolute position pos0 + i may see keys 0 .. pos0 + i."""
     q_pos = torch.arange(pos0, pos0 + t, device=device)[:, None]
@@ -267,7 +304,7 @@ class DiffV1Attention(Attention):
         self.lambda_k1 = nn.Parameter(torch.zeros(d))
         self.lambda_q2 = nn.Parameter(torch.zeros(d))
         self.lambda_k2 = nn.Parameter(torch.zeros(d))
-        self.norm = RMSNorm(2 * d, eps=1e-5, affine=config.v1_norm_affine)
+        self.norm = RMSNorm(2 * d, eps=config.v1_norm_eps, affine=config.v1_norm_affine)
         self.logits1, self.logits2 = Tap("logits"), Tap("logits")
         self.probs1, self.probs2 = Tap("probs"), Tap("probs")
         self.add_module("lambda", Tap("lambda"))

@@ -39,6 +39,8 @@ class ModelConfig:
     init_std: float = 0.02
     # DIFF V1 only: learnable weight on the per-head RMSNorm (unilm has one; HF DiffLlama has none).
     v1_norm_affine: bool = True
+    # DIFF V1 only: eps of the per-head RMSNorm (unilm hard-codes 1e-5; HF DiffLlama uses rms_norm_eps).
+    v1_norm_eps: float = 1e-5
     # DIFF V1 only: None = the paper's schedule 0.8 - 0.6 exp(-0.3 depth); a number = that constant.
     v1_lambda_init: float | None = None
 
@@ -68,6 +70,7 @@ class ModelConfig:
         )
         need(_is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1")
         need(_is_number(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
+        need(_is_number(self.v1_norm_eps) and 0 < self.v1_norm_eps < 1, "v1_norm_eps", "a number in (0, 1)")
         need(_is_number(self.init_std) and self.init_std > 0, "init_std", "a number > 0")
         need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
         need(isinstance(self.v1_norm_affine, bool), "v1_norm_affine", "true or false")

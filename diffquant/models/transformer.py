@@ -155,6 +155,16 @@ class DecoderLM(nn.Module):
             attn.path = path
             attn.chunk_size = chunk_size
 
+    def set_kernel(self, mode: str = "auto") -> None:
+        """'auto': the fused Triton kernel on CUDA where the quantization plan fits it; 'triton': also on
+        CPU (through Triton's interpreter when TRITON_INTERPRET=1, for testing); 'off': torch paths only."""
+        from diffquant.kernels.dispatch import KERNEL_MODES
+
+        if mode not in KERNEL_MODES:
+            raise DiffquantError(f"kernel mode {mode!r}: expected one of {', '.join(KERNEL_MODES)}")
+        for attn in self.attention_modules():
+            attn.kernel = mode
+
     # ---------------------------------------------------------------------------------- counting
     def parameter_groups(self) -> dict[str, int]:
         """Parameter counts by group: embeddings, attention, lambda, MLP, norms, LM head (untied only)."""

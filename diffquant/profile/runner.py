@@ -66,6 +66,7 @@ def profile_stage(
     from diffquant.data import ByteTokenizer, token_windows
     from diffquant.errors import DiffquantError
     from diffquant.io.artifacts import write_json_atomic, write_text_atomic
+    from diffquant.kernels.dispatch import path_summary
     from diffquant.profile.maps import capture_maps, save_maps
     from diffquant.profile.tables import format_table5, layerwise, table5
 
@@ -99,6 +100,7 @@ def profile_stage(
             attention=model.config.attention,
             config=model.config.to_dict(),
             data=data,
+            attention_paths=path_summary(model),
         )
         write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
         sample = windows[0, :map_len]
