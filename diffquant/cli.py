@@ -276,6 +276,12 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from diffquant.io.convert_cli import cmd_export
+
+    return cmd_export(args)
+
+
 def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
@@ -323,7 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     info = sub.add_parser("info", help="show a checkpoint's config, parameter counts and probe sites")
-    info.add_argument("checkpoint", help="a native checkpoint folder")
+    info.add_argument(
+        "checkpoint", help="a checkpoint folder, zoo:NAME, init:KIND:PRESET, hf:PATH or unilm:PATH"
+    )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=_cmd_info)
 
@@ -436,6 +444,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     zoo = sub.add_parser("zoo", help="list the zoo models with their cards")
     zoo.set_defaults(func=_cmd_zoo)
+
+    export = sub.add_parser(
+        "export", help="write a model as a Hugging Face folder (baseline -> llama, diff_v1 -> diffllama)"
+    )
+    export.add_argument(
+        "model", metavar="MODEL", help="native folder, zoo:NAME, init:..., hf:PATH or unilm:PATH"
+    )
+    export.add_argument("--to", required=True, choices=("hf",), help="target format")
+    export.add_argument("out", metavar="OUT", help="output folder")
+    export.add_argument("--force", action="store_true", help="replace an existing output folder")
+    export.set_defaults(func=_cmd_export)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)

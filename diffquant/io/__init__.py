@@ -27,10 +27,8 @@ def load_model(
     spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
     """Load a model from a specifier: a native checkpoint folder (quantized or not), ``zoo:NAME`` (the
-    models shipped with diffquant), or ``init:KIND:PRESET[:SEED]``, a randomly initialised model.
-
-    Specifiers with a scheme (``zoo:``, ``hf:``, ``unilm:``) are reserved for the converters; naming one
-    that this version cannot read is an error rather than a guess at a folder of that name.
+    models shipped with diffquant), ``init:KIND:PRESET[:SEED]`` (a randomly initialised model),
+    ``hf:PATH`` (a local Hugging Face llama / diffllama folder) or ``unilm:PATH`` (a unilm-layout decoder).
     """
     text = str(spec)
     scheme = text.split(":", 1)[0]
@@ -41,10 +39,9 @@ def load_model(
 
         return load_checkpoint(zoo_path(text[4:]), device=device, dtype=dtype or torch.float32)
     if ":" in text and scheme in KNOWN_SCHEMES:
-        raise DiffquantError(
-            f"model specifier {text!r}: '{scheme}:' models are not supported by this version; "
-            "supported: a native checkpoint folder (config.json + model.safetensors)"
-        )
+        from diffquant.io.convert_cli import load_converted
+
+        return load_converted(text, device=device, dtype=dtype)
     from diffquant.io.quantized import is_quantized, load_quantized
 
     if is_quantized(text):

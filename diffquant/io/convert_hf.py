@@ -1,0 +1,547 @@
+"""Hugging Face checkpoints <-> native DecoderLM: ``llama`` <-> baseline, ``diffllama`` <-> DIFF V1.
+
+Import (:func:`load_hf`) reads a local HF folder (``config.json`` plus ``model.safetensors`` or a sharded
+``model.safetensors.index.json``) lazily with ``safe_open``: the model is built on the meta device and each
+tensor is read, re-laid out, cast and assigned once, so a checkpoint is never held twice. Export
+(:func:`export_hf`) writes the inverse layout into a folder that ``transformers`` ``from_pretrained`` reads.
+transformers itself is not needed for either direction.
+
+Layouts (see shared/reference/diff-attention.md):
+
+- HF DiffLlama counts *component* heads: ``num_attention_heads`` = 2 x differential pairs. Pair i is q head
+  i with q head i + H/2 (contiguous halves), likewise K (j, j + Hkv/2), and the pair's 2d-wide value is
+  concat(v head j, v head j + Hkv/2).
+- Native DIFF V1 interleaves the components: q rows (H/2, 2, d), k rows (Hkv/2, 2, d), v rows (Hkv/2, 2d).
+
+Both use rotate-half RoPE on each d-wide component, the same lambda reparameterisation, the same
+lambda_init schedule and (1 - lambda_init) * RMSNorm_2d, so the conversion is a pure row permutation of
+q/k/v (o_proj's columns already agree: output head i is columns [2d i, 2d (i + 1)) in both).
+
+Only the shared helpers at the bottom (lazy tensor source, meta-device assembly, atomic folder write) are
+used by :mod:`diffquant.io.convert_unilm` as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from diffquant.errors import DiffquantError
+from diffquant.models.config import ModelConfig
+from diffquant.models.transformer import DecoderLM
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_MODEL_TYPES = {"llama": "baseline", "diffllama": "diff_v1"}
+
+# Floating dtypes the native model computes in; anything else (int8 / fp8 quantized weights) it cannot hold.
+FLOAT_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+}
+_DTYPE_BY_TAG = {tag: dtype for dtype, tag in FLOAT_DTYPES.items()}
+# Tensors older transformers versions saved that the native model recomputes (RoPE frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# HF class defaults for keys a config.json may leave out (Llama and DiffLlama differ only in rms_norm_eps).
+_RMS_EPS_DEFAULT = {"llama": 1e-6, "diffllama": 1e-5}
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+# ============================================================================================ import
+def load_hf(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DecoderLM:
+    """A native DecoderLM (eval mode) from a local HF ``llama`` or ``diffllama`` folder.
+
+    ``dtype`` casts every tensor as it is read (e.g. ``torch.bfloat16``); None keeps the checkpoint's
+    dtype (that of the embedding, so a mixed-precision file still yields a single-dtype model).
+    """
+    folder = _folder(path)
+    check_float_dtype(dtype, "requested dtype")
+    hf = read_json(folder / CONFIG_FILE)
+    config = config_from_hf(hf, str(folder / CONFIG_FILE))
+    key_map = hf_key_map(config)
+    transforms = _import_transforms(config)
+    # Some tied checkpoints store the head anyway (a copy of the embedding); the tie makes it redundant.
+    optional = frozenset({"lm_head.weight"}) if config.tie_embeddings else frozenset()
+    with open_tensors(folder, device) as source:
+        return assemble(config, source, key_map, transforms, device, dtype, optional)
+
+
+def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Translate an HF config dict, rejecting whatever the native model cannot represent (one line each)."""
+    if not isinstance(hf, dict):
+        raise DiffquantError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DiffquantError(
+            f"{source}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise DiffquantError(
+            f"{source}: quantized checkpoint (quantization_config.quant_method={method!r}); the native model "
+            "holds floating-point weights only (float32, float16, bfloat16)"
+        )
+    _check_rope(hf, source)
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise DiffquantError(f"{source}: {flag} = true, expected false (the native model has no biases)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise DiffquantError(f"{source}: hidden_act = {act!r}, expected 'silu' (the native MLP is SwiGLU)")
+
+    def need(key: str) -> Any:
+        if hf.get(key) is None:
+            raise DiffquantError(f"{source}: missing key '{key}'")
+        return hf[key]
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    ints = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+    head_dim = hf.get("head_dim") or (hidden // heads if ints else 0)
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fields: dict[str, Any] = {
+        "attention": SUPPORTED_MODEL_TYPES[model_type],
+        "vocab_size": need("vocab_size"),
+        "d_model": hidden,
+        "n_layers": need("num_hidden_layers"),
+        "n_heads": heads,
+        "n_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "ffn_dim": need("intermediate_size"),
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "rope_theta": float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta,
+        "norm_eps": hf.get("rms_norm_eps", _RMS_EPS_DEFAULT[model_type]),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "init_std": hf.get("initializer_range") or 0.02,
+    }
+    if model_type == "diffllama":
+        # num_attention_heads counts component heads; native counts differential pairs (and kv pairs).
+        for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if not isinstance(value, int) or value % 2:
+                raise DiffquantError(
+                    f"{source}: {key} = {value!r}, expected an even integer (DiffLlama pairs its heads)"
+                )
+        fields.update(
+            n_heads=heads // 2,
+            n_kv_heads=kv_heads // 2,
+            v1_norm_affine=False,  # HF's group norm has no weight
+            v1_norm_eps=fields["norm_eps"],  # HF uses rms_norm_eps for the group norm too
+            v1_lambda_init=None,  # HF always uses the depth schedule
+        )
+    try:
+        return ModelConfig(**fields)
+    except DiffquantError as err:
+        raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
+
+
+def _check_rope(hf: dict[str, Any], source: str) -> None:
+    """Only plain RoPE is representable: no scaling (linear, dynamic, yarn, llama3, ...)."""
+    if hf.get("rope_scaling"):
+        raise DiffquantError(
+            f"{source}: rope_scaling = {json.dumps(hf['rope_scaling'])}, expected null (the native model has "
+            "plain RoPE only)"
+        )
+    rope = hf.get("rope_parameters")
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise DiffquantError(f"{source}: rope_parameters: expected an object, got {type(rope).__name__}")
+    extra = sorted(set(rope) - {"rope_type", "rope_theta"})
+    if rope.get("rope_type", "default") != "default" or extra:
+        raise DiffquantError(
+            f"{source}: rope_parameters = {json.dumps(rope)}, expected rope_type 'default' without scaling "
+            "(the native model has plain RoPE only)"
+        )
+
+
+def hf_key_map(config: ModelConfig) -> dict[str, str]:
+    """native state-dict key -> HF key, for every tensor the native model stores (tied head excluded)."""
+    keys = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not config.tie_embeddings:
+        keys["lm_head.weight"] = "lm_head.weight"
+    for i in range(config.n_layers):
+        n, h = f"layers.{i}.", f"model.layers.{i}."
+        keys[n + "attn_norm.weight"] = h + "input_layernorm.weight"
+        keys[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
+        for proj in ("q", "k", "v", "o"):
+            keys[f"{n}attn.{proj}_proj.weight"] = f"{h}self_attn.{proj}_proj.weight"
+        for proj in ("gate", "up", "down"):
+            keys[f"{n}mlp.{proj}.weight"] = f"{h}mlp.{proj}_proj.weight"
+        if config.attention == "diff_v1":
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                keys[f"{n}attn.{name}"] = f"{h}self_attn.{name}"
+    return keys
+
+
+# Why a weight permutation rather than a "contiguous halves" layout option in DiffV1Attention: the permuted
+# model is bit-for-bit the native DIFF V1 model, so every downstream stage (taps, per-head statistics,
+# quantization plans, Triton kernels, the explicit map path) sees one layout and needs no second code path
+# to test; the permutation costs one copy of three matrices at load time, and exporting inverts it exactly.
+def halves_to_interleaved(w: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """Rows (2, n_pairs, r) -> (n_pairs, 2, r): HF's contiguous halves to native interleaved pairs."""
+    return w.reshape(2, n_pairs, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
+
+
+def interleaved_to_halves(w: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """Rows (n_pairs, 2, r) -> (2, n_pairs, r): the inverse of :func:`halves_to_interleaved`."""
+    return w.reshape(n_pairs, 2, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
+
+
+def _import_transforms(config: ModelConfig) -> dict[str, Transform]:
+    """Per native key: the re-layout applied to the HF tensor (DIFF V1 q/k/v only)."""
+    if config.attention != "diff_v1":
+        return {}
+    out: dict[str, Transform] = {}
+    for i in range(config.n_layers):
+        a = f"layers.{i}.attn."
+        out[a + "q_proj.weight"] = lambda w, n=config.n_heads: halves_to_interleaved(w, n)
+        # One permutation serves K (rows (2, Hkv/2, d)) and V (rows (2, Hkv/2, d) -> (Hkv/2, 2d)).
+        out[a + "k_proj.weight"] = lambda w, n=config.n_kv_heads: halves_to_interleaved(w, n)
+        out[a + "v_proj.weight"] = lambda w, n=config.n_kv_heads: halves_to_interleaved(w, n)
+    return out
+
+
+# ============================================================================================ export
+def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Write ``model`` as an HF folder (config.json + model.safetensors), atomically.
+
+    baseline -> ``llama``; DIFF V1 -> ``diffllama`` (a per-head norm weight is folded into o_proj);
+    DIFF V2 has no HF format. Tensors keep the model's dtype.
+    """
+    config = model.config
+    if getattr(model, "quant_plan", None) is not None:
+        raise DiffquantError(
+            "export: model is quantized; HF llama/diffllama folders hold unquantized weights only"
+        )
+    if config.attention == "diff_v2":
+        raise DiffquantError(
+            "export: attention 'diff_v2' has no Hugging Face format (supported: baseline -> llama, "
+            "diff_v1 -> diffllama)"
+        )
+    if config.attention == "diff_v1":
+        if config.v1_lambda_init is not None:
+            raise DiffquantError(
+                f"export: v1_lambda_init = {config.v1_lambda_init}, expected null (HF DiffLlama always uses "
+                "the depth schedule 0.8 - 0.6 exp(-0.3 depth))"
+            )
+        if config.v1_norm_eps != config.norm_eps:
+            raise DiffquantError(
+                f"export: v1_norm_eps = {config.v1_norm_eps} differs from norm_eps = {config.norm_eps}; HF "
+                "DiffLlama uses rms_norm_eps for both"
+            )
+    state = model.state_dict()
+    dtype = state["embed.weight"].dtype
+    check_float_dtype(dtype, "model dtype")
+    tensors: dict[str, torch.Tensor] = {}
+    for native, hf_key in hf_key_map(config).items():
+        tensor = state[native].detach()
+        if config.attention == "diff_v1":
+            tensor = _export_v1_tensor(model, native, tensor)
+        tensors[hf_key] = tensor.to("cpu").contiguous()
+    hf = hf_config(config, dtype)
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    return write_folder_atomic(out_dir, write, overwrite)
+
+
+def _export_v1_tensor(model: DecoderLM, native: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Inverse permutation of q/k/v; o_proj with the per-head norm weight folded in (when there is one)."""
+    config = model.config
+    name = native.split(".")[-2] if native.endswith(".weight") else ""
+    if name == "q_proj":
+        return interleaved_to_halves(tensor, config.n_heads)
+    if name in ("k_proj", "v_proj"):
+        return interleaved_to_halves(tensor, config.n_kv_heads)
+    if name == "o_proj" and config.v1_norm_affine:
+        depth = int(native.split(".")[1])
+        weight = model.layers[depth].attn.norm.weight.detach()
+        return fold_norm_weight(tensor, weight, config.n_heads, native)
+    return tensor
+
+
+def fold_norm_weight(o_proj: torch.Tensor, weight: torch.Tensor, n_heads: int, name: str) -> torch.Tensor:
+    """o_proj with the V1 per-head RMSNorm weight folded into its input columns.
+
+    The norm multiplies channel c of every head by weight[c] (one (2d,) weight shared by all heads), then
+    (1 - lambda_init) scales, then o_proj is linear: o_proj (w * x) = (o_proj diag(tile(w))) x. So column
+    2d h + c of o_proj is scaled by weight[c]. Done in fp32 and cast back; a result the model's dtype cannot
+    hold (overflow to inf, e.g. float16 with a large norm weight) is refused rather than written.
+    """
+    folded = (o_proj.float() * weight.float().repeat(n_heads)[None, :]).to(o_proj.dtype)
+    if not torch.isfinite(folded).all():
+        raise DiffquantError(
+            f"export: folding the V1 norm weight into {name} overflows {str(o_proj.dtype).removeprefix('torch.')}"
+            " (max |o_proj * weight| = "
+            f"{(o_proj.float().abs().amax(0) * weight.float().abs().repeat(n_heads)).max().item():.3g}); "
+            "convert the model to float32 first"
+        )
+    return folded
+
+
+def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json of the exported folder.
+
+    RoPE is written both ways (``rope_theta`` for transformers 4.x, ``rope_parameters`` for 5.x) so either
+    reads it; token ids are null because native models carry no tokenizer.
+    """
+    diff = config.attention == "diff_v1"
+    heads, kv_heads = (
+        (2 * config.n_heads, 2 * config.n_kv_heads) if diff else (config.n_heads, config.n_kv_heads)
+    )
+    dtype_name = str(dtype).removeprefix("torch.")
+    hf: dict[str, Any] = {
+        "architectures": ["DiffLlamaForCausalLM" if diff else "LlamaForCausalLM"],
+        "model_type": "diffllama" if diff else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    if diff:
+        hf["lambda_std_dev"] = 0.1
+    else:
+        hf["mlp_bias"] = False
+    return hf
+
+
+# ====================================================================================== shared helpers
+def check_float_dtype(dtype: torch.dtype | None, what: str) -> None:
+    """Refuse dtypes the native model cannot compute in (integer, bool, fp8, complex)."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise DiffquantError(
+            f"{what} {dtype}: expected a floating dtype the model can hold "
+            f"({', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)})"
+        )
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DiffquantError(f"{path}: file not found") from None
+    except json.JSONDecodeError as err:
+        raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def _folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "not found" if not folder.exists() else "not a folder"
+        raise DiffquantError(f"{folder}: checkpoint folder {what}")
+    return folder
+
+
+class TensorSource:
+    """The tensors of one or more open safetensors files, read on demand (header-only until ``get``)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, Any] = {}  # key -> safe_open handle
+        self._files: dict[str, Path] = {}  # key -> file (for messages)
+
+    def add(self, handle: Any, file: Path, keys: list[str] | None = None) -> None:
+        for key in handle.keys() if keys is None else keys:
+            self._handles[key] = handle
+            self._files[key] = file
+
+    def keys(self) -> list[str]:
+        return list(self._handles)
+
+    def file(self, key: str) -> Path:
+        return self._files[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[key].get_slice(key).get_shape())
+
+    def dtype_tag(self, key: str) -> str:
+        return self._handles[key].get_slice(key).get_dtype()
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self._handles[key].get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise DiffquantError(f"{self._files[key]}: tensor {key} is unreadable ({err})") from None
+
+
+@contextlib.contextmanager
+def open_tensors(folder: Path, device: str | torch.device = "cpu") -> Iterator[TensorSource]:
+    """Open ``model.safetensors`` or every shard named by ``model.safetensors.index.json``, lazily."""
+    source = TensorSource()
+    with contextlib.ExitStack() as stack:
+        single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
+        if single.is_file():
+            source.add(_open(stack, single, device), single)
+        elif index.is_file():
+            meta = read_json(index)
+            weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise DiffquantError(f"{index}: expected a non-empty 'weight_map' object (tensor -> shard)")
+            by_shard: dict[str, list[str]] = {}
+            for key, shard in weight_map.items():
+                by_shard.setdefault(str(shard), []).append(key)
+            for shard, keys in sorted(by_shard.items()):
+                file = folder / shard
+                if not file.is_file():
+                    raise DiffquantError(
+                        f"{index}: shard {shard} is missing from {folder} (it holds {keys[0]} and "
+                        f"{len(keys) - 1} more tensors)"
+                    )
+                handle = _open(stack, file, device)
+                absent = sorted(set(keys) - set(handle.keys()))
+                if absent:
+                    raise DiffquantError(
+                        f"{file}: tensor {absent[0]} listed in {INDEX_FILE} is not in the shard"
+                    )
+                source.add(handle, file, keys)
+        else:
+            raise DiffquantError(
+                f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
+            )
+        yield source
+
+
+def _open(stack: contextlib.ExitStack, file: Path, device: str | torch.device) -> Any:
+    try:
+        return stack.enter_context(safe_open(str(file), framework="pt", device=str(device)))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise DiffquantError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def assemble(
+    config: ModelConfig,
+    source: TensorSource,
+    key_map: dict[str, str],
+    transforms: dict[str, Transform],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    optional: frozenset[str] = frozenset(),
+) -> DecoderLM:
+    """Build ``config`` on the meta device and assign each source tensor (re-laid out, cast) in place.
+
+    ``key_map`` maps native keys to source keys; every source tensor must be used, except RoPE buffers and
+    the source keys in ``optional`` (e.g. an untied LM head in a tied checkpoint). Keys, shapes and dtypes
+    are all checked from the file headers before a single tensor is read, so a bad file costs nothing.
+    """
+    check_float_dtype(dtype, "requested dtype")
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    available = set(source.keys())
+    missing = [src for native, src in key_map.items() if src not in available]
+    if missing:
+        extra = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DiffquantError(
+            f"{_where(source)}: missing tensor {missing[0]}{extra} (expected by the config for a "
+            f"{config.attention} model)"
+        )
+    used = set(key_map.values())
+    unexpected = sorted(
+        k for k in available - used if not k.endswith(_IGNORED_SUFFIXES) and k not in optional
+    )
+    if unexpected:
+        raise DiffquantError(
+            f"{source.file(unexpected[0])}: unexpected tensor {unexpected[0]}"
+            + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else "")
+            + f" (the native {config.attention} model has no place for it)"
+        )
+    for native, src in key_map.items():
+        got, want = source.shape(src), expected[native]
+        if got != want:
+            raise DiffquantError(
+                f"{source.file(src)}: tensor {src} has shape {list(got)}, expected {list(want)} from the config"
+            )
+        tag = source.dtype_tag(src)
+        if tag not in _DTYPE_BY_TAG:
+            raise DiffquantError(
+                f"{source.file(src)}: tensor {src} has dtype {tag}, expected a floating dtype the model can "
+                f"hold ({', '.join(_DTYPE_BY_TAG)}); quantized checkpoints are not supported"
+            )
+    if dtype is None:
+        dtype = _DTYPE_BY_TAG[source.dtype_tag(key_map["embed.weight"])]
+    state: dict[str, torch.Tensor] = {}
+    for native, src in key_map.items():
+        tensor = source.get(src)
+        if native in transforms:
+            tensor = transforms[native](tensor)
+        state[native] = tensor.to(device=device, dtype=dtype).contiguous()
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:  # a key map that misses a parameter is a bug in the converter, not a user error
+        raise AssertionError(f"converter left parameters unassigned: {left}")
+    return model.eval()
+
+
+def _where(source: TensorSource) -> str:
+    files = sorted({str(source.file(k)) for k in source.keys()})  # noqa: SIM118 (a method, not a dict)
+    return files[0] if len(files) == 1 else f"{Path(files[0]).parent} (shards)"
+
+
+def write_folder_atomic(out_dir: str | Path, write: Callable[[Path], None], overwrite: bool) -> Path:
+    """Fill a temporary sibling folder with ``write`` and rename it to ``out_dir``, so an interrupted
+    export never leaves a half-written folder; an existing folder is replaced only with ``overwrite``."""
+    path = Path(out_dir)
+    if path.exists() and not overwrite:
+        raise DiffquantError(f"{path}: already exists (pass overwrite / --force to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; give the folder the usual mode
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
