@@ -264,13 +264,13 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
     if not names:
         raise DiffquantError("no zoo models are shipped with this installation")
     print(
-        f"{'model':<10}{'attention':<10}{'params':>10}{'tokens':>11}{'train bpb':>11}{'val bpb':>9}{'retrieval':>11}"
+        f"{'model':<15}{'attention':<10}{'params':>10}{'tokens':>11}{'train bpb':>11}{'val bpb':>9}{'retrieval':>11}"
     )
     for name in names:
         c = card(name)
         acc = c["retrieval"]["acc_rank"]
         print(
-            f"zoo:{name:<6}{c['kind']:<10}{c['parameters']:>10,}{c['tokens']:>11,}{c['train_bpb']:>11.3f}"
+            f"{'zoo:' + name:<15}{c['kind']:<10}{c['parameters']:>10,}{c['tokens']:>11,}{c['train_bpb']:>11.3f}"
             f"{c['val_bpb']:>9.3f}{acc:>11.2f}"
         )
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +47,3 @@ def publish(final_dir: str | Path, name: str) -> Path:
     for f in FILES:
         shutil.copyfile(src / f, dest / f)
     return dest
-
-
-if __name__ == "__main__":  # python -m diffquant.zoo publish runs/train/zoo-baseline/final baseline
-    if len(sys.argv) != 4 or sys.argv[1] != "publish":
-        sys.exit("usage: python -m diffquant.zoo publish FINAL_DIR NAME")
-    print(publish(sys.argv[2], sys.argv[3]))

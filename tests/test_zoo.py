@@ -1,0 +1,74 @@
+"""The shipped zoo: matched trio, honest cards, loadable by every command; the demo end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from diffquant.cli import main
+from diffquant.io import load_model
+from diffquant.io.artifacts import sha256_file
+from diffquant.train import TrainConfig
+from diffquant.zoo import card, zoo_names, zoo_path
+
+RECIPES = Path(__file__).parents[1] / "recipes"
+KINDS = ("baseline", "diff_v1", "diff_v2")
+
+
+def test_trio_is_shipped_and_matched():
+    assert zoo_names() == list(KINDS)
+    cards = {k: card(k) for k in KINDS}
+    params = [c["parameters"] for c in cards.values()]
+    assert max(params) / min(params) - 1 < 0.01
+    assert len({c["tokens"] for c in cards.values()}) == 1 and len({c["steps"] for c in cards.values()}) == 1
+    for kind, c in cards.items():
+        recipe = RECIPES / f"zoo-{kind}.yaml"
+        assert c["recipe_text"] == recipe.read_text()  # the card records the recipe that made it
+        cfg = TrainConfig.load(recipe)
+        assert (c["kind"], c["steps"], c["tokens"]) == (kind, cfg.steps, cfg.tokens)
+        weights = zoo_path(kind) / "model.safetensors"
+        assert c["sha256"] == sha256_file(weights)
+        assert weights.stat().st_size <= 8 * 1024 * 1024
+        model = load_model(f"zoo:{kind}")
+        assert model.config.attention == kind and model.num_parameters() == c["parameters"]
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_zoo_card_bpb_is_what_the_weights_measure():
+    from diffquant.eval.perplexity import evaluate_bpb
+
+    c = card("diff_v2")
+    cfg = TrainConfig.load(RECIPES / "zoo-diff_v2.yaml")
+    bpb = evaluate_bpb(
+        load_model("zoo:diff_v2"), cfg.eval_data, max_tokens=cfg.eval_tokens, seq_len=cfg.seq_len
+    )
+    assert bpb["bits_per_byte"] == pytest.approx(c["val_bpb"], rel=1e-6)
+
+
+def test_zoo_cli(capsys):
+    assert main(["zoo"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"zoo:{k}" in out for k in KINDS)
+    assert main(["info", "zoo:nope"]) == 2
+    assert "zoo models: baseline, diff_v1, diff_v2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_writes_report_profile_and_sweep(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffquant.cli", "demo", "--out", str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attention logits" in proc.stdout and "report.html" in proc.stdout
+    for kind in KINDS:
+        assert json.loads((out / "profile" / f"{kind}.json").read_text())["meta"]["model"] == kind
+    assert (out / "sweep" / "results.csv").read_text().startswith("model,attention,plan,task")
+    report = (out / "report.html").read_text()
+    assert "3B parameters and were trained on 350B tokens" in report
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "diffquant" / "zoo" / "demo.yaml").read_text())
+    assert set(recipe["models"].values()) == {f"zoo:{k}" for k in KINDS}
