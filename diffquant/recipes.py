@@ -101,7 +101,8 @@ def _check(raw: dict[str, Any], schema: dict[str, Any], source: str, prefix: str
     return out
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+def read_yaml(path: str | Path, overrides: list[str] | None = None) -> Any:
+    """A recipe file's YAML with ``--set`` overrides applied (run and train recipes alike)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -111,7 +112,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[st
         raise DiffquantError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     for item in overrides or []:
         raw = apply_override(raw, item)
-    return validate(raw, source=str(path))
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    return validate(read_yaml(path, overrides), source=str(path))
 
 
 _INDEX = re.compile(r"^([^\[\]]+)((?:\[\d+\])*)$")

@@ -10,11 +10,15 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from diffquant.errors import DiffquantError
 
 LIBRARIES = ("torch", "numpy", "safetensors", "transformers", "optimum-quanto", "bitsandbytes", "triton")
 
@@ -71,3 +75,27 @@ def manifest(command: str, **fields: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         **fields,
     }
+
+
+def write_folder_atomic(out_dir: str | Path, write: Callable[[Path], None], overwrite: bool) -> Path:
+    """Fill a temporary sibling folder with ``write`` and rename it to ``out_dir``, so an interrupted
+    export never leaves a half-written folder; an existing folder is replaced only with ``overwrite``."""
+    path = Path(out_dir)
+    if path.exists() and not overwrite:
+        raise DiffquantError(f"{path}: already exists (pass overwrite / --force to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; give the folder the usual mode
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -7,9 +7,6 @@ half-written checkpoint. Loads validate everything a user can get wrong and say 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import write_folder_atomic
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -41,31 +39,18 @@ def save_checkpoint(
     """
     if state is None and getattr(model, "quant_plan", None) is not None:
         raise DiffquantError("model is quantized: save it with diffquant.io.save_quantized")
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise DiffquantError(f"{path}: already exists (pass overwrite / --force to replace it)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
+        tensors = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
         if model.config.tie_embeddings:
-            state.pop("lm_head.weight", None)  # safetensors stores no aliases; tied on load
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            tensors.pop("lm_head.weight", None)  # safetensors stores no aliases; tied on load
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if extra is not None:
             extra(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return write_folder_atomic(path, write, overwrite)
 
 
 def read_config(path: str | Path) -> ModelConfig:

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import write_folder_atomic
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -515,33 +513,3 @@ def assemble(
 def _where(source: TensorSource) -> str:
     files = sorted({str(source.file(k)) for k in source.keys()})  # noqa: SIM118 (a method, not a dict)
     return files[0] if len(files) == 1 else f"{Path(files[0]).parent} (shards)"
-
-
-def write_folder_atomic(out_dir: str | Path, write: Callable[[Path], None], overwrite: bool) -> Path:
-    """Fill a temporary sibling folder with ``write`` and rename it to ``out_dir``, so an interrupted
-    export never leaves a half-written folder; an existing folder is replaced only with ``overwrite``."""
-    path = Path(out_dir)
-    if path.exists() and not overwrite:
-        raise DiffquantError(f"{path}: already exists (pass overwrite / --force to replace it)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; give the folder the usual mode
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

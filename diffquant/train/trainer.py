@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 
 from diffquant.errors import DiffquantError
 
@@ -85,17 +84,10 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-        from diffquant.recipes import apply_override
+        from diffquant.recipes import read_yaml
 
         path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise DiffquantError(f"{path}: recipe file not found") from None
-        except yaml.YAMLError as err:
-            raise DiffquantError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-        for item in overrides or []:
-            raw = apply_override(raw, item)
+        raw = read_yaml(path, overrides)
         if not isinstance(raw, dict):
             raise DiffquantError(f"{path}: expected a mapping at the top level")
         allowed = [f.name for f in fields(cls)]
