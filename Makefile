@@ -19,7 +19,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 pytest: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=10
 
 test: lint pytest
 
