@@ -44,6 +44,21 @@ def _umask() -> int:
     return mask
 
 
+def read_json(path: str | Path, what: str = "file") -> Any:
+    """Parsed JSON, or a one-line DiffquantError naming the file and what is wrong with it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DiffquantError(f"{path}: {what} not found") from None
+    except UnicodeDecodeError:
+        raise DiffquantError(f"{path}: {what} is not a text file") from None
+    except json.JSONDecodeError as err:
+        raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except OSError as err:
+        raise DiffquantError(f"{path}: cannot read {what} ({err.strerror})") from None
+
+
 def write_json_atomic(path: str | Path, data: Any) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 

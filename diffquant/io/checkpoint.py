@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import write_folder_atomic
+from diffquant.io.artifacts import read_json, write_folder_atomic
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -57,10 +57,7 @@ def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a native checkpoint folder, validated."""
     folder = _checkpoint_folder(path)
     cfg_path = folder / CONFIG_FILE
-    try:
-        meta = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise DiffquantError(f"{cfg_path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    meta = read_json(cfg_path, "config")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "config" not in meta:
         raise DiffquantError(
             f"{cfg_path}: not a diffquant config (expected keys 'format': '{FORMAT}' and 'config')"

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import write_folder_atomic
+from diffquant.io.artifacts import read_json, write_folder_atomic
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -350,15 +350,6 @@ def check_float_dtype(dtype: torch.dtype | None, what: str) -> None:
             f"{what} {dtype}: expected a floating dtype the model can hold "
             f"({', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)})"
         )
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DiffquantError(f"{path}: file not found") from None
-    except json.JSONDecodeError as err:
-        raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
 
 
 def _folder(path: str | Path) -> Path:

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import read_json
 from diffquant.io.checkpoint import CONFIG_FILE, load_checkpoint, save_checkpoint
 from diffquant.models.transformer import DecoderLM
 
@@ -87,10 +88,7 @@ def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
     from diffquant.quant.plan import QuantPlan
 
     plan_path = Path(path) / PLAN_FILE
-    try:
-        doc = json.loads(plan_path.read_text())
-    except json.JSONDecodeError as err:
-        raise DiffquantError(f"{plan_path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    doc = read_json(plan_path, "quantization plan")
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or "plan" not in doc:
         raise DiffquantError(
             f"{plan_path}: not a diffquant quantization plan (expected 'format': '{PLAN_FORMAT}')"

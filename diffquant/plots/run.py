@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import read_json
 from diffquant.plots.style import DEFAULT_DPI, FORMATS, model_colors, safe_name, save_figure
 
 if TYPE_CHECKING:
@@ -93,25 +94,12 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DiffquantError(f"{path}: {what} not found") from None
-    except UnicodeDecodeError:
-        raise DiffquantError(f"{path}: {what} is not a text file") from None
-    except json.JSONDecodeError as err:
-        raise DiffquantError(f"{path}: {what} is not valid JSON ({err.msg} at line {err.lineno})") from None
-    except OSError as err:
-        raise DiffquantError(f"{path}: cannot read {what} ({err.strerror})") from None
-
-
 def load_profile(path: Path) -> Profile:
     """A Profile, or a one-line DiffquantError naming ``path`` (corrupt JSON, other format or version, or
     a structure the statistics classes reject)."""
     from diffquant.profile.profiler import Profile
 
-    data = _read_json(path, "profile")
+    data = read_json(path, "profile")
     try:
         return Profile.from_dict(data, source=str(path))
     except (DiffquantError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -155,7 +143,7 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
     art = RunArtifacts(run_dir)
     manifest_path = run_dir / "manifest.json"
     if manifest_path.is_file():
-        manifest = _read_json(manifest_path, "manifest")
+        manifest = read_json(manifest_path, "manifest")
         if isinstance(manifest, dict):
             recipe = manifest.get("recipe")
             for source in (
@@ -176,7 +164,7 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
     found = _sweep_files(run_dir)
     if found is not None:
         results_path, sweep_path = found
-        results = _read_json(results_path, "sweep results")
+        results = read_json(results_path, "sweep results")
         if not (
             isinstance(results, dict)
             and isinstance(results.get("rows"), list)
@@ -187,7 +175,7 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
             raise DiffquantError(
                 f"{sweep_path}: sweep description not found (needed beside {results_path.name})"
             )
-        sweep = _read_json(sweep_path, "sweep description")
+        sweep = read_json(sweep_path, "sweep description")
         if not (isinstance(sweep, dict) and isinstance(sweep.get("spec"), dict)):
             raise DiffquantError(f"{sweep_path}: not a sweep description (expected a 'spec')")
         if not isinstance(sweep["spec"].get("plans", {}), dict):

@@ -8,7 +8,6 @@ which computes the same output (to float rounding) while materialising the maps 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,14 +88,9 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise DiffquantError(f"{path}: file not found") from None
-        except json.JSONDecodeError as err:
-            raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        return cls.from_dict(data, source=str(path))
+        from diffquant.io.artifacts import read_json
+
+        return cls.from_dict(read_json(path, "profile"), source=str(path))
 
 
 class Profiler:

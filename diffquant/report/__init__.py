@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import write_text_atomic
+from diffquant.io.artifacts import read_json, write_text_atomic
 
 PAPER_SCALE = (
     "The DIFF paper's models had 3B parameters and were trained on 350B tokens; small models often do not "
@@ -34,13 +33,6 @@ class Section:
     figures: list[tuple[str, Path]] = field(default_factory=list)  # caption, path
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-
-
 def _num(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -55,7 +47,7 @@ def _model_scale(run: Path) -> list[list[str]]:
 
     rows = []
     for path in sorted((run / "profile").glob("*.json")):
-        meta = _load_json(path).get("meta", {})
+        meta = read_json(path).get("meta", {})
         config = meta.get("config")
         if not config:
             continue
@@ -84,7 +76,7 @@ def _count_parameters(cfg) -> int:
 def build_sections(run: Path, figures: list[Any]) -> list[Section]:
     sections = []
     manifest_path = run / "manifest.json"
-    manifest = _load_json(manifest_path) if manifest_path.is_file() else {}
+    manifest = read_json(manifest_path) if manifest_path.is_file() else {}
     recipe = manifest.get("recipe") or {}
     overview = Section("Run")
     lines = [f"Folder `{run}`; command `{manifest.get('command', '?')}`."]
@@ -105,7 +97,7 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
 
     t5_path = run / "table5.json"
     if t5_path.is_file():
-        t5 = _load_json(t5_path)
+        t5 = read_json(t5_path)
         models = t5.get("models", {})
         sec = Section("Activation outliers (DIFF paper, Table 5 view)")
         sec.text = (
@@ -136,7 +128,7 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
 
     for results_path in (run / "sweep" / "results.json", run / "results.json"):
         if results_path.is_file():
-            results = _load_json(results_path)
+            results = read_json(results_path)
             sec = Section("Quantization sweep")
             sec.text = (
                 "Primary metric per task; the change is against the same model unquantized (plan none)."
