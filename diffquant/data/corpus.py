@@ -13,7 +13,6 @@ has the same files (no random seed, no file list to ship).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import sysconfig
@@ -25,6 +24,7 @@ import torch
 
 from diffquant.data.tokenizer import ByteTokenizer
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import jsonl_records
 
 STDLIB = "stdlib"
 STDLIB_SPLITS = ("train", "validation")
@@ -123,15 +123,8 @@ def _jsonl_documents(source: str, name: str, text: str) -> Iterator[Document]:
     raw text would feed the model JSON quoting and escapes instead of the text. Blank lines are skipped
     (a trailing newline is not a record); empty texts are skipped like empty files.
     """
-    # split("\n"), not splitlines(): JSON strings may hold raw U+2028 and friends, which are not records.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
+    for lineno, record in jsonl_records(text, f"data source {source!r}: {name}"):
         where = f"data source {source!r}: {name}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DiffquantError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(record, dict) or "text" not in record:
             raise DiffquantError(f"{where}: no 'text' field (expected a JSON object with a 'text' string)")
         value = record["text"]

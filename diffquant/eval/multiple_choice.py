@@ -19,7 +19,6 @@ output type) keeps these accuracies comparable with published ones:
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from diffquant.data.tokenizer import ByteTokenizer
 from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import _check_byte_vocab, _check_int, _model_device, gather_logprobs
+from diffquant.io.artifacts import jsonl_records
 
 TARGET_DELIMITER = " "
 _TOKENIZER = ByteTokenizer()
@@ -110,15 +110,8 @@ def load_mc_jsonl(path: str | Path) -> list[MCItem]:
     except (OSError, UnicodeDecodeError) as exc:
         raise DiffquantError(f"multiple-choice file {str(path)!r}: cannot read: {exc}") from None
     items = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DiffquantError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        items.append(_item_from_record(record, where))
+    for lineno, record in jsonl_records(text, str(path)):
+        items.append(_item_from_record(record, f"{path}:{lineno}"))
     if not items:
         raise DiffquantError(f"multiple-choice file {str(path)!r}: no items")
     return items

@@ -13,7 +13,7 @@ import platform
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,21 @@ def read_json(path: str | Path, what: str = "file") -> Any:
         raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     except OSError as err:
         raise DiffquantError(f"{path}: cannot read {what} ({err.strerror})") from None
+
+
+def jsonl_records(text: str, where: str) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, parsed record) for each non-blank line of JSONL ``text``; a line that is not
+    JSON is a one-line DiffquantError naming ``where:LINE``. Split on "\\n" only, not splitlines(): JSON
+    strings may hold raw U+2028 and friends, which are not record separators."""
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DiffquantError(
+                f"{where}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
 
 
 def write_json_atomic(path: str | Path, data: Any) -> Path:
