@@ -17,20 +17,21 @@ from diffquant.errors import DiffquantError
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from diffquant.io import load_model
     from diffquant.models.taps import SITE_KINDS
 
-    model = load_model(args.checkpoint)
+    model = _load(args, args.checkpoint)
     cfg = model.config
     groups = model.parameter_groups()
     per_kind = Counter(model.sites().values())
     sites = {k: per_kind[k] for k in SITE_KINDS if per_kind[k]}
     from diffquant.kernels.dispatch import planned_paths
 
+    tokenizer = _tokenizer_line(model, args.checkpoint)
     if args.json:
         plan = getattr(model, "quant_plan", None)
         info = {
             "checkpoint": str(args.checkpoint),
+            "tokenizer": tokenizer,
             "quant_plan": None if plan is None else plan.to_dict(),
             "config": cfg.to_dict(),
             "parameters": {**groups, "total": sum(groups.values())},
@@ -49,6 +50,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     heads = f"{cfg.n_heads} output heads, {cfg.n_q_heads} query heads of width {cfg.head_dim}, "
     heads += f"{cfg.n_kv_heads} kv heads, value width {cfg.value_dim}"
     print(f"heads        {heads}")
+    print(f"tokenizer    {tokenizer}")
     print(f"parameters   {total:,}")
     for name, count in groups.items():
         if count:
@@ -86,8 +88,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     from diffquant.data import fingerprint
     from diffquant.distributed import init_from_env, shutdown
-    from diffquant.io import load_model
-    from diffquant.io.artifacts import manifest, sha256_file, write_json_atomic
+    from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
     from diffquant.profile.runner import profile_stage
 
     _, world = init_from_env()
@@ -95,7 +96,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         _positive(args, "tokens", "seq_len", "batch_size", "topk")
         models: dict = {}
         for spec in args.checkpoints:
-            models[_unique_name(spec, models)] = (spec, load_model(spec))
+            models[_unique_name(spec, models)] = (spec, _load(args, spec))
         out = Path(args.out)
         header, text, n_tokens = profile_stage(
             models,
@@ -111,15 +112,22 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         )
         if not header:  # not rank 0
             return 0
+        data = header.rsplit(" from ", 1)[1]
         write_json_atomic(
             out / "manifest.json",
             manifest(
                 "profile",
                 checkpoints={
-                    n: {"spec": str(s), "sha256": _checkpoint_hash(s, sha256_file)}
-                    for n, (s, _) in models.items()
+                    n: {
+                        "spec": str(s),
+                        "sha256": checkpoint_sha256(s),
+                        "tokenizer": m.tokenizer.name if m.tokenizer else "byte",
+                    }
+                    for n, (s, m) in models.items()
                 },
-                data={"source": args.data, "fingerprint": fingerprint(args.data), "tokens": n_tokens},
+                data={"source": data, "fingerprint": fingerprint(data), "tokens": n_tokens},
+                device=args.device,
+                dtype=args.dtype,
                 seq_len=args.seq_len,
                 batch_size=args.batch_size,
                 sites=args.sites,
@@ -149,6 +157,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         out=args.out,
         force=args.force,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
     )
     print(summary["text"])
     return 0
@@ -176,6 +187,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             calib_tokens=args.calib_tokens,
             calib_seq_len=args.calib_seq_len,
             batch_size=args.batch_size,
+            device=args.device,
+            dtype=args.dtype,
+            tokenizers={name: args.tokenizer for name in models} if args.tokenizer else {},
         )
         out = Path(args.out)
         results = run_sweep(spec, out, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
@@ -277,9 +291,21 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from diffquant.io.convert_cli import cmd_export
+    from diffquant.io import save_checkpoint
+    from diffquant.io.convert_hf import export_hf
 
-    return cmd_export(args)
+    model = _load(args, args.model)
+    if args.to == "native":
+        out = save_checkpoint(model, args.out, overwrite=args.force)
+        target = "native"
+    else:
+        out = export_hf(model, args.out, overwrite=args.force)
+        target = "HF " + ("diffllama" if model.config.attention == "diff_v1" else "llama")
+    print(
+        f"wrote {out}: {target} ({model.config.attention}), {model.num_parameters():,} parameters, "
+        f"{str(model.embed.weight.dtype).removeprefix('torch.')}, tokenizer {_tokenizer_line(model, args.model)}"
+    )
+    return 0
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -304,11 +330,44 @@ def _unique_name(spec: str, taken: dict) -> str:
     return name
 
 
-def _checkpoint_hash(spec: str, sha256_file) -> str | None:
-    from pathlib import Path
+def _load(args: argparse.Namespace, spec: str):
+    """A model on ``--device`` in ``--dtype`` with ``--tokenizer`` (where the command has those options)."""
+    from diffquant.io import load_model
+    from diffquant.io.options import parse_device, parse_dtype
 
-    weights = Path(spec) / "model.safetensors"
-    return sha256_file(weights) if weights.is_file() else None
+    return load_model(
+        spec,
+        device=parse_device(getattr(args, "device", None)),
+        dtype=parse_dtype(getattr(args, "dtype", None)),
+        tokenizer=getattr(args, "tokenizer", None),
+    )
+
+
+def _tokenizer_line(model, spec: str) -> str:
+    """What ``info`` says about the tokenizer: the one every stage will use, or why there is none."""
+    from diffquant.data import model_tokenizer
+
+    try:
+        return model_tokenizer(model, str(spec)).describe()
+    except DiffquantError as err:
+        return f"none ({err})"
+
+
+def _add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="compute dtype (default: the checkpoint's)",
+    )
+    if tokenizer:
+        parser.add_argument(
+            "--tokenizer",
+            default=None,
+            metavar="PATH",
+            help="'byte', a tokenizer.json or its folder; overrides the model's own tokenizer",
+        )
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -330,9 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="show a checkpoint's config, parameter counts and probe sites")
     info.add_argument(
-        "checkpoint", help="a checkpoint folder, zoo:NAME, init:KIND:PRESET, hf:PATH or unilm:PATH"
+        "checkpoint",
+        help="a checkpoint folder, zoo:NAME, init:KIND:PRESET, hf:PATH, gguf:FILE or unilm:PATH",
     )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_model_options(info)
     info.set_defaults(func=_cmd_info)
 
     init = sub.add_parser("init", help="write a randomly initialised checkpoint (to try every command)")
@@ -349,8 +410,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Profile activations at every site; prints the Table-5 view side by side and writes "
         "the full per-site profile as JSON. Runs sharded under torchrun --nproc_per_node N.",
     )
-    prof.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="native checkpoint folders")
-    prof.add_argument("--data", default="stdlib", help="'stdlib', a text file or a folder (default: stdlib)")
+    prof.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="checkpoint folders, zoo:NAME, init:..., hf:PATH, gguf:FILE or unilm:PATH",
+    )
+    prof.add_argument(
+        "--data",
+        default=None,
+        help="wikitext2:test, wikitext2:validation, stdlib[:train|:validation], a text file or a folder "
+        "(default: wikitext2:test when a model has its own tokenizer, else stdlib:validation)",
+    )
     prof.add_argument("--tokens", type=int, default=16384, help="tokens to profile (default: 16384)")
     prof.add_argument("--seq-len", type=int, default=256, help="window length (default: 256)")
     prof.add_argument("--batch-size", type=int, default=8)
@@ -358,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--topk", type=int, default=100, help="largest magnitudes kept per site")
     prof.add_argument("--no-attention-metrics", action="store_true", help="skip per-head attention metrics")
     prof.add_argument("--out", default="runs/profile", help="run folder (default: runs/profile)")
+    _add_model_options(prof)
     prof.set_defaults(func=_cmd_profile)
 
     quant = sub.add_parser(
@@ -366,15 +438,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fake-quantize sites and weights, or swap Linears for optimum-quanto / bitsandbytes "
         "layers; calibrate static scales; report the error per site against the unquantized model.",
     )
-    quant.add_argument("checkpoint", help="an unquantized native checkpoint folder")
+    quant.add_argument("checkpoint", help="an unquantized model: a folder, zoo:NAME, hf:PATH, gguf:FILE, ...")
     quant.add_argument("--plan", required=True, help="a preset name (see --list-presets) or a YAML plan file")
-    quant.add_argument("--calib-data", default="stdlib", help="'stdlib', a text file or a folder")
+    quant.add_argument(
+        "--calib-data",
+        default=None,
+        help="calibration text (default: wikitext2:validation for models with their own tokenizer, else "
+        "stdlib:train)",
+    )
     quant.add_argument("--calib-tokens", type=int, default=4096)
     quant.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens for the error report")
     quant.add_argument("--seq-len", type=int, default=256)
     quant.add_argument("--batch-size", type=int, default=8)
     quant.add_argument("--out", required=True, help="output folder")
     quant.add_argument("--force", action="store_true", help="replace an existing output folder")
+    _add_model_options(quant)
     quant.set_defaults(func=_cmd_quantize)
 
     ev = sub.add_parser(
@@ -384,20 +462,30 @@ def build_parser() -> argparse.ArgumentParser:
         "appending finished cells so a killed run resumes; prints the primary metric and its change.",
     )
     ev.add_argument(
-        "models", nargs="+", metavar="MODEL", help="checkpoint folders or init:KIND:PRESET[:SEED]"
+        "models",
+        nargs="+",
+        metavar="MODEL",
+        help="checkpoint folders, zoo:NAME, init:KIND:PRESET[:SEED], hf:PATH, gguf:FILE or unilm:PATH",
     )
     ev.add_argument(
         "--task",
         action="append",
         required=True,
-        help="bpb | retrieval | mc:path=FILE.jsonl, with options TYPE:key=value,... (repeatable)",
+        help="bpb | ppl | retrieval | mc:path=FILE.jsonl, with options TYPE:key=value,... (repeatable), "
+        "e.g. ppl:data=wikitext2:test,seq_len=1024,tokens=8192",
     )
     ev.add_argument("--plan", nargs="+", default=["none"], help="plans: none, preset names or YAML files")
-    ev.add_argument("--calib-data", default="stdlib:train", help="calibration data for static plans")
+    ev.add_argument(
+        "--calib-data",
+        default=None,
+        help="calibration text for static plans (default: wikitext2:validation when a model has its own "
+        "tokenizer, else stdlib:train)",
+    )
     ev.add_argument("--calib-tokens", type=int, default=4096)
     ev.add_argument("--calib-seq-len", type=int, default=256)
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
+    _add_model_options(ev)
     ev.set_defaults(func=_cmd_eval)
 
     run = sub.add_parser("run", help="run a YAML recipe (profile, quantize, eval, sweep) into a run folder")
@@ -449,11 +537,14 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a model as a Hugging Face folder (baseline -> llama, diff_v1 -> diffllama)"
     )
     export.add_argument(
-        "model", metavar="MODEL", help="native folder, zoo:NAME, init:..., hf:PATH or unilm:PATH"
+        "model", metavar="MODEL", help="native folder, zoo:NAME, init:..., hf:PATH, gguf:FILE or unilm:PATH"
     )
-    export.add_argument("--to", required=True, choices=("hf",), help="target format")
+    export.add_argument(
+        "--to", required=True, choices=("hf", "native"), help="target format: a HF folder or a native one"
+    )
     export.add_argument("out", metavar="OUT", help="output folder")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
+    _add_model_options(export)
     export.set_defaults(func=_cmd_export)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")

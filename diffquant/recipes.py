@@ -19,16 +19,20 @@ from diffquant.errors import DiffquantError
 
 # Schema: key -> (python types, default) or a nested dict schema. REQUIRED keys have no default.
 _REQUIRED = object()
-_CALIB = {"source": ((str,), "stdlib:train"), "tokens": ((int,), 4096), "seq_len": ((int,), 256)}
+_CALIB = {"source": ((str, type(None)), None), "tokens": ((int,), 4096), "seq_len": ((int,), 256)}
 SCHEMA: dict[str, Any] = {
     "name": ((str,), _REQUIRED),
     "description": ((str,), ""),
     "seed": ((int,), 0),
     "models": ((dict,), _REQUIRED),
+    # Where and how models run, and which tokenizer they read: a path for all models, or {model: path}.
+    "device": ((str,), "cpu"),
+    "dtype": ((str, type(None)), None),
+    "tokenizer": ((str, dict, type(None)), None),
     "data": {"calib": _CALIB},
     "profile": {
         "enabled": ((bool,), True),
-        "data": ((str,), "stdlib:validation"),
+        "data": ((str, type(None)), None),
         "tokens": ((int,), 16384),
         "seq_len": ((int,), 256),
         "batch_size": ((int,), 8),
@@ -53,6 +57,20 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
     for name, spec in recipe["models"].items():
         if not isinstance(spec, str):
             raise DiffquantError(f"{source}: models.{name}: expected a model specifier string, got {spec!r}")
+    tokenizer = recipe["tokenizer"]
+    if isinstance(tokenizer, dict):
+        for name, path in tokenizer.items():
+            if name not in recipe["models"] or not isinstance(path, str):
+                raise DiffquantError(
+                    f"{source}: tokenizer.{name}: expected a model name from 'models' mapped to a tokenizer "
+                    f"path, got {name!r}: {path!r}"
+                )
+    from diffquant.io.options import parse_dtype
+
+    try:
+        parse_dtype(recipe["dtype"])
+    except DiffquantError as err:
+        raise DiffquantError(f"{source}: {err}") from None
     from diffquant.eval.tasks import parse_task
     from diffquant.quant.plan import QuantPlan
 
@@ -165,26 +183,30 @@ def run_recipe(
     import torch
 
     from diffquant.data import fingerprint
-    from diffquant.io.artifacts import manifest, write_json_atomic
+    from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
 
     out = Path(out or recipe["output"]["dir"] or f"runs/{recipe['name']}")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe["seed"])
     present = recipe["_present"]
     clean = {k: v for k, v in recipe.items() if k != "_present"}
-    sources = {recipe["data"]["calib"]["source"]}
+    texts = _default_texts(recipe)
+    sources = {recipe["data"]["calib"]["source"] or texts["calib"]}
     if "profile" in present and recipe["profile"]["enabled"]:
-        sources.add(recipe["profile"]["data"])
+        sources.add(recipe["profile"]["data"] or texts["profile"])
     for task in recipe["eval"]["tasks"]:
-        if isinstance(task, dict) and task.get("type", "bpb") == "bpb":
-            sources.add(task.get("data", "stdlib:validation"))
+        if isinstance(task, dict) and task.get("type", "bpb") in ("bpb", "ppl"):
+            sources.add(task.get("data") or texts["eval"])
     write_json_atomic(
         out / "manifest.json",
         manifest(
             "run",
             recipe=clean,
             seed=recipe["seed"],
-            checkpoints=_checkpoint_hashes(recipe["models"]),
+            checkpoints={
+                name: {"spec": spec, "sha256": checkpoint_sha256(spec)}
+                for name, spec in recipe["models"].items()
+            },
             corpora={s: fingerprint(s) for s in sorted(sources)},
         ),
     )
@@ -209,22 +231,46 @@ def run_recipe(
     return out
 
 
-def _checkpoint_hashes(models: dict[str, str]) -> dict[str, dict[str, Any]]:
-    from diffquant.io.artifacts import sha256_file
+def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
+    """The recipe's ``tokenizer`` key as {model name: path} (one path applies to every model)."""
+    tokenizer = recipe["tokenizer"]
+    if tokenizer is None:
+        return {}
+    if isinstance(tokenizer, str):
+        return dict.fromkeys(recipe["models"], tokenizer)
+    return dict(tokenizer)
 
-    out = {}
-    for name, spec in models.items():
-        weights = Path(spec) / "model.safetensors"
-        out[name] = {"spec": spec, "sha256": sha256_file(weights) if weights.is_file() else None}
-    return out
+
+def _default_texts(recipe: dict[str, Any]) -> dict[str, str]:
+    """The texts stages read when the recipe names none, decided by the models' tokenizers."""
+    from diffquant.data.tokenizer import ByteTokenizer
+    from diffquant.eval.tasks import default_text
+    from diffquant.io import peek_tokenizer
+
+    paths = model_tokenizer_paths(recipe)
+    tokenizers = [
+        peek_tokenizer(spec, paths.get(name)) or ByteTokenizer() for name, spec in recipe["models"].items()
+    ]
+    return {purpose: default_text(tokenizers, purpose) for purpose in ("calib", "profile", "eval")}
+
+
+def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    from diffquant.io import load_model
+    from diffquant.io.options import parse_device, parse_dtype
+
+    paths = model_tokenizer_paths(recipe)
+    device, dtype = parse_device(recipe["device"]), parse_dtype(recipe["dtype"])
+    return {
+        name: (spec, load_model(spec, device=device, dtype=dtype, tokenizer=paths.get(name)))
+        for name, spec in recipe["models"].items()
+    }
 
 
 def _stage_profile(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    from diffquant.io import load_model
     from diffquant.profile.runner import profile_stage
 
     cfg = recipe["profile"]
-    models = {name: (spec, load_model(spec)) for name, spec in recipe["models"].items()}
+    models = _load_models(recipe)
     header, table, _ = profile_stage(
         models,
         data=cfg["data"],
@@ -259,6 +305,9 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
                 batch_size=cfg["batch_size"],
                 out=target,
                 force=True,
+                device=recipe["device"],
+                dtype=recipe["dtype"],
+                tokenizer=model_tokenizer_paths(recipe).get(name),
             )
             log(f"quantize {name} with {plan}: model logits SQNR {summary['logits_sqnr_db']} dB -> {target}")
 
@@ -276,6 +325,9 @@ def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callabl
         calib_tokens=calib["tokens"],
         calib_seq_len=calib["seq_len"],
         batch_size=recipe["eval"]["batch_size"],
+        device=recipe["device"],
+        dtype=recipe["dtype"],
+        tokenizers=model_tokenizer_paths(recipe),
     )
     results = run_sweep(spec, out / "sweep", progress=progress, log=log)
     if results is not None:

@@ -186,7 +186,7 @@ def test_special_targets_do_not_count_in_a_handmade_stream():
     r = evaluate_stream(CycleOracle(0.25), stream, seq_len=4)
     assert r["n_bytes"] == 5
     assert r["bits_per_byte"] == pytest.approx(-math.log2(0.75))
-    with pytest.raises(DiffquantError, match="no byte tokens"):
+    with pytest.raises(DiffquantError, match="no text tokens"):
         evaluate_stream(CycleOracle(0.25), torch.tensor([BOS, EOS, BOS, EOS]), seq_len=4)
 
 

@@ -117,7 +117,7 @@ def test_prompt_too_long_is_a_clear_error():
     model = tiny_model("baseline", vocab_size=259)  # max_seq_len 96
     with pytest.raises(DiffquantError, match=r"max_seq_len 96.*context_bytes"):
         evaluate_retrieval(model, RetrievalConfig(samples_per_depth=1, context_bytes=1024))
-    with pytest.raises(DiffquantError, match="byte-level"):
+    with pytest.raises(DiffquantError, match="vocab_size 61 is not the byte vocabulary"):
         evaluate_retrieval(tiny_model("baseline"), RetrievalConfig(samples_per_depth=1, context_bytes=10))
 
 

@@ -67,7 +67,7 @@ def test_changed_spec_is_refused(tmp_path, text):
 def test_task_parsing_errors():
     with pytest.raises(DiffquantError, match="unknown key 'tokns' for task type bpb; allowed keys"):
         parse_task("bpb:tokns=5")
-    with pytest.raises(DiffquantError, match="valid task types: bpb, retrieval, mc"):
+    with pytest.raises(DiffquantError, match="valid task types: bpb, ppl, retrieval, mc"):
         parse_task("hellaswag")
     with pytest.raises(DiffquantError, match="task type mc needs 'path'"):
         parse_task("mc")

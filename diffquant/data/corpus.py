@@ -1,5 +1,5 @@
-"""Text sources for calibration, profiling and evaluation: the Python standard library (whole or split),
-a text file, a JSONL file or a folder.
+"""Text sources for calibration, profiling and evaluation: WikiText-2 (shipped), the Python standard library
+(whole or split), a text file, a JSONL file or a folder.
 
 Profiles, quantization scales and perplexities are only comparable when they saw the same tokens, so every
 source reads in a fixed order (sorted relative paths), windows are cut deterministically, and
@@ -7,7 +7,10 @@ source reads in a fixed order (sorted relative paths), windows are cut determini
 every Python install carries ~30 MB of real text (code, docstrings, comments), which suits offline
 machines and tests. ``stdlib:train`` / ``stdlib:validation`` split it by a hash of each file's relative
 path, so calibration and evaluation text never overlap and the split is the same on every machine that
-has the same files (no random seed, no file list to ship).
+has the same files (no random seed, no file list to ship). ``wikitext2:test`` / ``wikitext2:validation``
+are the raw WikiText-2 splits shipped inside the package (CC BY-SA 3.0, see data/wikitext2/README.md), each
+read as one document: the text the field reports perplexity on (GPTQ, SmoothQuant, llama.cpp's perplexity
+tool all read wiki.test.raw as one stream).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from diffquant.data.tokenizer import ByteTokenizer
+from diffquant.data.tokenizer import ByteTokenizer, Tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import jsonl_records
 
@@ -34,8 +37,12 @@ TEXT_SUFFIXES = (".txt", ".raw", ".md", ".py", ".json", ".jsonl", ".csv", ".rst"
 # Directories of the standard library that are not the library itself (installed packages, test suites
 # with deliberately odd files, bytecode caches).
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+WIKITEXT2 = "wikitext2"
+WIKITEXT2_SPLITS = {"test": "wiki.test.raw", "validation": "wiki.valid.raw"}
+WIKITEXT2_DIR = Path(__file__).parent / "wikitext2"
 _EXPECTED = (
-    "expected 'stdlib', 'stdlib:train', 'stdlib:validation', a text or .jsonl file or a folder of text files"
+    "expected 'wikitext2:test', 'wikitext2:validation', 'stdlib', 'stdlib:train', 'stdlib:validation', "
+    "a text or .jsonl file or a folder of text files"
 )
 
 
@@ -82,6 +89,14 @@ def _entries(source: str) -> list[tuple[str, Path]]:
     """The files a source consists of, without reading them (so a small request reads little)."""
     if source == STDLIB:
         return _stdlib_entries(None)
+    if source.startswith(WIKITEXT2 + ":") or source == WIKITEXT2:
+        split = source.partition(":")[2]
+        if split not in WIKITEXT2_SPLITS:
+            allowed = ", ".join(repr(f"{WIKITEXT2}:{s}") for s in WIKITEXT2_SPLITS)
+            raise DiffquantError(
+                f"data source {source!r}: unknown WikiText-2 split {split!r}; expected {allowed}"
+            )
+        return [(WIKITEXT2_SPLITS[split], WIKITEXT2_DIR / WIKITEXT2_SPLITS[split])]
     if source.startswith(STDLIB + ":"):
         # The prefix is reserved: a file really named like this is reachable as ./stdlib:name.
         split = source[len(STDLIB) + 1 :]
@@ -191,14 +206,15 @@ def _check_count(source: str, name: str, value: object) -> None:
 
 
 def token_stream(
-    source: str, max_tokens: int | None = None, tokenizer: ByteTokenizer | None = None
+    source: str, max_tokens: int | None = None, tokenizer: Tokenizer | None = None
 ) -> torch.Tensor:
     """The first ``max_tokens`` ids (1-D, long) of ``source``'s token stream; ``None`` for all of it.
 
-    The stream is [BOS] + tokens + [EOS] for each document in order: the one sequence that
-    :func:`token_windows` cuts into rows and that perplexity evaluation slides over, so both see the
-    same tokens for the same source. Documents are read only until ``max_tokens`` are there; a shorter
-    source yields what it has. ``tokenizer`` defaults to :class:`ByteTokenizer`.
+    The stream is ``tokenizer.frame(document)`` for each document in order ([BOS] + tokens + [EOS] for
+    the byte tokenizer; BOS only where the model expects it, EOS where the tokenizer has one): the one
+    sequence that :func:`token_windows` cuts into rows and that perplexity evaluation slides over, so
+    both see the same tokens for the same source. Documents are read only until ``max_tokens`` are
+    there; a shorter source yields what it has. ``tokenizer`` defaults to :class:`ByteTokenizer`.
     """
     if max_tokens is not None:
         _check_count(source, "max_tokens", max_tokens)
@@ -206,7 +222,7 @@ def token_stream(
     pieces: list[torch.Tensor] = []
     have = 0
     for doc in iter_documents(source):
-        ids = torch.tensor(tokenizer.encode(doc.text, bos=True, eos=True), dtype=torch.long)
+        ids = torch.tensor(tokenizer.frame(doc.text), dtype=torch.long)
         pieces.append(ids)
         have += ids.numel()
         if max_tokens is not None and have >= max_tokens:
@@ -216,11 +232,11 @@ def token_stream(
 
 
 def token_windows(
-    source: str, n_tokens: int, seq_len: int, tokenizer: ByteTokenizer | None = None
+    source: str, n_tokens: int, seq_len: int, tokenizer: Tokenizer | None = None
 ) -> torch.Tensor:
     """The first ceil(n_tokens / seq_len) windows (n_windows, seq_len) of ``source``'s token stream, long.
 
-    The stream (:func:`token_stream`) is [BOS] + tokens + [EOS] for each document in order, cut into
+    The stream (:func:`token_stream`) is each document framed by the tokenizer, in order, cut into
     consecutive non-overlapping windows (a window may span documents, as in LM pretraining). Documents are
     read only until enough tokens are there. A source shorter than the request yields the whole windows it
     has (fewer rows; the caller reports it); one shorter than a single window is an error. ``tokenizer``

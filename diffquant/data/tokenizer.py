@@ -1,24 +1,97 @@
-"""A byte-level tokenizer: no vocabulary file, no dependency, any text in any language.
+"""Tokenizers: the byte tokenizer of the native and zoo models, and Hugging Face ``tokenizers`` for real
+checkpoints.
 
-Ids 0..255 are the UTF-8 bytes themselves and three specials follow (BOS 256, EOS 257, PAD 258), so a model
-with ``vocab_size = 259`` trains on raw text without a learned tokenizer. That keeps profiles reproducible
-from nothing but the text, which matters more here than tokens-per-character efficiency.
+Every stage turns text into ids through the model's own tokenizer, because a profile, a perplexity or a
+multiple-choice score computed on the wrong ids is silently meaningless (a 49k-vocabulary Llama fed UTF-8
+bytes reads sub-word ids 0..255). The interface is small on purpose: what the stages need is
+
+- ``encode(text)`` without any special token, ``decode(ids)``;
+- ``bos_id`` / ``eos_id`` / ``pad_id`` (None where the tokenizer has none) and ``add_bos``, whether the model
+  expects its sequences to start with BOS (the byte models were trained with it, SmolLM2 without);
+- ``frame(text)``: one document as the stream carries it (``[BOS] + ids + [EOS]`` where those exist);
+- ``byte_lengths()``: how many UTF-8 bytes each id stands for (0 for specials), which makes bits per byte
+  comparable across tokenizers;
+- ``vocab_size`` (largest id + 1: what must fit the model's embedding) and ``fingerprint()``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffquant.errors import DiffquantError
+
+BYTE = "byte"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+class Tokenizer(ABC):
+    """What every stage needs from a tokenizer (see the module docstring)."""
+
+    name: str
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    add_bos: bool
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Largest id this tokenizer can produce, plus one."""
+
+    @abstractmethod
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Text -> ids with no special token, optionally framed by BOS / EOS."""
+
+    @abstractmethod
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` (no specials) and, per id, the [start, end) character span of ``text`` it covers,
+        so a stage can find the tokens of a piece of text (a needle's digits) in any tokenizer."""
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text (specials skipped)."""
+
+    @abstractmethod
+    def byte_lengths(self) -> torch.Tensor:
+        """(vocab_size,) int64: UTF-8 bytes each id stands for in decoded text; 0 for special tokens."""
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """sha256 naming the exact mapping text -> ids (recorded next to results)."""
+
+    def frame(self, text: str) -> list[int]:
+        """One document of a stream: ``[BOS]`` (when the model expects it) + ids + ``[EOS]`` (when there is
+        one), so documents stay separated as in pretraining."""
+        return self.encode(text, bos=self.add_bos and self.bos_id is not None, eos=self.eos_id is not None)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.vocab_size:,} ids)"
 
 
 @dataclass(frozen=True)
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 plus BOS / EOS / PAD."""
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255 plus BOS / EOS / PAD: no vocabulary file, no dependency, any language.
+
+    A model with ``vocab_size = 259`` trains on raw text without a learned tokenizer, which keeps profiles
+    reproducible from nothing but the text.
+    """
 
     bos_id: int = 256
     eos_id: int = 257
     pad_id: int = 258
-    vocab_size: int = 259
+    vocab_size: int = 259  # type: ignore[assignment]  (a field here, a property in the interface)
+    name: str = field(default=BYTE)
+    add_bos: bool = True
 
     def __post_init__(self) -> None:
         specials = (self.bos_id, self.eos_id, self.pad_id)
@@ -45,6 +118,15 @@ class ByteTokenizer:
         """Text -> ids of its UTF-8 bytes, optionally framed by BOS / EOS."""
         return self.encode_bytes(text.encode("utf-8"), bos=bos, eos=eos)
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for i, char in enumerate(text):
+            data = char.encode("utf-8")
+            ids.extend(data)
+            offsets.extend([(i, i + 1)] * len(data))
+        return ids, offsets
+
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text. Non-byte ids (specials, or ids of a larger model vocabulary) are skipped, and byte
         sequences that are not valid UTF-8 (a window cut inside a character, a model's output) decode with
@@ -57,3 +139,269 @@ class ByteTokenizer:
             if i < 256:
                 data.append(i)
         return data.decode("utf-8", errors="replace")
+
+    def byte_lengths(self) -> torch.Tensor:
+        lengths = torch.zeros(self.vocab_size, dtype=torch.long)
+        lengths[:256] = 1
+        return lengths
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(f"diffquant-byte-tokenizer:{self.special_ids}".encode()).hexdigest()
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Character -> byte of the GPT-2 byte-level alphabet (Radford et al. 2019, ``bytes_to_unicode``):
+    printable Latin-1 bytes stand for themselves, the other 68 bytes map to U+0100 onwards in byte order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers.Tokenizer`` (a ``tokenizer.json``) with the special ids the model uses.
+
+    ``encode`` never lets the tokenizer's post-processor add specials (lm-evaluation-harness encodes the
+    same way for causal models); BOS / EOS are added explicitly where a stage wants them.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        name: str,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self._tok = tokenizer
+        self.name = name
+        self.bos_id, self.eos_id, self.pad_id, self.add_bos = bos_id, eos_id, pad_id, bool(add_bos)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        for what, value in (("bos", bos_id), ("eos", eos_id), ("pad", pad_id)):
+            if value is not None and not 0 <= value < self._vocab_size:
+                raise DiffquantError(
+                    f"tokenizer {name}: {what} id {value} is outside its vocabulary of {self._vocab_size} ids"
+                )
+        self._lengths: torch.Tensor | None = None
+
+    @property
+    def backend(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if bos:
+            ids.insert(0, self._need(self.bos_id, "BOS"))
+        if eos:
+            ids.append(self._need(self.eos_id, "EOS"))
+        return ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
+    def _need(self, value: int | None, what: str) -> int:
+        if value is None:
+            raise DiffquantError(f"tokenizer {self.name}: has no {what} token")
+        return value
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def byte_lengths(self) -> torch.Tensor:
+        """Bytes per id: from the byte-level alphabet for byte-level BPE (exact), else from the token's
+        text with SentencePiece's U+2581 as a space and ``<0xNN>`` byte-fallback tokens as one byte."""
+        if self._lengths is None:
+            spec = json.loads(self._tok.to_str())
+            byte_level = "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(
+                spec.get("pre_tokenizer")
+            )
+            alphabet = _gpt2_byte_alphabet()
+            special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+            lengths = torch.zeros(self._vocab_size, dtype=torch.long)
+            for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+                if i in special:
+                    continue
+                fallback = _BYTE_FALLBACK.match(token)
+                if fallback:
+                    lengths[i] = 1
+                elif byte_level and all(c in alphabet for c in token):
+                    lengths[i] = len(token)
+                else:
+                    lengths[i] = len(token.replace("\u2581", " ").encode("utf-8"))
+            self._lengths = lengths
+        return self._lengths
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(b"diffquant-hf-tokenizer\0")
+        h.update(self._tok.to_str().encode("utf-8"))
+        h.update(json.dumps([self.bos_id, self.eos_id, self.pad_id, self.add_bos]).encode())
+        return h.hexdigest()
+
+    def special_config(self) -> dict[str, Any]:
+        """The special tokens as ``tokenizer_config.json`` states them (written next to tokenizer.json)."""
+
+        def token(i: int | None) -> str | None:
+            return None if i is None else self._tok.id_to_token(i)
+
+        return {
+            "bos_token": token(self.bos_id),
+            "eos_token": token(self.eos_id),
+            "pad_token": token(self.pad_id),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+
+    def save(self, folder: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder`` (HF's layout)."""
+        folder = Path(folder)
+        self._tok.save(str(folder / TOKENIZER_FILE))
+        (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(self.special_config(), indent=2) + "\n")
+
+
+# ============================================================================================= loading
+def _read_json_optional(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DiffquantError(f"{path}: not valid JSON ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string or an AddedToken-like object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _first_id(value: Any) -> int | None:
+    """An id from config.json / generation_config.json (an int, or a list whose first entry counts)."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """``'byte'``, a ``tokenizer.json`` file, or a folder holding one (a Hugging Face checkpoint folder).
+
+    Special tokens come from ``tokenizer_config.json`` (bos_token / eos_token / pad_token /
+    add_bos_token), else ``generation_config.json`` / ``config.json`` (bos_token_id, eos_token_id,
+    pad_token_id), whichever the folder has; a bare tokenizer.json brings none.
+    """
+    if str(path) == BYTE:
+        return ByteTokenizer()
+    path = Path(path).expanduser()
+    if path.is_dir():
+        folder, file = path, path / TOKENIZER_FILE
+        if not file.is_file():
+            raise DiffquantError(
+                f"{path}: no {TOKENIZER_FILE} in the folder (expected a Hugging Face tokenizer)"
+            )
+    elif path.is_file():
+        folder, file = path.parent, path
+    else:
+        raise DiffquantError(
+            f"tokenizer {str(path)!r}: no such file or folder (expected 'byte', a tokenizer.json or its folder)"
+        )
+    backend = parse_tokenizer_json(file)
+    tok_cfg = (
+        _read_json_optional(folder / TOKENIZER_CONFIG_FILE)
+        if path.is_dir() or file.name == TOKENIZER_FILE
+        else {}
+    )
+    ids: dict[str, int | None] = {}
+    for key in ("bos", "eos", "pad"):
+        text = _token_text(tok_cfg.get(f"{key}_token"))
+        ids[key] = backend.token_to_id(text) if text is not None else None
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json_optional(folder / name)
+        for key in ("bos", "eos", "pad"):
+            if ids[key] is None:
+                ids[key] = _first_id(cfg.get(f"{key}_token_id"))
+    add_bos = tok_cfg.get("add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = _post_processor_adds_bos(backend, ids["bos"])
+    return HFTokenizer(
+        backend, name=str(file), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=add_bos
+    )
+
+
+def parse_tokenizer_json(file: str | Path) -> Any:
+    """A ``tokenizers.Tokenizer`` from a file; a file that does not parse is a one-line error."""
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        return Backend.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DiffquantError(f"{file}: not a valid tokenizer.json ({first})") from None
+
+
+def _post_processor_adds_bos(backend: Any, bos_id: int | None) -> bool:
+    """Whether the tokenizer's own post-processor puts BOS in front (Llama-2 / Llama-3 style), the way a
+    tokenizer.json without a tokenizer_config.json says the model expects BOS."""
+    if bos_id is None:
+        return False
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos_id
+
+
+def check_fits(tokenizer: Tokenizer, vocab_size: int, model: str) -> None:
+    """A tokenizer whose ids do not fit the model's embedding would fail deep inside it (or worse, index
+    the wrong rows of a larger one): refuse it in one line."""
+    if tokenizer.vocab_size > vocab_size:
+        raise DiffquantError(
+            f"{model}: tokenizer {tokenizer.describe()} produces ids up to {tokenizer.vocab_size - 1}, "
+            f"but the model's embedding has vocab_size {vocab_size}"
+        )
+
+
+def model_tokenizer(
+    model: Any, name: str = "model", override: Tokenizer | str | Path | None = None
+) -> Tokenizer:
+    """The tokenizer a stage must feed ``model`` through, checked against its embedding.
+
+    ``override`` (``--tokenizer`` / the recipe key) wins; then the tokenizer the model was loaded with
+    (``model.tokenizer``: a checkpoint's saved tokenizer, an ``hf:`` folder's tokenizer.json, a GGUF's
+    vocabulary); a model with exactly the byte vocabulary (259 ids) reads bytes. Anything else would be
+    fed byte ids that mean other tokens to it, so it is an error rather than a silently wrong number.
+    """
+    vocab = int(model.config.vocab_size)
+    if override is not None:
+        tokenizer = override if isinstance(override, Tokenizer) else load_tokenizer(override)
+    else:
+        tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        if vocab != ByteTokenizer.vocab_size:
+            raise DiffquantError(
+                f"{name}: vocab_size {vocab} is not the byte vocabulary ({ByteTokenizer.vocab_size} ids) and "
+                "the model brings no tokenizer; give one with --tokenizer PATH (a tokenizer.json or its "
+                "folder; 'byte' for raw bytes) or the recipe key 'tokenizer'"
+            )
+        tokenizer = ByteTokenizer()
+    check_fits(tokenizer, vocab, name)
+    return tokenizer
+
+
+def count_bytes(ids: torch.Tensor, tokenizer: Tokenizer) -> int:
+    """UTF-8 bytes of text that ``ids`` stand for (specials count 0)."""
+    return int(tokenizer.byte_lengths()[ids.flatten().long()].sum())

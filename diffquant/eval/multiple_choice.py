@@ -7,7 +7,12 @@ output type) keeps these accuracies comparable with published ones:
   HellaSwag fields are there (``ctx`` otherwise, and no label prefix without ``activity_label``); each
   choice is ``preprocess(ending)``;
 - each choice is scored as the continuation ``" " + choice`` (lm-eval's ``target_delimiter``) of the
-  query: the sum of log p over the continuation's tokens, here bytes, with BOS in front of the query;
+  query, through the model's own tokenizer and encoded as lm-eval's ``_encode_pair`` does: trailing spaces
+  of the context move to the continuation, ``whole = encode(context + continuation)``, ``ctx =
+  encode(context)`` and the continuation's tokens are ``whole[len(ctx):]`` (so a BPE merge across the
+  boundary is tokenized as the model would see it); BOS goes in front only where the model expects it
+  (byte models: yes; lm-eval's HFLM adds none unless the tokenizer does); the score is the sum of log p
+  over the continuation's tokens;
 - too long inputs lose context tokens on the left, never continuation tokens; like lm-eval the model sees
   ``(context + continuation)[-(max_seq_len + 1):][:-1]``, since the last token is only a target;
 - ``acc`` takes the argmax of the log-likelihoods, ``acc_norm`` of the log-likelihoods divided by the
@@ -30,13 +35,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from diffquant.data.tokenizer import ByteTokenizer
+from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.eval.perplexity import _check_byte_vocab, _check_int, _model_device, gather_logprobs
+from diffquant.eval.perplexity import _check_int, _model_device, gather_logprobs
 from diffquant.io.artifacts import jsonl_records
 
 TARGET_DELIMITER = " "
-_TOKENIZER = ByteTokenizer()
 
 
 @dataclass
@@ -117,17 +121,31 @@ def load_mc_jsonl(path: str | Path) -> list[MCItem]:
     return items
 
 
-def _request(item: MCItem, ending: str, max_seq_len: int, where: str) -> tuple[list[int], list[int], int]:
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-evaluation-harness's ``_encode_pair`` splits them."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    prefix = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    whole = prefix + tokenizer.encode(context + continuation)
+    ctx = prefix + tokenizer.encode(context)
+    return ctx, whole[len(ctx) :]
+
+
+def _request(
+    tokenizer: Tokenizer, item: MCItem, ending: str, max_seq_len: int, where: str
+) -> tuple[list[int], list[int], int]:
     """(model input, its targets, number of continuation tokens) for one choice, truncated as lm-eval does.
 
     The targets are the input shifted by one (its last one is the final continuation token, which is only
     ever a target); the continuation's targets are the last ``n_cont`` of them.
     """
-    context = _TOKENIZER.encode(item.ctx, bos=True)
-    continuation = _TOKENIZER.encode(TARGET_DELIMITER + ending)
+    context, continuation = encode_pair(tokenizer, item.ctx, TARGET_DELIMITER + ending)
+    if not continuation:
+        raise DiffquantError(f"{where}: the continuation encodes to no tokens")
     if len(continuation) > max_seq_len:
         raise DiffquantError(
-            f"{where}: the continuation has {len(continuation)} bytes; with at least one context token it "
+            f"{where}: the continuation has {len(continuation)} tokens; with at least one context token it "
             f"cannot fit max_seq_len {max_seq_len}"
         )
     window = (context + continuation)[-(max_seq_len + 1) :]
@@ -135,9 +153,14 @@ def _request(item: MCItem, ending: str, max_seq_len: int, where: str) -> tuple[l
 
 
 def mc_logliks(
-    model: Any, items: list[MCItem], *, batch_size: int = 8, progress: bool = False
+    model: Any,
+    items: list[MCItem],
+    *,
+    batch_size: int = 8,
+    progress: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> list[list[float]]:
-    """log p(" " + ending | BOS + ctx) summed over the continuation bytes, per item and ending.
+    """log p(" " + ending | ctx) summed over the continuation tokens, per item and ending.
 
     Requests are sorted longest first (lm-eval's order, so batches are tight) and right-padded to the
     longest in their batch; a causal LM's logits at a position do not depend on later tokens, so padding
@@ -145,12 +168,12 @@ def mc_logliks(
     ``model.config.max_seq_len``; it is only called under ``torch.no_grad()``.
     """
     _check_int("batch_size", batch_size, 1)
-    _check_byte_vocab(model)
+    tokenizer = tokenizer or model_tokenizer(model)
     max_seq_len = model.config.max_seq_len
     requests = []  # (item index, ending index, input ids, target ids, continuation length)
     for i, item in enumerate(items):
         for j, ending in enumerate(item.endings):
-            requests.append((i, j, *_request(item, ending, max_seq_len, f"item {i} ending {j}")))
+            requests.append((i, j, *_request(tokenizer, item, ending, max_seq_len, f"item {i} ending {j}")))
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))  # stable: ties keep order
     result = [[0.0] * len(item.endings) for item in items]
     device = _model_device(model)
@@ -180,7 +203,13 @@ def _stderr(scores: list[float]) -> float:
 
 
 def evaluate_mc(
-    model: Any, items: list[MCItem], *, batch_size: int = 8, limit: int | None = None, progress: bool = False
+    model: Any,
+    items: list[MCItem],
+    *,
+    batch_size: int = 8,
+    limit: int | None = None,
+    progress: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
     """acc / acc_norm (and their standard errors) of ``model`` on the first ``limit`` items (all if None).
 
@@ -198,7 +227,7 @@ def evaluate_mc(
             raise DiffquantError(f"item {i}: label {item.label} out of range for {len(item.endings)} endings")
         if not all(item.endings):
             raise DiffquantError(f"item {i}: an ending is empty (acc_norm divides by its length)")
-    logliks = mc_logliks(model, items, batch_size=batch_size, progress=progress)
+    logliks = mc_logliks(model, items, batch_size=batch_size, progress=progress, tokenizer=tokenizer)
     acc, acc_norm = [], []
     for item, lls in zip(items, logliks, strict=True):
         lls_arr = np.asarray(lls, dtype=np.float64)

@@ -18,6 +18,9 @@ single exact-match number would sit at 0 for most of them:
   map A1 - lambda A2 for DIFF, not renormalised).
 
 Everything is seeded, so two models (or a model before and after quantization) see identical prompts.
+Samples are text; each model reads them through its own tokenizer (:func:`encode_prompt` finds the tokens
+of the needle's digits from character offsets), and the answers are scored as token sequences encoded as
+lm-evaluation-harness encodes a continuation.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from diffquant.data.tokenizer import ByteTokenizer
+from diffquant.data.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.models.taps import model_taps
 from diffquant.profile.profiler import Profile, Profiler, merge_profiles
@@ -44,13 +47,14 @@ __all__ = [
     "NeedleSample",
     "RetrievalConfig",
     "SampleScore",
+    "encode_prompt",
     "evaluate_retrieval",
     "make_samples",
     "prompt_ids",
     "score_samples",
 ]
 
-TOKENIZER = ByteTokenizer()
+BYTES = ByteTokenizer()
 
 # Single-word ASCII names, none a suffix of another ("York" would hide inside "New York"), so a needle's
 # city is unambiguous for the model and for the test doubles that parse prompts.
@@ -161,25 +165,50 @@ class RetrievalConfig:
 
 @dataclass(frozen=True)
 class NeedleSample:
-    """One scored prompt. Offsets are token indices of ``prompt_ids(sample)`` (BOS at index 0)."""
+    """One scored prompt, as text: every model reads it through its own tokenizer."""
 
     prompt: str  # context + question, ends right before the answer
     answer: str  # e.g. " 4721": what should follow the prompt
-    answer_span: tuple[int, int]  # [start, end) token indices of the queried needle's number digits
-    query_pos: int  # token index of the last prompt token, where the answer's first byte is predicted
+    digits: tuple[int, int]  # [start, end) character offsets of the queried needle's number in ``prompt``
     candidates: tuple[str, ...]  # answer strings to rank, sorted (so the position leaks nothing)
     label: int  # index of ``answer`` in ``candidates``
     depth: float
     city: str
+
+    @property
+    def answer_span(self) -> tuple[int, int]:
+        """[start, end) token indices of the needle's digits for the byte tokenizer (BOS at index 0)."""
+        return encode_prompt(self, BYTES)[1]
+
+    @property
+    def query_pos(self) -> int:
+        """Index of the last prompt token for the byte tokenizer, where the answer is predicted."""
+        return encode_prompt(self, BYTES)[2]
+
+
+def encode_prompt(sample: NeedleSample, tokenizer: Tokenizer) -> tuple[list[int], tuple[int, int], int]:
+    """(prompt ids, [start, end) token span of the needle's digits, index of the last prompt token).
+
+    BOS leads where the model expects it; the span holds every token that overlaps the digits' characters
+    (a BPE token may join a digit to its neighbours).
+    """
+    ids, offsets = tokenizer.encode_offsets(sample.prompt)
+    lead = 1 if tokenizer.add_bos and tokenizer.bos_id is not None else 0
+    lo, hi = sample.digits
+    inside = [i for i, (a, b) in enumerate(offsets) if a < hi and b > lo]
+    if not inside:
+        raise DiffquantError(f"needle sample for {sample.city!r}: the tokenizer gives the digits no token")
+    ids = ([tokenizer.bos_id] if lead else []) + ids
+    return ids, (inside[0] + lead, inside[-1] + 1 + lead), len(ids) - 1
 
 
 @dataclass(frozen=True)
 class SampleScore:
     """Per-sample outcome, kept so callers can inspect failures, not only the averages."""
 
-    greedy: str  # the greedily decoded continuation (len(answer) bytes)
+    greedy: str  # the greedily decoded continuation (as many tokens as the answer has)
     greedy_ok: bool
-    scores: tuple[float, ...]  # summed log-probabilities of the candidates' bytes, in candidate order
+    scores: tuple[float, ...]  # summed log-probabilities of the candidates' tokens, in candidate order
     rank_credit: float  # 1 when the label alone is the best candidate, 1/k when tied with k-1 others, else 0
 
 
@@ -258,16 +287,16 @@ def make_samples(cfg: RetrievalConfig) -> list[NeedleSample]:
                 slots[k] = j
             parts: list[str] = []
             digit_start: dict[int, int] = {}
-            offset = 1  # token index: BOS sits at 0
+            offset = 0  # character offset in the prompt
             fill = iter(filler)
             for k, j in enumerate(slots):
                 text = next(fill) if j is None else needles[j]
                 if k:
                     offset += 1  # the joining space
                 if j is not None:
-                    digit_start[j] = offset + len(f"The magic number of {cities[j]} is ".encode())
+                    digit_start[j] = offset + len(f"The magic number of {cities[j]} is ")
                 parts.append(text)
-                offset += len(text.encode())
+                offset += len(text)
             context = " ".join(parts)
             for q in range(r):
                 prompt = context + _question(cities[q])
@@ -276,8 +305,7 @@ def make_samples(cfg: RetrievalConfig) -> list[NeedleSample]:
                     NeedleSample(
                         prompt=prompt,
                         answer=answer,
-                        answer_span=(digit_start[q], digit_start[q] + cfg.digits),
-                        query_pos=len(prompt.encode()),
+                        digits=(digit_start[q], digit_start[q] + cfg.digits),
                         candidates=candidates,
                         label=candidates.index(answer),
                         depth=float(depth),
@@ -287,9 +315,19 @@ def make_samples(cfg: RetrievalConfig) -> list[NeedleSample]:
     return samples
 
 
-def prompt_ids(sample: NeedleSample) -> torch.Tensor:
-    """BOS followed by the prompt's UTF-8 bytes, 1-D long: the exact tokens the offsets refer to."""
-    return torch.tensor(TOKENIZER.encode(sample.prompt, bos=True), dtype=torch.long)
+def prompt_ids(sample: NeedleSample, tokenizer: Tokenizer = BYTES) -> torch.Tensor:
+    """The prompt's ids (1-D long) in ``tokenizer`` (default: bytes, BOS first): what the model reads."""
+    return torch.tensor(encode_prompt(sample, tokenizer)[0], dtype=torch.long)
+
+
+def _answer_ids(tokenizer: Tokenizer, prompt_tokens: list[int], prompt: str, answer: str) -> list[int]:
+    """The answer's tokens after the prompt, split as lm-eval splits a continuation (``encode(prompt +
+    answer)[len(encode(prompt)):]``); encoded on its own when the prompt's tokens would not stay a prefix
+    (the cached prompt must be exactly what precedes the answer)."""
+    whole = tokenizer.encode(prompt + answer)
+    if whole[: len(prompt_tokens)] == prompt_tokens and len(whole) > len(prompt_tokens):
+        return whole[len(prompt_tokens) :]
+    return tokenizer.encode(answer)
 
 
 # ------------------------------------------------------------------------------------------- scoring
@@ -300,32 +338,27 @@ def _device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-def _check_samples(model: Any, samples: Sequence[NeedleSample]) -> None:
-    """Fail before any compute: bad labels, a non-byte vocabulary, or a prompt the model cannot hold."""
+def _check_samples(model: Any, samples: Sequence[NeedleSample], tokenizer: Tokenizer) -> None:
+    """Fail before any compute: bad labels, or a prompt the model cannot hold."""
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and vocab <= TOKENIZER.bos_id:
-        raise DiffquantError(
-            f"retrieval needs a byte-level model (vocab_size >= {TOKENIZER.vocab_size}); this one has {vocab}"
-        )
     for s in samples:
         if not 0 <= s.label < len(s.candidates) or s.candidates[s.label] != s.answer:
             raise DiffquantError(
                 f"needle sample for {s.city!r}: candidates[label] is not the answer {s.answer!r}"
             )
-        if any(not c.encode() for c in s.candidates) or not s.answer.encode():
+        if any(not c for c in s.candidates) or not s.answer:
             raise DiffquantError(f"needle sample for {s.city!r}: empty answer or candidate")
     max_len = getattr(config, "max_seq_len", None)
     if max_len is None:
         return
-    # The last candidate byte is never fed, so BOS + prompt + (answer - 1) tokens must fit.
-    worst = max(samples, key=lambda s: len(s.prompt.encode()) + max(len(c.encode()) for c in s.candidates))
-    p = len(worst.prompt.encode())
-    a = max(len(c.encode()) for c in worst.candidates)
-    if p + a > max_len:
+    # The last candidate token is never fed, so prompt + (answer - 1) tokens must fit.
+    worst = max(samples, key=lambda s: len(s.prompt))
+    p = len(encode_prompt(worst, tokenizer)[0])
+    a = max(len(tokenizer.encode(c)) for c in worst.candidates) + 1
+    if p + a - 1 > max_len:
         raise DiffquantError(
-            f"needle prompt of {p} bytes + answer of {a} bytes exceeds the model's max_seq_len {max_len} "
-            f"(BOS included, the last answer byte is not fed); lower context_bytes by at least {p + a - max_len}"
+            f"needle prompt of {p} tokens + answer of up to {a} tokens exceeds the model's max_seq_len "
+            f"{max_len} (the last answer token is not fed); lower context_bytes"
         )
 
 
@@ -375,10 +408,10 @@ def _candidate_scores(
     candidates: list[list[list[int]]],
     batch_size: int,
 ) -> list[list[float]]:
-    """Summed log-probabilities of each row's candidate byte strings after its prompt.
+    """Summed log-probabilities of each row's candidate token sequences after its prompt.
 
-    The first byte is read from the prompt's last position; the rest come from one more forward over the
-    candidate bytes (all but the last), branching the prompt's KV cache when possible and otherwise
+    The first token is read from the prompt's last position; the rest come from one more forward over the
+    candidate tokens (all but the last), branching the prompt's KV cache when possible and otherwise
     recomputing prompt + candidate. Candidates of unequal length are right-padded: under the causal mask
     nothing after a position changes its logits, so padding cannot change a score.
     """
@@ -387,7 +420,7 @@ def _candidate_scores(
     for k in range(0, len(pairs), batch_size):
         chunk = pairs[k : k + batch_size]
         width = max(len(candidates[b][j]) - 1 for b, j in chunk)
-        cont = torch.zeros((len(chunk), width), dtype=torch.long, device=ids.device)  # pad: byte 0, unread
+        cont = torch.zeros((len(chunk), width), dtype=torch.long, device=ids.device)  # pad: id 0, unread
         for i, (b, j) in enumerate(chunk):
             c = candidates[b][j]
             cont[i, : len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
@@ -428,6 +461,7 @@ def score_samples(
     batch_size: int = 8,
     attention: bool = True,
     progress: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[list[SampleScore], Profile | None]:
     """Score every sample; returns per-sample scores and the merged span Profile (None if not measured).
 
@@ -441,14 +475,16 @@ def score_samples(
         raise DiffquantError("retrieval: no samples to score")
     if batch_size < 1:
         raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
-    _check_samples(model, samples)
+    tokenizer = tokenizer or model_tokenizer(model)
+    _check_samples(model, samples, tokenizer)
+    encoded = [encode_prompt(s, tokenizer) for s in samples]
     device = _device(model)
     has_cache = callable(getattr(model, "new_cache", None))
     span_kind = _span_kind(model) if attention else None
 
     by_len: dict[int, list[int]] = {}
-    for idx, s in enumerate(samples):
-        by_len.setdefault(len(s.prompt.encode()), []).append(idx)
+    for idx, (prompt, _, _) in enumerate(encoded):
+        by_len.setdefault(len(prompt), []).append(idx)
     batches = [g[k : k + batch_size] for g in by_len.values() for k in range(0, len(g), batch_size)]
 
     results: list[SampleScore | None] = [None] * len(samples)
@@ -456,30 +492,34 @@ def score_samples(
     with torch.no_grad():
         for batch in tqdm(batches, desc="retrieval", unit="batch", disable=not progress, leave=False):
             chosen = [samples[i] for i in batch]
-            ids = torch.stack([prompt_ids(s) for s in chosen]).to(device)
+            ids = torch.tensor([encoded[i][0] for i in batch], dtype=torch.long, device=device)
             cache = model.new_cache() if has_cache else None
             args = (ids,) if cache is None else (ids, cache)
             if span_kind is not None:
                 # topk=1: the per-site statistics are a by-product here; only the span metric is read.
                 with Profiler(model, sites=f"kind:{span_kind}", topk=1, attention=True) as prof:
-                    prof.spans = [(s.answer_span[0], s.answer_span[1], s.query_pos) for s in chosen]
+                    prof.spans = [(*encoded[i][1], encoded[i][2]) for i in batch]
                     logits = model(*args)
                 profiles.append(prof.result())
             else:
                 logits = model(*args)
             last = logits[:, -1].float()
-            candidates = [[TOKENIZER.encode(c) for c in s.candidates] for s in chosen]
+            plain = {i: tokenizer.encode(samples[i].prompt) for i in batch}
+            candidates = [
+                [_answer_ids(tokenizer, plain[i], s.prompt, c) for c in s.candidates]
+                for i, s in zip(batch, chosen, strict=True)
+            ]
             # Ranking first: it branches the prompt's cache, which greedy decoding then extends in place.
             scores = _candidate_scores(
                 model, ids, torch.log_softmax(last, dim=-1), cache, candidates, batch_size
             )
-            steps = max(len(s.answer.encode()) for s in chosen)
+            answers = [cands[s.label] for s, cands in zip(chosen, candidates, strict=True)]
+            steps = max(len(a) for a in answers)
             generated = _greedy(model, ids, last, cache, steps).tolist()
-            for i, s, sc, gen in zip(batch, chosen, scores, generated, strict=True):
-                answer = TOKENIZER.encode(s.answer)
+            for i, s, sc, gen, answer in zip(batch, chosen, scores, generated, answers, strict=True):
                 gen = gen[: len(answer)]
                 results[i] = SampleScore(
-                    greedy=TOKENIZER.decode(gen),
+                    greedy=tokenizer.decode(gen),
                     greedy_ok=gen == answer,
                     scores=tuple(sc),
                     rank_credit=_rank_credit(sc, s.label),
@@ -512,6 +552,7 @@ def evaluate_retrieval(
     batch_size: int = 8,
     attention: bool = True,
     progress: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
     """Needle-retrieval accuracy (greedy exact match and candidate ranking) and attention span mass.
 
@@ -522,7 +563,7 @@ def evaluate_retrieval(
     """
     samples = make_samples(cfg) if isinstance(cfg, RetrievalConfig) else list(cfg)
     scores, profile = score_samples(
-        model, samples, batch_size=batch_size, attention=attention, progress=progress
+        model, samples, batch_size=batch_size, attention=attention, progress=progress, tokenizer=tokenizer
     )
     answer_mass, rest_mass = _span_means(profile)
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
-from diffquant.eval.tasks import TaskSpec, parse_task, run_task
+from diffquant.eval.tasks import TaskSpec, default_text, parse_task, run_task
 from diffquant.io.artifacts import write_json_atomic, write_text_atomic
 from diffquant.kernels.dispatch import path_summary
 
@@ -46,13 +46,20 @@ class Cell:
 
 @dataclass
 class SweepSpec:
+    """What a sweep runs. ``calib_data`` None and text tasks without ``data`` read the default text for the
+    models' tokenizers (:func:`diffquant.eval.tasks.default_text`); ``tokenizers`` overrides a model's
+    tokenizer by model name; ``device`` / ``dtype`` say where and in what precision models run."""
+
     models: dict[str, str]
     plans: list[str] = field(default_factory=lambda: [NONE_PLAN])
     tasks: list[TaskSpec] = field(default_factory=lambda: [parse_task("bpb")])
-    calib_data: str = "stdlib:train"
+    calib_data: str | None = None
     calib_tokens: int = 4096
     calib_seq_len: int = 256
     batch_size: int = 8
+    device: str = "cpu"
+    dtype: str | None = None
+    tokenizers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -77,6 +84,9 @@ class SweepSpec:
             "tasks": [t.to_dict() for t in self.tasks],
             "calib": {"data": self.calib_data, "tokens": self.calib_tokens, "seq_len": self.calib_seq_len},
             "batch_size": self.batch_size,
+            "device": self.device,
+            "dtype": self.dtype,
+            "tokenizers": dict(self.tokenizers),
         }
 
     def fingerprint(self) -> str:
@@ -104,30 +114,61 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 
 
 class _Runner:
-    """Loads models, applies plans and calibrates, with the calibration windows read once."""
+    """Loads models, applies plans and calibrates, with each tokenizer's calibration windows read once.
 
-    def __init__(self, spec: SweepSpec) -> None:
+    Models with different tokenizers read the same text, each cut into windows of its own tokens.
+    """
+
+    def __init__(self, spec: SweepSpec, tokenizers: dict[str, Any]) -> None:
         self.spec = spec
-        self._calib: torch.Tensor | None = None
+        self.tokenizers = tokenizers
+        self._calib: dict[str, torch.Tensor] = {}
+        self.calib_data = spec.calib_data or default_text(tokenizers.values(), "calib")
+        self.eval_data = default_text(tokenizers.values(), "eval")
 
-    def calibration_windows(self) -> torch.Tensor:
-        if self._calib is None:
+    def calibration_windows(self, tokenizer) -> torch.Tensor:
+        key = tokenizer.fingerprint()
+        if key not in self._calib:
             from diffquant.data import token_windows
 
-            self._calib = token_windows(self.spec.calib_data, self.spec.calib_tokens, self.spec.calib_seq_len)
-        return self._calib
+            self._calib[key] = token_windows(
+                self.calib_data, self.spec.calib_tokens, self.spec.calib_seq_len, tokenizer
+            )
+        return self._calib[key]
 
     def model(self, cell: Cell):
-        from diffquant.io import load_model
         from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 
-        model = load_model(self.spec.models[cell.model])
+        model = load_for_sweep(self.spec, cell.model)
         if cell.plan != NONE_PLAN:
             plan = QuantPlan.load(cell.plan)
             apply_plan(model, plan)
             if plan.uses_static:
-                calibrate(model, self.calibration_windows(), batch_size=self.spec.batch_size)
+                calibrate(model, self.calibration_windows(model.tokenizer), batch_size=self.spec.batch_size)
         return model.eval()
+
+
+def load_for_sweep(spec: SweepSpec, name: str):
+    """Model ``name`` of the sweep on its device, in its dtype, with its tokenizer resolved and checked."""
+    from diffquant.data.tokenizer import model_tokenizer
+    from diffquant.io import load_model
+    from diffquant.io.options import parse_device, parse_dtype
+
+    model = load_model(spec.models[name], device=parse_device(spec.device), dtype=parse_dtype(spec.dtype))
+    model.tokenizer = model_tokenizer(model, name, spec.tokenizers.get(name))
+    return model
+
+
+def sweep_tokenizers(spec: SweepSpec) -> dict[str, Any]:
+    """Each model's tokenizer, read from the checkpoint files without loading weights (the byte tokenizer
+    where none is recorded; a model that cannot read bytes fails when it is loaded, with its own message)."""
+    from diffquant.data.tokenizer import ByteTokenizer
+    from diffquant.io import peek_tokenizer
+
+    return {
+        name: peek_tokenizer(path, spec.tokenizers.get(name)) or ByteTokenizer()
+        for name, path in spec.models.items()
+    }
 
 
 def run_sweep(
@@ -154,14 +195,19 @@ def run_sweep(
     mine = [c for i, c in enumerate(cells) if i % world == rank and c.key not in done]
     if log is not None and rank == 0:
         log(f"sweep: {len(cells)} cells, {len(done)} already done, {len(cells) - len(done)} to run")
-    runner = _Runner(spec)
+    runner = _Runner(spec, sweep_tokenizers(spec))
+    if log is not None and rank == 0:
+        for name, tok in runner.tokenizers.items():
+            log(f"sweep: {name} reads tokenizer {tok.describe()}")
     tasks = {t.label: t for t in spec.tasks}
     path = out / f"cells-rank{rank}.jsonl"
     for cell in tqdm(mine, desc="sweep", unit="cell", disable=not progress or rank != 0):
         start = time.perf_counter()
         with torch.no_grad():
             model = runner.model(cell)
-            metrics = run_task(model, tasks[cell.task], batch_size=spec.batch_size)
+            metrics = run_task(
+                model, tasks[cell.task], batch_size=spec.batch_size, default_data=runner.eval_data
+            )
         record = {
             "key": cell.key,
             "model": cell.model,

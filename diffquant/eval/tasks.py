@@ -1,7 +1,11 @@
 """Tasks as data (the lm-evaluation-harness habit): a type, its parameters, and one primary metric.
 
 Task types:
-- ``bpb``: bits per byte and perplexity on a text source (``data``, ``tokens``, ``seq_len``, ``stride``);
+- ``bpb`` / ``ppl``: bits per byte and token perplexity on a text source (``data``, ``tokens``, ``seq_len``,
+  ``stride``, ``windows``); the same numbers, ``bpb`` ranks by bits per byte (comparable across
+  tokenizers), ``ppl`` by token perplexity (what WikiText-2 tables report). ``data`` defaults to the text
+  the model reads best: ``wikitext2:test`` when any compared model has its own tokenizer, else
+  ``stdlib:validation`` (what the zoo was validated on);
 - ``retrieval``: needle retrieval, the DIFF paper's Tables 2-3 protocol (``needles``, ``queries``,
   ``depths``, ``samples_per_depth``, ``context_bytes``, ``digits``, ``seed``, ``attention``);
 - ``mc``: multiple choice from HellaSwag-format JSONL (``path``, ``limit``).
@@ -20,8 +24,10 @@ from diffquant.errors import DiffquantError
 
 # type -> {parameter: default}; a default of REQUIRED must be given.
 REQUIRED = object()
+_TEXT_PARAMS = {"data": None, "tokens": 16384, "seq_len": None, "stride": None, "windows": None}
 TASK_PARAMS: dict[str, dict[str, Any]] = {
-    "bpb": {"data": "stdlib:validation", "tokens": 16384, "seq_len": None, "stride": None},
+    "bpb": dict(_TEXT_PARAMS),
+    "ppl": dict(_TEXT_PARAMS),
     "retrieval": {
         "needles": 1,
         "queries": 1,
@@ -37,6 +43,7 @@ TASK_PARAMS: dict[str, dict[str, Any]] = {
 # type -> (primary metric, higher is better)
 PRIMARY: dict[str, tuple[str, bool]] = {
     "bpb": ("bits_per_byte", False),
+    "ppl": ("perplexity", False),
     "retrieval": ("acc_rank", True),
     "mc": ("acc_norm", True),
 }
@@ -99,20 +106,29 @@ def parse_task(value: Any, where: str = "task") -> TaskSpec:
     return TaskSpec(kind, params, str(value.get("name", "")))
 
 
-def run_task(model, task: TaskSpec, *, batch_size: int = 8, progress: bool = False) -> dict[str, Any]:
-    """Evaluate ``model`` on ``task``; a flat dict of metrics (numbers or None)."""
+def run_task(
+    model, task: TaskSpec, *, batch_size: int = 8, progress: bool = False, default_data: str | None = None
+) -> dict[str, Any]:
+    """Evaluate ``model`` (through its own tokenizer) on ``task``; a flat dict of metrics (numbers or None).
+
+    ``default_data`` is the text of a ``bpb`` / ``ppl`` task that names none (see :func:`default_text`).
+    """
     p = task.params
-    if task.type == "bpb":
+    if task.type in ("bpb", "ppl"):
+        from diffquant.data.tokenizer import model_tokenizer
         from diffquant.eval.perplexity import evaluate_bpb
 
+        tokenizer = model_tokenizer(model)
         return evaluate_bpb(
             model,
-            p["data"],
+            p["data"] or default_data or default_text([tokenizer]),
             max_tokens=int(p["tokens"]),
             seq_len=p["seq_len"],
             stride=p["stride"],
+            windows=p["windows"],
             batch_size=batch_size,
             progress=progress,
+            tokenizer=tokenizer,
         )
     if task.type == "retrieval":
         from diffquant.eval.retrieval import RetrievalConfig, evaluate_retrieval
@@ -139,3 +155,18 @@ def run_task(model, task: TaskSpec, *, batch_size: int = 8, progress: bool = Fal
         items = load_mc_jsonl(p["path"])
         return evaluate_mc(model, items, batch_size=batch_size, limit=p["limit"])
     raise AssertionError(task.type)
+
+
+def default_text(tokenizers, purpose: str = "eval") -> str:
+    """The text a stage reads when none is named, for models with these tokenizers.
+
+    Models compared side by side read the same text, so one model with a learned tokenizer moves all of
+    them to WikiText-2 (test for profiles and evaluation, validation for calibration, so calibration
+    never sees the evaluated text); byte-level models alone keep the text the zoo was trained and
+    validated on (the stdlib splits).
+    """
+    from diffquant.data.tokenizer import ByteTokenizer
+
+    if all(isinstance(t, ByteTokenizer) for t in tokenizers):
+        return {"eval": "stdlib:validation", "profile": "stdlib:validation", "calib": "stdlib:train"}[purpose]
+    return {"eval": "wikitext2:test", "profile": "wikitext2:test", "calib": "wikitext2:validation"}[purpose]

@@ -86,6 +86,18 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def checkpoint_sha256(spec: str | Path) -> str | None:
+    """sha256 of the weights a model specifier names (a folder's model.safetensors, a GGUF file); None for
+    models that are not files (init:, zoo: are versioned with the package)."""
+    text = str(spec)
+    scheme, _, rest = text.partition(":")
+    path = Path(rest if scheme in ("hf", "unilm", "gguf") and rest else text)
+    if path.is_file():
+        return sha256_file(path)
+    weights = path / "model.safetensors"
+    return sha256_file(weights) if weights.is_file() else None
+
+
 def library_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("diffquant", *LIBRARIES):

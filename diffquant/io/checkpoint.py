@@ -1,4 +1,8 @@
-"""Native checkpoints: a folder holding ``config.json`` (ModelConfig) and ``model.safetensors``.
+"""Native checkpoints: a folder holding ``config.json`` (ModelConfig), ``model.safetensors`` and, for models
+with a learned vocabulary, the tokenizer (``tokenizer.json`` + ``tokenizer_config.json``, HF's layout).
+
+``config.json`` records which tokenizer the model reads (``"tokenizer": "byte"`` or ``"tokenizer.json"``),
+so every stage feeds it the ids it was trained on.
 
 Writes are atomic (a temporary sibling folder renamed into place), so an interrupted save never leaves a
 half-written checkpoint. Loads validate everything a user can get wrong and say so in one line.
@@ -14,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from diffquant.data.tokenizer import BYTE, TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
 from diffquant.models.config import ModelConfig
@@ -40,8 +45,15 @@ def save_checkpoint(
     if state is None and getattr(model, "quant_plan", None) is not None:
         raise DiffquantError("model is quantized: save it with diffquant.io.save_quantized")
 
+    tokenizer = getattr(model, "tokenizer", None)
+
     def write(tmp: Path) -> None:
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
+        if isinstance(tokenizer, HFTokenizer):
+            tokenizer.save(tmp)
+            meta["tokenizer"] = TOKENIZER_FILE
+        elif isinstance(tokenizer, ByteTokenizer) or model.config.vocab_size == ByteTokenizer.vocab_size:
+            meta["tokenizer"] = BYTE
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         tensors = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
         if model.config.tie_embeddings:
@@ -55,6 +67,25 @@ def save_checkpoint(
 
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a native checkpoint folder, validated."""
+    return ModelConfig.from_dict(_read_meta(path)["config"], source=f"{Path(path) / CONFIG_FILE} 'config'")
+
+
+def read_tokenizer(path: str | Path):
+    """The tokenizer a native checkpoint records (None when it records none: older checkpoints)."""
+    folder = Path(path)
+    recorded = _read_meta(folder).get("tokenizer")
+    if recorded is None:
+        return None
+    if recorded == BYTE:
+        return ByteTokenizer()
+    if recorded == TOKENIZER_FILE:
+        return load_tokenizer(folder)
+    raise DiffquantError(
+        f"{folder / CONFIG_FILE}: 'tokenizer' = {recorded!r}, expected {BYTE!r} or {TOKENIZER_FILE!r}"
+    )
+
+
+def _read_meta(path: str | Path) -> dict:
     folder = _checkpoint_folder(path)
     cfg_path = folder / CONFIG_FILE
     meta = read_json(cfg_path, "config")
@@ -67,7 +98,7 @@ def read_config(path: str | Path) -> ModelConfig:
         raise DiffquantError(
             f"{cfg_path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
         )
-    return ModelConfig.from_dict(meta["config"], source=f"{cfg_path} 'config'")
+    return meta
 
 
 def load_checkpoint(
@@ -86,21 +117,23 @@ def load_checkpoint(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_embeddings:
         expected.pop("lm_head.weight", None)
+    tokenizer = read_tokenizer(folder)
     state = {}
     try:
         with safe_open(str(weights), framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                state[key] = f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                # Cast tensor by tensor: the weights are never held in two dtypes at once.
+                state[key] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise DiffquantError(
             f"{weights}: not a readable safetensors file (truncated or corrupt: {err})"
         ) from None
     check_state_keys(state, expected, str(weights))
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
+    model.tokenizer = tokenizer
     return model.eval()
 
 

@@ -46,7 +46,7 @@ def profile_model(
 def profile_stage(
     models: dict[str, tuple[str, DecoderLM]],
     *,
-    data: str,
+    data: str | None,
     tokens: int,
     seq_len: int,
     batch_size: int,
@@ -57,34 +57,49 @@ def profile_stage(
     progress: bool = False,
     map_len: int = 64,
 ) -> tuple[str, str, int]:
-    """Profile each (spec, model) on the same windows; write profile/NAME.json, table5.{txt,json}.
+    """Profile each (spec, model) on the same text; write profile/NAME.json, table5.{txt,json}.
 
-    Also saves the attention maps of the first ``map_len`` positions of the first window
-    (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens) on rank 0 and ("", "", tokens) elsewhere. Shared by
-    `diffquant profile` and recipes.
+    Every model reads ``data`` (None: :func:`diffquant.eval.tasks.default_text`) through its own tokenizer
+    (``model.tokenizer`` or the byte tokenizer, see :func:`diffquant.data.model_tokenizer`), so models with
+    different tokenizers see the same text cut into windows of their own tokens; each profile records its
+    tokenizer, tokens and bytes. Also saves the attention maps of the first ``map_len`` positions of the
+    first window (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens of the first
+    model) on rank 0 and ("", "", tokens) elsewhere. Shared by `diffquant profile` and recipes.
     """
-    from diffquant.data import ByteTokenizer, token_windows
+    from diffquant.data import count_bytes, model_tokenizer, token_windows
     from diffquant.errors import DiffquantError
+    from diffquant.eval.tasks import default_text
     from diffquant.io.artifacts import write_json_atomic, write_text_atomic
     from diffquant.kernels.dispatch import path_summary
     from diffquant.profile.maps import capture_maps, save_maps
     from diffquant.profile.tables import format_table5, layerwise, table5
 
-    for spec, model in models.values():
+    tokenizers = {}
+    for name, (spec, model) in models.items():
+        tokenizers[name] = model_tokenizer(model, str(spec))
         cfg = model.config
         if seq_len > cfg.max_seq_len:
             raise DiffquantError(f"--seq-len {seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}")
-        if cfg.vocab_size < ByteTokenizer.vocab_size:
-            raise DiffquantError(
-                f"{spec}: vocab_size {cfg.vocab_size} cannot hold the byte tokenizer's {ByteTokenizer.vocab_size} ids"
-            )
-    windows = token_windows(data, tokens, seq_len)
+    data = data or default_text(tokenizers.values(), "profile")
+    by_tokenizer: dict[str, torch.Tensor] = {}
     rank, _ = rank_and_world()
-    tables, summaries = {}, {}
+    tables, summaries, counts = {}, {}, {}
     for name, (spec, model) in models.items():
+        tokenizer = tokenizers[name]
+        key = tokenizer.fingerprint()
+        if key not in by_tokenizer:
+            by_tokenizer[key] = token_windows(data, tokens, seq_len, tokenizer)
+        windows = by_tokenizer[key]
+        counts[name] = {
+            "tokenizer": tokenizer.name,
+            "tokens": windows.numel(),
+            "windows": windows.shape[0],
+            "bytes": count_bytes(windows, tokenizer),
+        }
+        device = next(model.parameters()).device
         profile = profile_model(
             model,
-            windows,
+            windows.to(device),
             batch_size=batch_size,
             sites=sites,
             topk=topk,
@@ -101,9 +116,10 @@ def profile_stage(
             config=model.config.to_dict(),
             data=data,
             attention_paths=path_summary(model),
+            **counts[name],
         )
         write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
-        sample = windows[0, :map_len]
+        sample = windows[0, :map_len].to(device)
         save_maps(
             out / "profile" / f"{name}.maps.safetensors",
             capture_maps(model, sample),
@@ -112,17 +128,31 @@ def profile_stage(
             tokens=sample.tolist(),
         )
         tables[name] = table5(profile)
-        summaries[name] = {"table5": tables[name], "layerwise_hidden": layerwise(profile, "resid")}
-    n_tokens = windows.numel()
+        summaries[name] = {
+            "table5": tables[name],
+            "layerwise_hidden": layerwise(profile, "resid"),
+            **counts[name],
+        }
+    first = next(iter(counts.values()))
     if rank != 0:
-        return "", "", n_tokens
-    header = (
-        f"Table 5 view: k-th largest |x| and median |x| over {n_tokens:,} tokens "
-        f"({windows.shape[0]} windows of {seq_len}) from {data}"
-    )
-    if n_tokens < tokens:
-        header += f" (the source holds only {n_tokens:,} tokens)"
+        return "", "", first["tokens"]
+    if len({(c["tokens"], c["tokenizer"]) for c in counts.values()}) == 1:
+        what = (
+            f"{first['tokens']:,} tokens ({first['windows']} windows of {seq_len}, {first['bytes']:,} bytes)"
+        )
+        if first["tokens"] < tokens:
+            what += f" (the source holds only {first['tokens']:,} tokens)"
+    else:
+        what = (
+            "the same text, each model in its own tokens ("
+            + "; ".join(
+                f"{n}: {c['tokens']:,} tokens of {c['tokenizer']} = {c['bytes']:,} bytes"
+                for n, c in counts.items()
+            )
+            + f"; windows of {seq_len})"
+        )
+    header = f"Table 5 view: k-th largest |x| and median |x| over {what} from {data}"
     text = format_table5(tables)
     write_text_atomic(out / "table5.txt", header + "\n" + text + "\n")
-    write_json_atomic(out / "table5.json", {"tokens": n_tokens, "data": data, "models": summaries})
-    return header, text, n_tokens
+    write_json_atomic(out / "table5.json", {"tokens": first["tokens"], "data": data, "models": summaries})
+    return header, text, first["tokens"]

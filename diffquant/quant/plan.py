@@ -248,6 +248,16 @@ _PRESET_DATA.update(
             "description": "int8 weights per output channel, int8 Linear inputs per token (dynamic)",
             "rules": [_rule("int8:channel", weights=_LINEARS), _rule("int8:token", sites=_LINEAR_INPUTS)],
         },
+        "w8a8-tensor": {
+            "description": "int8 weights per output channel, int8 Linear inputs per tensor (static absmax "
+            "from calibration: SmoothQuant's per-tensor static setting, without smoothing)",
+            "rules": [
+                _rule("int8:channel", weights=_LINEARS),
+                _rule(
+                    {"format": "int8", "granularity": "tensor", "calibration": "absmax"}, sites=_LINEAR_INPUTS
+                ),
+            ],
+        },
         "w4a8": {
             "description": "int4 weights in groups of 32, int8 Linear inputs per token (dynamic)",
             "rules": [_rule("int4:group(32)", weights=_LINEARS), _rule("int8:token", sites=_LINEAR_INPUTS)],
@@ -412,9 +422,10 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
         from diffquant.quant.backends.quanto import quanto_calibration
 
         context = quanto_calibration()
+    device = next(model.parameters()).device
     with context:
         for start in range(0, windows.shape[0], batch_size):
-            model(windows[start : start + batch_size])
+            model(windows[start : start + batch_size].to(device))
     for q in quantizers:
         q.finish_calibration()
     return windows.numel()

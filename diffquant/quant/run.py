@@ -18,22 +18,29 @@ def quantize_checkpoint(
     checkpoint: str,
     plan_spec: str,
     *,
-    calib_data: str,
+    calib_data: str | None,
     calib_tokens: int,
     eval_tokens: int,
     seq_len: int,
     batch_size: int,
     out: str | Path,
     force: bool = False,
+    device: str = "cpu",
+    dtype: str | None = None,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     """Write the quantized model of ``checkpoint`` under ``plan_spec`` to ``out``.
 
-    The error report compares against the unquantized model on held-out windows (those after the
-    calibration windows in the same source). Returns a summary with the printed text and the report.
+    Calibration and the error report read ``calib_data`` (None: the default calibration text for the
+    model's tokenizer) through the model's own tokenizer (``tokenizer`` overrides it). The error report
+    compares against the unquantized model on held-out windows (those after the calibration windows in
+    the same source). Returns a summary with the printed text and the report.
     """
-    from diffquant.data import fingerprint, token_windows
+    from diffquant.data import fingerprint, model_tokenizer, token_windows
+    from diffquant.eval.tasks import default_text
     from diffquant.io import load_model
     from diffquant.io.artifacts import library_versions, write_json_atomic
+    from diffquant.io.options import parse_device, parse_dtype
     from diffquant.io.quantized import is_quantized, save_quantized
     from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
     from diffquant.quant.report import compare_models, format_report
@@ -44,14 +51,18 @@ def quantize_checkpoint(
     if out.exists() and not force:
         raise DiffquantError(f"{out}: already exists (pass --force to replace it)")
     plan = QuantPlan.load(plan_spec)
-    reference = load_model(checkpoint)
+    device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    reference = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
     if seq_len > reference.config.max_seq_len:
         raise DiffquantError(
             f"--seq-len {seq_len} exceeds the max_seq_len {reference.config.max_seq_len} of {checkpoint}"
         )
-    model = load_model(checkpoint)
+    tok = model_tokenizer(reference, str(checkpoint))
+    calib_data = calib_data or default_text([tok], "calib")
+    model = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
+    model.tokenizer = tok
     applied = apply_plan(model, plan)
-    windows = token_windows(calib_data, calib_tokens + eval_tokens, seq_len)
+    windows = token_windows(calib_data, calib_tokens + eval_tokens, seq_len, tok).to(device)
     n_calib = max(1, min(windows.shape[0] - 1, -(-calib_tokens // seq_len)))
     calib, held_out = windows[:n_calib], windows[n_calib:]
     same = held_out.shape[0] == 0
@@ -68,6 +79,7 @@ def quantize_checkpoint(
             "fingerprint": fingerprint(calib_data),
             "tokens": calibrated,
             "seq_len": seq_len,
+            "tokenizer": tok.name,
         },
         "report_tokens": held_out.numel(),
         "nan_counts": nan_counts(model),
@@ -84,7 +96,7 @@ def quantize_checkpoint(
     lines = [
         f"plan {plan.name}: {plan.description}" if plan.description else f"plan {plan.name}",
         f"quantized {counts['site']} sites, {counts['weight']} weights, {counts['linear']} backend Linears; "
-        f"{calibration}",
+        f"{calibration}" + (f" of {calib_data} ({tok.describe()})" if calibrated else ""),
         f"error vs the unquantized model on {held_out.numel():,} held-out tokens"
         + (" (the calibration windows: the source is too small for a held-out part)" if same else "")
         + ":",
