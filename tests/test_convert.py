@@ -311,7 +311,7 @@ def test_hf_bad_inputs(hf_folders, tmp_path):
         load_hf(bad)
     _one_line_error(e)
 
-    bad = _copy_with_config(single, tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    bad = _copy_with_config(single, tmp_path / "scaled", rope_scaling={"type": "dynamic", "factor": 2.0})
     with pytest.raises(DiffquantError, match="rope_scaling") as e:
         load_hf(bad)
     _one_line_error(e)

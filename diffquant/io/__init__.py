@@ -20,16 +20,35 @@ def save_quantized(*args, **kwargs):
     return _save(*args, **kwargs)
 
 
-KNOWN_SCHEMES = ("hf", "unilm")
+KNOWN_SCHEMES = ("hf", "unilm", "gguf")
 
 
 def load_model(
-    spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    spec: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    tokenizer: str | Path | None = None,
 ) -> DecoderLM:
     """Load a model from a specifier: a native checkpoint folder (quantized or not), ``zoo:NAME`` (the
     models shipped with diffquant), ``init:KIND:PRESET[:SEED]`` (a randomly initialised model),
-    ``hf:PATH`` (a local Hugging Face llama / diffllama folder) or ``unilm:PATH`` (a unilm-layout decoder).
+    ``hf:PATH`` (a local Hugging Face llama / diffllama folder), ``gguf:FILE`` (a llama GGUF file) or
+    ``unilm:PATH`` (a unilm-layout decoder).
+
+    The model comes with the tokenizer it reads as ``model.tokenizer`` (None where the checkpoint names
+    none; :func:`diffquant.data.model_tokenizer` then decides); ``tokenizer`` ('byte', a tokenizer.json or
+    its folder) replaces it, after checking that its ids fit the embedding.
     """
+    model = _load(spec, device, dtype)
+    if not hasattr(model, "tokenizer"):
+        model.tokenizer = None
+    if tokenizer is not None:
+        from diffquant.data.tokenizer import model_tokenizer
+
+        model.tokenizer = model_tokenizer(model, str(spec), override=tokenizer)
+    return model
+
+
+def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> DecoderLM:
     text = str(spec)
     scheme = text.split(":", 1)[0]
     if scheme == "init":
@@ -72,3 +91,30 @@ def init_model(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()
+
+
+def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
+    """The tokenizer a model specifier brings, read without loading its weights (None: none recorded, so
+    the byte tokenizer if the model has the byte vocabulary). Lets a run pick its default text and cut
+    windows before any model is in memory."""
+    from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer
+
+    if override is not None:
+        return load_tokenizer(override)
+    text = str(spec)
+    scheme, _, rest = text.partition(":")
+    if scheme in ("init", "zoo"):
+        return ByteTokenizer()
+    if scheme == "hf" and rest:
+        from diffquant.io.convert_hf import _folder_tokenizer
+
+        return _folder_tokenizer(Path(rest)) if Path(rest).is_dir() else None
+    if scheme == "gguf" and rest:
+        from diffquant.io.convert_gguf import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(rest)
+    if scheme == "unilm" and rest:
+        return None
+    from diffquant.io.checkpoint import read_tokenizer
+
+    return read_tokenizer(text)

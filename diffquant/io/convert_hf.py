@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
-from diffquant.models.config import ModelConfig
+from diffquant.models.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_problem
 from diffquant.models.transformer import DecoderLM
 
 CONFIG_FILE = "config.json"
@@ -77,7 +77,16 @@ def load_hf(
     # Some tied checkpoints store the head anyway (a copy of the embedding); the tie makes it redundant.
     optional = frozenset({"lm_head.weight"}) if config.tie_embeddings else frozenset()
     with open_tensors(folder, device) as source:
-        return assemble(config, source, key_map, transforms, device, dtype, optional)
+        model = assemble(config, source, key_map, transforms, device, dtype, optional)
+    model.tokenizer = _folder_tokenizer(folder)
+    return model
+
+
+def _folder_tokenizer(folder: Path):
+    """The folder's own tokenizer (tokenizer.json with its special tokens), or None when it has none."""
+    from diffquant.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    return load_tokenizer(folder) if (folder / TOKENIZER_FILE).is_file() else None
 
 
 def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -97,7 +106,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             f"{source}: quantized checkpoint (quantization_config.quant_method={method!r}); the native model "
             "holds floating-point weights only (float32, float16, bfloat16)"
         )
-    _check_rope(hf, source)
+    rope_scaling = _check_rope(hf, source)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise DiffquantError(f"{source}: {flag} = true, expected false (the native model has no biases)")
@@ -114,8 +123,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     kv_heads = hf.get("num_key_value_heads") or heads
     ints = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
     head_dim = hf.get("head_dim") or (hidden // heads if ints else 0)
-    rope = hf.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = _rope_theta(hf, source)
     fields: dict[str, Any] = {
         "attention": SUPPORTED_MODEL_TYPES[model_type],
         "vocab_size": need("vocab_size"),
@@ -127,6 +135,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "ffn_dim": need("intermediate_size"),
         "max_seq_len": hf.get("max_position_embeddings", 2048),
         "rope_theta": float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta,
+        "rope_scaling": rope_scaling,
         "norm_eps": hf.get("rms_norm_eps", _RMS_EPS_DEFAULT[model_type]),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "init_std": hf.get("initializer_range") or 0.02,
@@ -151,24 +160,108 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
 
 
-def _check_rope(hf: dict[str, Any], source: str) -> None:
-    """Only plain RoPE is representable: no scaling (linear, dynamic, yarn, llama3, ...)."""
-    if hf.get("rope_scaling"):
+# RoPE keys a config.json may carry, per transformers version (both spellings describe one scheme):
+# 4.x: top-level ``rope_theta`` + ``rope_scaling`` {"type" (old) or "rope_type", factor, ...} or null;
+# 5.x: ``rope_parameters`` {"rope_type", "rope_theta", factor, ...} (a "type" key survives from 4.x inputs).
+# 5.x reads ``rope_scaling`` too, and prefers it over ``rope_parameters``; so does this importer.
+_ROPE_TYPE_KEYS = ("rope_type", "type")
+_ROPE_BOOKKEEPING = {*_ROPE_TYPE_KEYS, "rope_theta", "partial_rotary_factor"}
+
+
+def _check_rope(hf: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The native ``rope_scaling`` (None = plain RoPE) of an HF config, or a one-line refusal.
+
+    Supported: default, ``linear`` and ``llama3`` (see :data:`diffquant.models.config.ROPE_SCALING_KEYS`).
+    Refused: every other type (dynamic, yarn, longrope, su, ...), unknown or missing keys, partial rotary
+    embeddings, and a file whose ``rope_scaling`` and ``rope_parameters`` describe different scalings.
+    """
+    scalings: dict[str, dict[str, Any] | None] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise DiffquantError(f"{source}: {key}: expected an object or null, got {type(value).__name__}")
+        if value:  # {} means "nothing set", as transformers reads it
+            scalings[key] = _rope_scaling_from(value, key, source)
+    if not scalings:
+        return None
+    chosen = scalings.get("rope_scaling", scalings.get("rope_parameters"))
+    other = scalings.get("rope_parameters")
+    # Both present: rope_scaling wins in both transformers versions, so a plain rope_parameters next to it
+    # is harmless, but two different scalings mean the file is ambiguous.
+    if "rope_scaling" in scalings and other is not None and other != chosen:
         raise DiffquantError(
-            f"{source}: rope_scaling = {json.dumps(hf['rope_scaling'])}, expected null (the native model has "
-            "plain RoPE only)"
+            f"{source}: rope_scaling = {json.dumps(hf['rope_scaling'])} and rope_parameters = "
+            f"{json.dumps(hf['rope_parameters'])} describe different RoPE scalings; expected one, or both equal"
         )
-    rope = hf.get("rope_parameters")
-    if rope is None:
-        return
-    if not isinstance(rope, dict):
-        raise DiffquantError(f"{source}: rope_parameters: expected an object, got {type(rope).__name__}")
-    extra = sorted(set(rope) - {"rope_type", "rope_theta"})
-    if rope.get("rope_type", "default") != "default" or extra:
+    return chosen
+
+
+def _rope_scaling_from(rope: dict[str, Any], key: str, source: str) -> dict[str, Any] | None:
+    """One HF RoPE dict (``rope_scaling`` or ``rope_parameters``) as a native ``rope_scaling``."""
+    supported = f"supported rope types: default, {', '.join(ROPE_SCALING_KEYS)}"
+    types = [rope[k] for k in _ROPE_TYPE_KEYS if k in rope]
+    if len(types) > 1 and types[0] != types[1]:
         raise DiffquantError(
-            f"{source}: rope_parameters = {json.dumps(rope)}, expected rope_type 'default' without scaling "
-            "(the native model has plain RoPE only)"
+            f"{source}: {key} = {json.dumps(rope)}: 'type' and 'rope_type' disagree; expected one type"
         )
+    rope_type = types[0] if types else "default"
+    if rope_type != "default" and (not isinstance(rope_type, str) or rope_type not in ROPE_SCALING_KEYS):
+        raise DiffquantError(
+            f"{source}: {key}.rope_type = {json.dumps(rope_type)} is not supported; {supported}"
+        )
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise DiffquantError(
+            f"{source}: {key}.partial_rotary_factor = {json.dumps(partial)}, expected 1.0 (the native model "
+            "rotates every channel of a head)"
+        )
+    params = {k: v for k, v in rope.items() if k not in _ROPE_BOOKKEEPING}
+    want = ROPE_SCALING_KEYS.get(rope_type, ())
+    missing = [k for k in want if k not in params]
+    extra = sorted(set(params) - set(want))
+    if missing or extra:
+        problem = f"missing {', '.join(missing)}" if missing else f"unknown key(s) {', '.join(extra)}"
+        expected = f"keys {', '.join(want)}" if want else "no scaling keys"
+        raise DiffquantError(
+            f"{source}: {key} = {json.dumps(rope)}: {problem}; rope_type {json.dumps(rope_type)} takes "
+            f"{expected} ({supported})"
+        )
+    if rope_type == "default":
+        return None
+    scaling: dict[str, Any] = {"rope_type": rope_type}
+    for name in want:
+        value = params[name]
+        # JSON may spell 8.0 as 8 (or 8192 as 8192.0); store one canonical form so configs compare equal.
+        if name == "original_max_position_embeddings":
+            scaling[name] = int(value) if isinstance(value, float) and value.is_integer() else value
+        else:
+            scaling[name] = float(value) if type(value) is int else value
+    problem = rope_scaling_problem(scaling)
+    if problem is not None:
+        raise DiffquantError(f"{source}: {key} = {json.dumps(rope)}: {problem}")
+    return scaling
+
+
+def _rope_theta(hf: dict[str, Any], source: str) -> Any:
+    """RoPE base: wherever the file states it (``rope_parameters`` for 5.x, top level for 4.x, or inside
+    ``rope_scaling``), else 10000. The versions read different places, so differing values are refused."""
+    found: dict[str, Any] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+            found[f"{key}.rope_theta"] = rope["rope_theta"]
+    if hf.get("rope_theta") is not None:
+        found["rope_theta"] = hf["rope_theta"]
+    if not found:
+        return 10000.0
+    values = list(found.values())
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if numeric and len({float(v) for v in values}) > 1:
+        stated = ", ".join(f"{k} = {json.dumps(v)}" for k, v in found.items())
+        raise DiffquantError(f"{source}: {stated} disagree; expected one RoPE base")
+    return values[0]
 
 
 def hf_key_map(config: ModelConfig) -> dict[str, str]:
@@ -257,9 +350,17 @@ def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) ->
         tensors[hf_key] = tensor.to("cpu").contiguous()
     hf = hf_config(config, dtype)
 
+    from diffquant.data.tokenizer import HFTokenizer
+
+    tokenizer = getattr(model, "tokenizer", None)
+    if isinstance(tokenizer, HFTokenizer):  # the folder is only usable with the ids the model reads
+        hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if isinstance(tokenizer, HFTokenizer):
+            tokenizer.save(tmp)
 
     return write_folder_atomic(out_dir, write, overwrite)
 
@@ -301,8 +402,9 @@ def fold_norm_weight(o_proj: torch.Tensor, weight: torch.Tensor, n_heads: int, n
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json of the exported folder.
 
-    RoPE is written both ways (``rope_theta`` for transformers 4.x, ``rope_parameters`` for 5.x) so either
-    reads it; token ids are null because native models carry no tokenizer.
+    RoPE is written both ways (``rope_theta`` + ``rope_scaling`` for transformers 4.x, ``rope_parameters``
+    for 5.x) so either reads it, scaling included; token ids are null because native models carry no
+    tokenizer.
     """
     diff = config.attention == "diff_v1"
     heads, kv_heads = (
@@ -335,6 +437,11 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
+    if config.rope_scaling is not None:
+        scaling = dict(config.rope_scaling)
+        hf["rope_parameters"] = {**scaling, "rope_theta": config.rope_theta}
+        # "type" too: transformers before 4.43 read only that spelling (for linear; llama3 is newer anyway).
+        hf["rope_scaling"] = {"type": scaling["rope_type"], **scaling}
     if diff:
         hf["lambda_std_dev"] = 0.1
     else:

@@ -17,6 +17,7 @@ so then the explicit path's output is used.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,11 +63,56 @@ class Linear(nn.Linear):
         return F.linear(self.input(x), weight, self.bias)
 
 
+def rope_inv_freq(
+    dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """RoPE inverse frequencies (dim / 2,) in float64: theta^(-2i/dim), rescaled per ``scaling``.
+
+    ``scaling`` is a validated ``ModelConfig.rope_scaling``:
+
+    - ``linear``: every frequency / factor, which is the same as feeding positions / factor (position
+      interpolation, Chen et al. 2023, arXiv 2306.15595).
+    - ``llama3``: the piecewise rule released with Llama 3.1 (Dubey et al. 2024, arXiv 2407.21783; Meta's
+      reference ``apply_scaling`` in llama-models), written here from the formula. With wavelength
+      w = 2 pi / f and N the original context: w < N / high_freq_factor (fast, local channels) keeps f;
+      w > N / low_freq_factor (slow channels that turned fewer than low_freq_factor times within the trained
+      context) uses f / factor; in between, f is blended as
+      (1 - s) f / factor + s f with s = (N / w - low_freq_factor) / (high_freq_factor - low_freq_factor),
+      which is 0 at the slow edge and 1 at the fast edge, so the rule is continuous.
+
+    Neither type rescales the cos/sin amplitude (transformers' ``attention_factor`` is 1 for both).
+    """
+    freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    if scaling is None:
+        return freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * freq / factor + smooth * freq
+    out = torch.where(wavelength > original / low, freq / factor, blended)
+    return torch.where(wavelength < original / high, freq, out)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor,
+    dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (T, dim) for rotate-half RoPE (Su et al. 2021; the GPT-NeoX / HF Llama layout)."""
-    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    """cos/sin tables (T, dim) for rotate-half RoPE (Su et al. 2021; the GPT-NeoX / HF Llama layout).
+
+    ``inv_freq`` (float64, from :func:`rope_inv_freq`) carries any scaling; None = plain RoPE of ``theta``.
+    """
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(dim, theta, device=positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -123,6 +169,17 @@ class Attention(nn.Module):
         self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
         self.kernel = "auto"  # "auto": Triton kernel on CUDA when the plan fits; "triton": also on CPU; "off"
         self.last_path = "not run"
+        # (key, inv_freq): a plain attribute, not a buffer, so state dicts and meta-device builds are unchanged.
+        self._rope_cache: tuple[tuple, torch.Tensor] | None = None
+
+    def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        """This layer's RoPE inverse frequencies on ``device``, computed once per (config, device)."""
+        c = self.config
+        scaling = tuple(sorted(c.rope_scaling.items())) if c.rope_scaling else None
+        key = (self.head_dim, c.rope_theta, scaling, device)
+        if self._rope_cache is None or self._rope_cache[0] != key:
+            self._rope_cache = (key, rope_inv_freq(self.head_dim, c.rope_theta, c.rope_scaling, device))
+        return self._rope_cache[1]
 
     # ------------------------------------------------------------------------------ kind-specific
     def _components(
@@ -150,7 +207,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(bsz, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
         positions = torch.arange(pos0, pos0 + t, device=x.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
+        inv_freq = self.rope_inv_freq(x.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         core = self._kernel_core(x, cache)
         if core is not None:

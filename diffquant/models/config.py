@@ -6,6 +6,9 @@ Head counting follows what each kind computes, so that one field means one thing
   components; diff_v2: output heads, each a pair of query heads).
 - ``n_kv_heads``: stored key/value heads (diff_v1: kv pairs, each two K components of width d and one V of 2d).
 - ``head_dim``: the width d of one Q/K component.
+
+RoPE: ``rope_theta`` is the base; ``rope_scaling`` (None = plain RoPE) rescales its frequencies for long
+context, in the two forms the Llama family uses (see :data:`ROPE_SCALING_KEYS`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ from diffquant.errors import DiffquantError
 
 ATTENTION_KINDS = ("baseline", "diff_v1", "diff_v2")
 
+# rope_scaling["rope_type"] -> the numeric keys that type needs, all required, no others allowed. An exact key
+# set (rather than "at least") because a key we do not know means a scheme we would silently compute wrong.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    # positions / factor (Chen et al. 2023, "position interpolation"; kaiokendev's SuperHOT)
+    "linear": ("factor",),
+    # Llama 3.1's piecewise frequency rescaling (see diffquant.models.attention.rope_inv_freq)
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -34,6 +46,9 @@ class ModelConfig:
     ffn_dim: int = 352
     max_seq_len: int = 512
     rope_theta: float = 10000.0
+    # None = plain RoPE. Else {"rope_type": "linear", "factor": F} or {"rope_type": "llama3", "factor": F,
+    # "low_freq_factor": L, "high_freq_factor": H, "original_max_position_embeddings": N}.
+    rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -69,6 +84,8 @@ class ModelConfig:
             f"a divisor of n_heads={self.n_heads}",
         )
         need(_is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1")
+        problem = rope_scaling_problem(self.rope_scaling)
+        need(problem is None, "rope_scaling", f"null or a supported scaling ({problem})")
         need(_is_number(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
         need(_is_number(self.v1_norm_eps) and 0 < self.v1_norm_eps < 1, "v1_norm_eps", "a number in (0, 1)")
         need(_is_number(self.init_std) and self.init_std > 0, "init_std", "a number > 0")
@@ -144,6 +161,40 @@ class ModelConfig:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rope_scaling_problem(scaling: Any) -> str | None:
+    """What is wrong with a ``rope_scaling`` value, in a few words, or None when it is valid.
+
+    Shared by :meth:`ModelConfig.validate` and the HF importer, so both refuse the same things with the same
+    words. Bounds follow what the formulas need: factor >= 1 (transformers and Meta both state it; < 1 would
+    compress rather than stretch the context), 0 < low_freq_factor < high_freq_factor (the llama3 blend
+    divides by their difference), an integer original context.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        return f"got a {type(scaling).__name__}, not an object"
+    rope_type = scaling.get("rope_type")
+    if not isinstance(rope_type, str) or rope_type not in ROPE_SCALING_KEYS:
+        return f"rope_type {rope_type!r} is not one of {', '.join(ROPE_SCALING_KEYS)}"
+    want = ROPE_SCALING_KEYS[rope_type]
+    missing = [k for k in want if k not in scaling]
+    if missing:
+        return f"{rope_type} needs key(s) {', '.join(missing)}"
+    extra = sorted(set(scaling) - {"rope_type", *want})
+    if extra:
+        return f"{rope_type} takes only {', '.join(want)}, not {', '.join(extra)}"
+    if not (_is_number(scaling["factor"]) and scaling["factor"] >= 1):
+        return f"factor must be a number >= 1, got {scaling['factor']!r}"
+    if rope_type == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        if not (_is_number(low) and _is_number(high) and 0 < low < high):
+            return f"need 0 < low_freq_factor < high_freq_factor, got {low!r} and {high!r}"
+        original = scaling["original_max_position_embeddings"]
+        if not (isinstance(original, int) and not isinstance(original, bool) and original >= 1):
+            return f"original_max_position_embeddings must be an integer >= 1, got {original!r}"
+    return None
 
 
 # ---------------------------------------------------------------------------------- matched trio
