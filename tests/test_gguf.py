@@ -23,8 +23,15 @@ import pytest
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.io import fetch
-from diffquant.io.convert_gguf import gguf_tokenizer, load_gguf, read_gguf, read_gguf_tokenizer
+from diffquant.io import convert_gguf, fetch
+from diffquant.io.convert_gguf import (
+    GGUFTensors,
+    gguf_tokenizer,
+    load_gguf,
+    metadata,
+    read_gguf,
+    read_gguf_tokenizer,
+)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -390,6 +397,131 @@ def test_converter_specifier(tmp_path, tok_files):
     model = load_converted(f"gguf:{path}", dtype=torch.float16)
     assert model.embed.weight.dtype == torch.float16
     assert model.tokenizer.fingerprint() == read_gguf_tokenizer(path).fingerprint()
+
+
+def _all_types(name: str):
+    """Every dequantizable type the writer can produce, spread over the tensors (a different one for each
+    role), so each appears with several row lengths and row counts."""
+    order = [Q.Q8_0, Q.Q4_1, Q.F16, Q.Q4_0, Q.BF16, Q.F32, Q.Q5_0, Q.Q5_1]
+    return order[sum(map(ord, name)) % len(order)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("chunk", [1, 200, 10**9], ids=lambda c: f"chunk{c}")
+def test_chunked_dequantization_is_bit_identical(tmp_path, tok_files, monkeypatch, dtype, chunk):
+    """Dequantizing a chunk of rows at a time into a preallocated tensor of ``dtype`` gives exactly what
+    dequantizing the whole tensor (gguf's reader over the mapped file) and casting with ``.to`` gives; and
+    dequantize never sees more rows than one chunk holds (at least one row: a chunk of 1 value is a row)."""
+    files = [
+        write_gguf(tmp_path / "mixed.gguf", tok_files, GQA, _all_types),
+        write_gguf(
+            tmp_path / "k.gguf",
+            tok_files,
+            KQUANT,
+            lambda name: Q.Q6_K if name in ("token_embd.weight", "output.weight") else Q.Q4_K,
+        ),
+    ]
+    seen_rows: list[tuple[int, int]] = []
+    dequantize = gguf.quants.dequantize
+
+    def spy(data, qtype):
+        out = dequantize(data, qtype)
+        seen_rows.append((out.shape[0], out.shape[-1]))
+        return out
+
+    monkeypatch.setattr(gguf.quants, "dequantize", spy)
+    types = set()
+    for path in files:
+        source = GGUFTensors(read_gguf(path), path, dtype, chunk_elements=chunk)
+        for t in gguf.GGUFReader(path).tensors:
+            types.add(t.tensor_type)
+            whole = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(source.shape(t.name))
+            seen_rows.clear()
+            ours = source.get(t.name)
+            assert ours.dtype == dtype and ours.shape == whole.shape, t.name
+            assert torch.equal(ours, whole.to(dtype)), (t.name, t.tensor_type.name)
+            assert max(rows * cols for rows, cols in seen_rows) <= max(chunk, int(t.shape[0])), t.name
+            assert sum(rows for rows, _ in seen_rows) == whole.numel() // int(t.shape[0])
+    assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K} <= types
+
+
+def test_header_parser_agrees_with_gguf_reader(tmp_path, tok_files):
+    """Every metadata value and every tensor-table entry as gguf's own reader decodes them."""
+
+    def edit(w):
+        w.add_array("test.nested", [[1, 2], [3]])
+        w.add_array("test.floats", [0.5, 1e-5])
+        w.add_array("test.empty", [])
+        w.add_string("test.unicode", "Ωmega ✓")
+        w.add_bool("test.flag", True)
+        w.add_float64("test.f64", 0.1)
+        w.add_int64("test.i64", -(2**40))
+        w.add_uint16("test.u16", 65535)
+        w.add_int8("test.i8", -3)
+
+    path = write_gguf(tmp_path / "m.gguf", tok_files, MHA_TIED, _all_types, edit=edit)
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+    assert list(ours.fields) == keys
+    for key in keys:
+        field = theirs.fields[key]
+        want = field.contents()
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            want = float(str(np.float32(want)))  # metadata's documented shortest float32 repr
+        if field.types[0] == gguf.GGUFValueType.ARRAY and field.types[-1] != gguf.GGUFValueType.STRING:
+            want = [v for i in field.data for v in field.parts[i].tolist()]  # nested arrays flattened
+        assert metadata(ours, key) == want, key
+    assert metadata(ours, "test.nested") == [1, 2, 3]
+    assert [(t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes, t.offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.n_elements, t.n_bytes, t.data_offset)
+        for t in theirs.tensors
+    ]
+
+
+def _corrupt(data: bytes, at: int, value: int, size: int = 8) -> bytes:
+    return data[:at] + value.to_bytes(size, "little") + data[at + size :]
+
+
+def test_corrupt_headers_are_one_line_errors(tmp_path, tok_files):
+    """Lengths and counts are checked against the file's size before anything is allocated for them."""
+    path = write_gguf(tmp_path / "ok.gguf", tok_files, GQA, Q.Q8_0)
+    data = path.read_bytes()
+    tokens = data.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens")
+    first_name = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count: then the first key's length
+    cases = {
+        "version": (_corrupt(data, 4, 7, 4), "GGUF version 7 is not supported"),
+        "big-endian": (_corrupt(data, 4, 3 << 24, 4), "big-endian GGUF files are not supported"),
+        "key-length": (_corrupt(data, first_name, 2**62), "inside its header"),
+        "array-count": (_corrupt(data, tokens + 4 + 4, 2**60), "inside its header"),
+        "string-length": (_corrupt(data, tokens + 4 + 4 + 8, 2**61), "inside its header"),
+        "kv-count": (_corrupt(data, 16, 2**63), "inside its header"),
+        "value-type": (_corrupt(data, tokens, 99, 4), "value type 99, which GGUF does not define"),
+    }
+    for name, (content, reason) in cases.items():
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(content)
+        with pytest.raises(DiffquantError, match="not a readable GGUF file") as excinfo:
+            load_gguf(bad)
+        message = _one_line(excinfo)
+        assert message.startswith(str(bad)) and reason in message, (name, message)
+
+
+def test_load_reads_ranges_and_maps_nothing(tmp_path, tok_files, monkeypatch):
+    """The load never maps the file (no numpy memmap, no gguf reader): its pages stay out of the process."""
+    path = write_gguf(tmp_path / "m.gguf", tok_files, GQA, Q.Q4_1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GGUF load must not map the file")
+
+    monkeypatch.setattr(np, "memmap", refuse)
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(convert_gguf, "CHUNK_ELEMENTS", 100)  # every weight in several chunks
+    model = load_gguf(path, dtype=torch.bfloat16)
+    assert _mappings_of(path) == []
+    monkeypatch.undo()
+    reference = load_gguf(path, dtype=torch.bfloat16)
+    for (name, p), q in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
 
 
 # ================================================================================ tokenizer

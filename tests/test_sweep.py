@@ -129,12 +129,16 @@ def test_torchrun_spreads_cells_over_ranks(tmp_path, text):
 def _tiny(raw: dict, text: str) -> dict:
     """The recipe with tiny random models and small budgets, everything else as shipped."""
     raw = json.loads(json.dumps(raw))
-    raw["models"] = {name: f"init:{spec.split(':')[1]}:tiny" for name, spec in raw["models"].items()}
+    kinds = ("baseline", "diff_v1", "diff_v2")  # zoo:KIND keeps its kind; real checkpoints are Llamas
+    raw["models"] = {
+        name: f"init:{spec.split(':')[1] if spec.split(':')[1] in kinds else 'baseline'}:tiny"
+        for name, spec in raw["models"].items()
+    }
     raw.setdefault("data", {})["calib"] = {"source": text, "tokens": 128, "seq_len": 64}
     if "profile" in raw:
         raw["profile"].update(data=text, tokens=256, seq_len=64)
     for task in raw.get("eval", {}).get("tasks", []):
-        if task.get("type", "bpb") == "bpb":
+        if task.get("type", "bpb") in ("bpb", "ppl"):
             task.update(data=text, tokens=256, seq_len=64)
         elif task["type"] == "retrieval":
             task.update(samples_per_depth=1, context_bytes=96, depths=[0, 100])

@@ -1,15 +1,27 @@
 """llama.cpp GGUF files -> native DecoderLM (baseline attention), with the tokenizer the file describes.
 
 :func:`load_gguf` reads a ``llama``-architecture GGUF (what llama.cpp's ``convert_hf_to_gguf.py`` writes for
-Llama, SmolLM, TinyLlama, ...) through the ``gguf`` package: the config comes from the ``llama.*`` metadata,
-each tensor is dequantized on its own (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, ...: whatever
-``gguf.quants.dequantize`` handles), cast and assigned once by :func:`diffquant.io.convert_hf.assemble`, so
-the model is never held twice. The file itself is memory-mapped, not read into memory.
+Llama, SmolLM, TinyLlama, ...): the config comes from the ``llama.*`` metadata, each tensor is dequantized
+(F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, ...: whatever ``gguf.quants.dequantize`` handles) and
+assigned once by :func:`diffquant.io.convert_hf.assemble`, so the model is never held twice.
+
+Loading holds the weights once, in the requested dtype, plus small bounded temporaries
+(analysis/load/bench.py measures it):
+
+- the header (metadata and tensor table) is parsed by :class:`GGUFFile` from plain reads, keeping each
+  string as one ``bytes`` object; ``gguf.GGUFReader`` builds two numpy views per string (~160 MB for a
+  49k-token vocabulary and its merges) and maps the whole file;
+- each tensor is read with plain file reads of its own byte range, ``CHUNK_ELEMENTS`` values' worth of rows
+  at a time, dequantized by ``gguf.quants.dequantize`` (rows hold whole quant blocks, so any row range is a
+  valid input) and cast straight into a preallocated tensor of the target dtype. Nothing is memory-mapped,
+  so the file's pages stay in the page cache, not in the process; no float32 copy of a whole tensor is
+  ever made when the target is narrower; and ``dequantize``'s own temporaries (it holds its whole output
+  twice) are bounded by a chunk.
 
 Two layout facts matter:
 
-- GGUF lists dimensions fastest-first (``ne[0]`` = columns), the reverse of torch; the reader's arrays are
-  already row-major ``(rows, cols)``, so a GGUF ``[576, 1536]`` is a torch ``(1536, 576)`` weight.
+- GGUF lists dimensions fastest-first (``ne[0]`` = columns), the reverse of torch, and stores rows
+  contiguously, so a GGUF ``[576, 1536]`` is a torch ``(1536, 576)`` weight.
 - llama.cpp rotates adjacent channel pairs (GPT-J style RoPE), HF Llama and the native model rotate the two
   halves of each head (GPT-NeoX style). The converter therefore permutes the rows of ``attn_q`` / ``attn_k``
   per head; :func:`ggml_rows_to_halves` undoes it.
@@ -20,6 +32,10 @@ Two layout facts matter:
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +45,7 @@ import torch
 
 from diffquant.data.tokenizer import HFTokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.convert_hf import Transform, assemble, check_float_dtype
+from diffquant.io.convert_hf import FLOAT_DTYPES, Transform, assemble, check_float_dtype
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -79,11 +95,10 @@ def load_gguf(
             f"{file}: the tokenizer produces ids up to {tokenizer.vocab_size - 1}, but the embedding has "
             f"{config.vocab_size} rows"
         )
-    # The reader holds the vocabulary and merges as ~2 Python objects per entry (160 MB for SmolLM2's 49k);
-    # the tokenizer has its own copy now, so let them go before the weights are dequantized.
+    # The vocabulary and merges are ~100k bytes objects (a few MB); the tokenizer has its own copy now.
     for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
         del reader.fields[key]
-    source = GGUFTensors(reader, file)
+    source = GGUFTensors(reader, file, dtype or torch.float32)
     key_map = gguf_key_map(config)
     source.check_types(list(key_map.values()))
     model = assemble(config, source, key_map, gguf_transforms(config), device, dtype or torch.float32)
@@ -91,52 +106,41 @@ def load_gguf(
     return model
 
 
-def read_gguf(file: Path) -> Any:
-    """A ``gguf.GGUFReader`` over ``file`` (memory-mapped); anything the parser trips on is one line.
-
-    The reader raises whatever numpy or struct raise on a short or foreign file (ValueError, IndexError,
-    ...), so every exception of construction counts as "not a readable GGUF". The mapping lives as long as
-    the reader; ``GGUFTensors.get`` copies, so no weight of the model points into it.
-    """
+def read_gguf(file: Path) -> GGUFFile:
+    """The header of ``file`` (metadata and tensor table, see :class:`GGUFFile`); a file that does not
+    parse as GGUF, or cannot be read, is one line. Tensor data is read later, by :class:`GGUFTensors`."""
     if not file.is_file():
         raise DiffquantError(f"{file}: GGUF file {'not found' if not file.exists() else 'is not a file'}")
-    import gguf
-
     try:
-        return gguf.GGUFReader(file)
-    except Exception as err:  # the reader has no exception type of its own
+        return GGUFFile(file)
+    except (MalformedGGUF, OSError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DiffquantError(f"{file}: not a readable GGUF file ({reason})") from None
 
 
-def metadata(reader: Any, key: str) -> Any:
-    """The value of metadata ``key`` (int, float, bool, str or a list of them); None when absent.
+def metadata(reader: GGUFFile, key: str) -> Any:
+    """The value of metadata ``key`` (int, float, bool, str or a flat list of them); None when absent.
 
     FLOAT32 values come back as the shortest decimal that reads back as the same float32 (1e-05, not
-    9.999999747378752e-06): that is the number the converter was given, and it is the same float32.
-    Decoded from the reader's raw parts (``parts`` / ``data`` / ``types``, which every gguf release has).
+    9.999999747378752e-06): that is the number the converter was given, and it is the same float32. Strings
+    are decoded here, so a string that is not UTF-8 fails only the key that reads it.
     """
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None or not field.types:
+    entry = reader.fields.get(key)
+    if entry is None:
         return None
-    kinds, parts = field.types, field.parts
+    kind, value = entry
     try:
-        if kinds[0] == gguf.GGUFValueType.ARRAY:
-            if kinds[-1] == gguf.GGUFValueType.STRING:
-                return [bytes(parts[i]).decode("utf-8") for i in field.data]
-            return [v for i in field.data for v in parts[i].tolist()]
-        if kinds[0] == gguf.GGUFValueType.STRING:
-            return bytes(parts[-1]).decode("utf-8")
+        if kind == _ARRAY:
+            item_kind, items = value
+            return [b.decode("utf-8") for b in items] if item_kind == _STRING else list(items)
+        if kind == _STRING:
+            return value.decode("utf-8")
     except UnicodeDecodeError as err:
-        where = getattr(reader.data, "filename", None) or "GGUF"
         raise DiffquantError(
-            f"{where}: metadata {key} holds a string that is not UTF-8 ({err.reason})"
+            f"{reader.path}: metadata {key} holds a string that is not UTF-8 ({err.reason})"
         ) from None
-    value = parts[-1].tolist()[0]
-    if kinds[0] == gguf.GGUFValueType.FLOAT32:
-        value = float(str(np.float32(value)))
+    if kind == _FLOAT32:
+        return float(str(np.float32(value)))
     return value
 
 
@@ -309,13 +313,33 @@ def dequantizable_types() -> frozenset[Any]:
     return frozenset(found)
 
 
-class GGUFTensors:
-    """The tensors of an open GGUF as :func:`~diffquant.io.convert_hf.assemble` reads a ``TensorSource``:
-    names, torch-order shapes and the float32 each one dequantizes to, read and dequantized on ``get``."""
+# Values' worth of rows dequantized at a time: bounds the float32 temporaries of a load (dequantize holds
+# its output twice) to a few chunks of 4 MiB, whatever the size of the tensor.
+CHUNK_ELEMENTS = 1 << 20
 
-    def __init__(self, reader: Any, file: Path) -> None:
+
+class GGUFTensors:
+    """The tensors of a GGUF as :func:`~diffquant.io.convert_hf.assemble` reads a ``TensorSource``: names,
+    torch-order shapes, and on ``get`` the tensor dequantized into ``dtype`` (every supported type
+    dequantizes to float32, which is cast exactly as ``Tensor.to`` would: the same values).
+
+    ``get`` reads the tensor's bytes from the file ``chunk_elements`` values' worth of whole rows at a time
+    and casts each dequantized chunk into a preallocated tensor, so a load holds each weight once, in
+    ``dtype``, plus one chunk; the file is never mapped.
+    """
+
+    def __init__(
+        self,
+        reader: GGUFFile,
+        file: Path,
+        dtype: torch.dtype = torch.float32,
+        chunk_elements: int = CHUNK_ELEMENTS,
+    ) -> None:
+        check_float_dtype(dtype, "requested dtype")
         self._tensors = {t.name: t for t in reader.tensors}
         self._file = file
+        self._dtype = dtype
+        self._chunk = max(1, int(chunk_elements))
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -325,11 +349,11 @@ class GGUFTensors:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """Torch order: GGUF lists dimensions fastest-first, so reversed."""
-        return tuple(int(n) for n in reversed(self._tensors[key].shape))
+        return tuple(reversed(self._tensors[key].shape))
 
     def dtype_tag(self, key: str) -> str:
-        """Every supported tensor dequantizes to float32 (:meth:`check_types` refuses the others)."""
-        return "F32"
+        """The dtype ``get`` returns (:meth:`check_types` refuses types that do not dequantize)."""
+        return FLOAT_DTYPES[self._dtype]
 
     def type_name(self, key: str) -> str:
         return self._tensors[key].tensor_type.name
@@ -347,21 +371,233 @@ class GGUFTensors:
                 )
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor as float32 in torch order; always a fresh array, never a view of the mapped file."""
+        """The tensor in torch order and ``dtype``: a fresh tensor, dequantized a chunk of rows at a time."""
         import gguf
 
         t = self._tensors[key]
+        out = torch.empty(self.shape(key), dtype=self._dtype)
+        if t.n_elements == 0:
+            return out
+        cols = t.shape[0] if t.shape else 1  # a row: ne[0] values, whole quant blocks (GGUFFile checks)
+        rows = t.n_elements // cols
+        row_bytes = t.n_bytes // rows
+        step = max(1, min(rows, self._chunk // cols))
+        raw = np.empty(step * row_bytes, dtype=np.uint8)
+        flat = out.view(rows, cols)
         try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
-            # F32 comes back as a view of the read-only mapping: copy that one, keep fresh arrays as they are.
-            array = np.array(values, dtype=np.float32, copy=bool(np.shares_memory(values, t.data)))
-            array = array.reshape(self.shape(key))
-        except (NotImplementedError, ValueError) as err:
+            with open(self._file, "rb", buffering=0) as f:
+                for first in range(0, rows, step):
+                    n = min(step, rows - first)
+                    chunk = raw[: n * row_bytes]
+                    _read_exactly(f, t.offset + first * row_bytes, chunk)
+                    values = gguf.quants.dequantize(chunk.reshape(n, row_bytes), t.tensor_type)
+                    if values.shape != (n, cols) or values.dtype != np.float32:
+                        raise ValueError(
+                            f"dequantized to {values.dtype} {values.shape}, expected ({n}, {cols})"
+                        )
+                    flat[first : first + n].copy_(torch.from_numpy(values))
+        except (NotImplementedError, ValueError, OSError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise DiffquantError(
                 f"{self._file}: tensor {key} ({t.tensor_type.name}) is unreadable ({reason})"
             ) from None
-        return torch.from_numpy(array)
+        return out
+
+
+def _read_exactly(f: Any, offset: int, into: np.ndarray) -> None:
+    """Fill ``into`` (uint8) with the file's bytes from ``offset`` on; a file that ends first is an OSError."""
+    view = memoryview(into).cast("B")
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise OSError(f"the file ends at byte {offset + got}, inside the tensor's data")
+        got += n
+
+
+# ========================================================================================= GGUF header
+# GGUF value types (gguf.GGUFValueType) -> numpy dtype, little-endian; STRING and ARRAY are structured.
+_NUMERIC = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8"}
+_NUMERIC.update({11: "<i8", 12: "<f8"})
+_UINT32, _FLOAT32, _STRING, _ARRAY = 4, 6, 8, 9
+_U32, _U64, _U64_DTYPE = struct.Struct("<I"), struct.Struct("<Q"), np.dtype("<u8")
+READ_VERSIONS = (2, 3)  # what gguf.GGUFReader reads too (version 1 had 32-bit counts)
+_FIRST_READ = 1 << 18
+
+
+class MalformedGGUF(ValueError):
+    """The file does not parse as GGUF (:func:`read_gguf` makes it one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of the tensor table; ``shape`` in GGUF order (``ne[0]``, the row length, first)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_elements: int
+    n_bytes: int
+    offset: int  # of the data, from the start of the file
+
+
+class GGUFFile:
+    """The header of a little-endian GGUF (version 2 or 3), parsed from plain reads of its first bytes.
+
+    ``fields``: key -> (value type, value), the value a Python int / float / bool, ``bytes`` for a string
+    (decoded by :func:`metadata`), or (item type, flat list) for an array. ``tensors``: the tensor table
+    (:class:`GGUFTensorInfo`), each tensor's byte range checked to lie inside the file. Anything malformed
+    raises :class:`MalformedGGUF` with the reason; no length read from the file is trusted beyond its size,
+    so a corrupt count cannot allocate more than the file holds.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.fields: dict[str, tuple[int, Any]] = {}
+        self.tensors: list[GGUFTensorInfo] = []
+        with open(self.path, "rb") as f:
+            self._file, self._size, self._buf, self._pos = f, os.fstat(f.fileno()).st_size, b"", 0
+            try:
+                self._parse()
+            finally:
+                del self._file, self._buf
+
+    def _parse(self) -> None:
+        import gguf
+
+        if self._size == 0:
+            raise MalformedGGUF("the file is empty")
+        if self._u32() != gguf.GGUF_MAGIC:
+            raise MalformedGGUF("GGUF magic invalid")
+        version = self._u32()
+        if version not in READ_VERSIONS:
+            if version and not version & 0xFFFF:
+                raise MalformedGGUF("big-endian GGUF files are not supported")
+            raise MalformedGGUF(f"GGUF version {version} is not supported (supported: 2, 3)")
+        n_tensors, n_kv = self._u64(), self._u64()
+        for _ in range(n_kv):
+            key = self._name("metadata key")
+            if key in self.fields:
+                raise MalformedGGUF(f"duplicate metadata key {key}")
+            kind = self._u32()
+            self.fields[key] = (kind, self._value(kind, key))
+        table = []
+        for _ in range(n_tensors):
+            name = self._name("tensor name")
+            dims = self._numbers(_U64_DTYPE, self._u32())
+            table.append((name, tuple(int(d) for d in dims), self._u32(), self._u64()))
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+        if "general.alignment" in self.fields:
+            kind, alignment = self.fields["general.alignment"]
+            if kind != _UINT32 or alignment <= 0 or alignment & (alignment - 1):
+                raise MalformedGGUF("general.alignment must be a UINT32 power of two")
+        start = -(-self._pos // alignment) * alignment
+        names: set[str] = set()
+        for name, dims, raw_type, offset in table:
+            self.tensors.append(self._tensor_info(name, dims, raw_type, start + offset, names))
+
+    def _tensor_info(
+        self, name: str, dims: tuple[int, ...], raw_type: int, offset: int, names: set[str]
+    ) -> GGUFTensorInfo:
+        import gguf
+
+        if name in names:
+            raise MalformedGGUF(f"duplicate tensor {name}")
+        names.add(name)
+        try:
+            qtype = gguf.GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise MalformedGGUF(f"tensor {name} has type {raw_type}, unknown to the installed gguf") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n_elements = math.prod(dims)
+        if dims and dims[0] % block:
+            raise MalformedGGUF(
+                f"tensor {name}: rows of {dims[0]} values are not whole {qtype.name} blocks of {block}"
+            )
+        n_bytes = n_elements // block * type_size
+        if offset + n_bytes > self._size:
+            raise MalformedGGUF(
+                f"tensor {name} ends at byte {offset + n_bytes}, past the end of the file ({self._size} bytes)"
+            )
+        return GGUFTensorInfo(name, qtype, dims, n_elements, n_bytes, offset)
+
+    # ---------------------------------------------------------------- reading the header
+    def _need(self, end: int) -> None:
+        """Make bytes [0, end) of the file available in the buffer (read on, doubling)."""
+        if end <= len(self._buf):
+            return
+        if end > self._size:
+            raise MalformedGGUF(f"the file ends at byte {self._size}, inside its header")
+        want = min(self._size, max(end, 2 * len(self._buf), _FIRST_READ))
+        self._file.seek(len(self._buf))
+        more = self._file.read(want - len(self._buf))
+        self._buf += more
+        if len(self._buf) < end:
+            raise MalformedGGUF(f"the file ends at byte {len(self._buf)}, inside its header")
+
+    def _take(self, n: int) -> bytes:
+        end = self._pos + n
+        self._need(end)
+        out = self._buf[self._pos : end]
+        self._pos = end
+        return out
+
+    def _u32(self) -> int:
+        return _U32.unpack(self._take(4))[0]
+
+    def _u64(self) -> int:
+        return _U64.unpack(self._take(8))[0]
+
+    def _name(self, what: str) -> str:
+        raw = self._take(self._u64())
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MalformedGGUF(f"a {what} is not UTF-8 ({raw[:40]!r})") from None
+
+    def _numbers(self, dtype: np.dtype, count: int) -> np.ndarray:
+        return np.frombuffer(self._take(count * dtype.itemsize), dtype=dtype)
+
+    def _strings(self, count: int) -> list[bytes]:
+        out = []
+        pos, buf, unpack = self._pos, self._buf, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                self._need(pos + 8)
+                buf = self._buf
+            end = pos + 8 + unpack(buf, pos)[0]
+            if end > len(buf):
+                self._need(end)
+                buf = self._buf
+            out.append(buf[pos + 8 : end])
+            pos = end
+        self._pos = pos
+        return out
+
+    def _value(self, kind: int, key: str) -> Any:
+        if kind == _STRING:
+            return self._take(self._u64())
+        if kind in _NUMERIC:
+            return self._numbers(np.dtype(_NUMERIC[kind]), 1).tolist()[0]
+        if kind == _ARRAY:
+            return self._array(key)
+        raise MalformedGGUF(f"metadata {key} has value type {kind}, which GGUF does not define")
+
+    def _array(self, key: str) -> tuple[int, list[Any]]:
+        """(innermost item type, flat items): nested arrays are flattened, as gguf's reader does."""
+        kind, count = self._u32(), self._u64()
+        if kind == _STRING:
+            return kind, self._strings(count)
+        if kind in _NUMERIC:
+            return kind, self._numbers(np.dtype(_NUMERIC[kind]), count).tolist()
+        if kind == _ARRAY:
+            inner, items = _STRING, []
+            for _ in range(count):
+                inner, sub = self._array(key)
+                items += sub
+            return inner, items
+        raise MalformedGGUF(f"metadata {key} is an array of value type {kind}, which GGUF does not define")
 
 
 # ========================================================================================= tokenizer

