@@ -689,6 +689,48 @@ def test_truncated_foreign_and_missing_files(tmp_path, tok_files):
         load_gguf(tmp_path)
 
 
+@pytest.mark.parametrize("case", ["architecture", "tensor-type", "truncated"])
+def test_cli_refuses_bad_gguf_with_one_line_and_writes_nothing(tmp_path, tok_files, capsys, case):
+    from diffquant.cli import main
+
+    if case == "truncated":
+        path = write_gguf(tmp_path / "ok.gguf", tok_files, GQA, Q.Q4_1)
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        bad = write_gguf(tmp_path / "bad.gguf", tok_files, **BAD_FILES[case][0])
+    for argv in (
+        ["profile", f"gguf:{bad}", "--out", str(tmp_path / "prof")],
+        ["export", f"gguf:{bad}", "--to", "native", str(tmp_path / "native")],
+        ["export", f"gguf:{bad}", "--to", "hf", str(tmp_path / "hf")],
+        ["quantize", f"gguf:{bad}", "--plan", "w8a8", "--out", str(tmp_path / "q")],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(bad) in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".gguf") == []
+
+
+def test_cli_exports_gguf_to_native_and_hf(tmp_path, tok_files, capsys):
+    from diffquant.cli import main
+    from diffquant.io import load_model
+
+    path = write_gguf(tmp_path / "m.gguf", tok_files, GQA, Q.Q8_0)
+    ids = _ids(len(tok_files.tokens))
+    original = load_model(f"gguf:{path}")
+    assert main(["export", f"gguf:{path}", "--to", "native", str(tmp_path / "native")]) == 0
+    assert main(["export", f"gguf:{path}", "--to", "hf", str(tmp_path / "hf")]) == 0
+    with torch.no_grad():
+        want = original(ids)
+        for spec in (str(tmp_path / "native"), f"hf:{tmp_path / 'hf'}"):
+            model = load_model(spec)
+            assert torch.equal(model(ids), want), spec
+            assert model.tokenizer.encode("magic number 4721") == original.tokenizer.encode(
+                "magic number 4721"
+            )
+            assert model.tokenizer.eos_id == original.tokenizer.eos_id
+
+
 # ================================================================================ fetch (no network)
 def test_cache_root_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("DIFFQUANT_CACHE", str(tmp_path / "a"))
