@@ -320,10 +320,14 @@ def _unique_name(spec: str, taken: dict) -> str:
     from pathlib import Path
 
     text = str(spec)
-    if text.startswith("init:"):  # init:KIND:PRESET[:SEED] -> KIND-PRESET
+    scheme, _, rest = text.partition(":")
+    if scheme == "init":  # init:KIND:PRESET[:SEED] -> KIND-PRESET
         base = "-".join(text.split(":")[1:3])
-    else:
-        base = Path(text.rstrip("/")).name or "model"
+    elif scheme in ("zoo", "fetch"):  # zoo:NAME, fetch:NAME -> NAME
+        base = rest
+    else:  # a folder or file, with or without hf: / gguf: / unilm: -> its name (a file without suffix)
+        path = Path((rest if scheme in ("hf", "gguf", "unilm") and rest else text).rstrip("/"))
+        base = (path.stem if path.suffix == ".gguf" else path.name) or "model"
     name, i = base, 2
     while name in taken:
         name, i = f"{base}-{i}", i + 1
