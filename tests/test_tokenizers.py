@@ -303,3 +303,40 @@ def test_broken_tokenizer_json_is_one_line(hf_folder, tmp_path, capsys):
     assert "not a valid tokenizer.json" in err and str(broken) in err and not out.exists()
     assert main(["info", f"hf:{hf_folder}", "--tokenizer", str(tmp_path / "nowhere")]) == 2
     _one_line(capsys.readouterr().err)
+
+
+def test_recipe_tokenizer_key_and_bf16_on_cpu(hf_folder, tmp_path, capsys):
+    import yaml
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((hf_folder / name).read_bytes())
+    task = {"type": "ppl", "data": str(hf_folder / "text.txt"), "tokens": 192, "seq_len": 64}
+    recipe = {
+        "name": "tok",
+        "models": {"bare": f"hf:{bare}"},
+        "tokenizer": {"bare": str(hf_folder)},
+        "dtype": "bfloat16",
+        "eval": {"tasks": [task]},
+        "plots": {"enabled": False},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(path), "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "bare reads tokenizer" in out and "tokenizer.json (300 ids)" in out
+    cells = [json.loads(line) for line in (tmp_path / "run" / "sweep" / "cells-rank0.jsonl").open()]
+    bf16 = cells[0]["metrics"]
+    # The same windows in fp32 with the folder's own tokenizer: bf16 on CPU runs and stays close.
+    from diffquant.eval.perplexity import evaluate_bpb
+
+    fp32 = evaluate_bpb(load_model(f"hf:{hf_folder}"), task["data"], max_tokens=192, seq_len=64)
+    assert bf16["n_tokens_scored"] == fp32["n_tokens_scored"] == 3 * 63
+    assert bf16["perplexity"] == pytest.approx(fp32["perplexity"], rel=0.05)
+    assert bf16["perplexity"] != fp32["perplexity"]  # it really ran in bf16
+    # without the key the recipe is refused in one line
+    recipe.pop("tokenizer")
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(path), "--out", str(tmp_path / "run2")]) == 2
+    _one_line(capsys.readouterr().err)

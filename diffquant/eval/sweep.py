@@ -199,6 +199,10 @@ def run_sweep(
     if log is not None and rank == 0:
         for name, tok in runner.tokenizers.items():
             log(f"sweep: {name} reads tokenizer {tok.describe()}")
+        if any(t.type in ("bpb", "ppl") and not t.params.get("data") for t in spec.tasks):
+            log(
+                f"sweep: text tasks without 'data' read {runner.eval_data} (the default for these tokenizers)"
+            )
     tasks = {t.label: t for t in spec.tasks}
     path = out / f"cells-rank{rank}.jsonl"
     for cell in tqdm(mine, desc="sweep", unit="cell", disable=not progress or rank != 0):
