@@ -1,5 +1,9 @@
 """Training: the schedule, logs, checkpoints, and resume to bit-identical weights."""
 
+import json
+import pickle
+import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -82,8 +86,6 @@ def test_resume_is_bit_identical(tmp_path, kind):
 
 def test_card_measures_the_exported_weights(tmp_path):
     out = train(_cfg(tmp_path, "c", kind="baseline", save_dtype="bfloat16"), log=lambda m: None)
-    import json
-
     from diffquant.io.artifacts import sha256_file
 
     card = json.loads((out / "final" / "card.json").read_text())
@@ -115,3 +117,157 @@ def test_zoo_recipes_differ_only_in_kind():
         TrainConfig.load(RECIPES / "train-gpu.yaml").tokens
         > 10 * TrainConfig.load(RECIPES / "zoo-baseline.yaml").tokens
     )
+
+
+def _recipe(tmp_path, name, **kw) -> tuple[Path, Path]:
+    """A recipe file (JSON is YAML) for the CLI, and the run folder it trains into."""
+    cfg = _cfg(tmp_path, name, **kw)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(asdict(cfg)))
+    return path, Path(cfg.out)
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+class _Planted:
+    """Unpickling this opens (creates) ``marker``: a stand-in for any code a planted pickle could run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_resume_refuses_a_planted_pickle(tmp_path, capsys, writer):
+    recipe, out = _recipe(tmp_path, "planted")
+    assert main(["train", str(recipe), "--stop-after", "3"]) == 0
+    state = out / "checkpoints" / "step-0000003" / "train_state.pt"
+    assert state.is_file()
+    marker = tmp_path / "pwned"
+    payload = {"optimizer": _Planted(marker), "step": 3}
+    if writer == "torch.save":
+        torch.save(payload, state)
+    else:
+        state.write_bytes(pickle.dumps(payload))
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--resume"]) == 2
+    assert not marker.exists(), "resume unpickled the planted file: its code ran"
+    err = _one_line_error(capsys)
+    assert f"{state}: refused" in err
+    assert not (out / "final").exists()
+    # The payload is live: an unrestricted load does run it (this is what resume must never do).
+    with open(state, "rb") as f:
+        torch.load(f, weights_only=False) if writer == "torch.save" else pickle.load(f)
+    assert marker.exists()
+
+
+def test_resume_ignores_a_save_killed_half_way(tmp_path, monkeypatch):
+    kw = dict(steps=8, checkpoint_every=2, eval_every=4)
+    straight = train(_cfg(tmp_path, "straight", **kw), log=lambda m: None)
+    cfg = _cfg(tmp_path, "killed", **kw)
+    out = Path(cfg.out)
+    real_save, saves = torch.save, []
+
+    def killed_on_third(obj, f, *a, **k):  # a kill while the third checkpoint (step 6) is being written
+        saves.append(f)
+        if len(saves) == 3:
+            Path(f).write_bytes(b"PK\x03\x04 half a zip")
+            raise KeyboardInterrupt
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", killed_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, log=lambda m: None)
+    monkeypatch.setattr(torch, "save", real_save)
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000002", "step-0000004", "step-0000006.tmp"]
+    with pytest.raises(DiffquantError, match="pass --resume"):
+        train(cfg, log=lambda m: None)
+    (out / ".final.k1ll3d").mkdir()  # and what a kill while writing final/ leaves
+    messages = []
+    train(cfg, resume=True, stop_after=5, log=messages.append)
+    assert any("resumed from" in m and m.endswith("step-0000004 at step 4") for m in messages), messages
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000002", "step-0000004", "step-0000005"]
+    assert not (out / ".final.k1ll3d").exists()
+    train(cfg, resume=True, log=lambda m: None)
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-000000{s}" for s in (2, 4, 5, 6)]
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(out / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
+    assert steps == [str(s) for s in range(1, 9)], "rows after the checkpoint resumed from are logged once"
+    assert (out / "final" / "card.json").is_file()
+
+
+def test_stop_after_must_be_a_step_ahead(tmp_path, capsys):
+    recipe, out = _recipe(tmp_path, "stop")
+    for bad in ("0", "-1"):
+        assert main(["train", str(recipe), "--stop-after", bad]) == 2
+        assert f"stop_after (--stop-after) = {bad}, expected an integer >= 1" in _one_line_error(capsys)
+    assert not out.exists(), "nothing is written for a refused run"
+    cfg = _cfg(tmp_path, "stop")
+    with pytest.raises(DiffquantError, match="expected an integer >= 1"):
+        train(cfg, stop_after=0, log=lambda m: None)
+    train(cfg, stop_after=3, log=lambda m: None)  # a checkpoint step: saved once, not twice
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000003"]
+    with pytest.raises(DiffquantError, match="at step 3 already"):
+        train(cfg, resume=True, stop_after=2, log=lambda m: None)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("64", "an integer in [128, 256]"), ("512", "[128, 256]")])
+def test_seq_len_the_run_cannot_finish_with_fails_before_training(tmp_path, capsys, value, expected):
+    recipe, out = _recipe(tmp_path, "short")
+    assert main(["train", str(recipe), "--set", f"seq_len={value}"]) == 2
+    err = _one_line_error(capsys)
+    assert f"'seq_len' = {value}, expected" in err and expected in err
+    assert not out.exists(), "a recipe that cannot finish fails before the first write"
+
+
+def test_final_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    import diffquant.eval.retrieval as retrieval
+
+    cfg = _cfg(tmp_path, "whole")
+    out = Path(cfg.out)
+
+    def broken(*a, **k):
+        raise RuntimeError("retrieval failed")
+
+    monkeypatch.setattr(retrieval, "evaluate_retrieval", broken)
+    with pytest.raises(RuntimeError, match="retrieval failed"):
+        train(cfg, log=lambda m: None)
+    assert not (out / "final").exists() and not list(out.glob(".final*"))
+    monkeypatch.undo()
+    train(cfg, resume=True, log=lambda m: None)
+    assert sorted(p.name for p in (out / "final").iterdir()) == [
+        "card.json",
+        "config.json",
+        "model.safetensors",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("name: x\nsteps: true\n", "'steps' = True, expected an integer >= 1"),
+        ("name: x\nlr: '0.003'\n", "'lr' = '0.003', expected a number > 0"),
+        ("name: x\nmodel: {tie_embeddings: 'no'}\n", "tie_embeddings"),
+        ("name: x\nmodel: [1]\n", "'model' = [1], expected a mapping"),
+        ("kind: baseline\n", "missing required key 'name'"),
+        ("name: null\n", "'name' = None, expected a non-empty name"),
+        ("name: ../../x\n", "'name' = '../../x', expected a non-empty name without '/'"),
+        ("name: x\ndata_tokens: 1.5\n", "'data_tokens' = 1.5"),
+        ("name: x\neval_tokens: 1\n", "'eval_tokens' = 1, expected an integer >= 2"),
+    ],
+)
+def test_recipe_values_have_their_types(tmp_path, text, expected):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(DiffquantError, match=re.escape(expected)) as err:
+        TrainConfig.load(path)
+    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)

@@ -13,7 +13,10 @@ import io
 import json
 import math
 import os
+import re
+import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from diffquant.errors import DiffquantError
+
+RETRIEVAL_RESERVE = 128  # tokens of seq_len the final retrieval evaluation keeps for question and answer
 
 
 @dataclass
@@ -58,29 +63,98 @@ class TrainConfig:
     out: str | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and range, and what the end of the run will need of them (the final
+        evaluation's context, the model's max_seq_len), so that a bad recipe fails before the first step.
+        Called on construction and again by :func:`train` (fields may be set after construction)."""
+        from diffquant.data import ByteTokenizer
         from diffquant.models import ATTENTION_KINDS, PRESETS
 
         def need(ok: bool, key: str, expected: str) -> None:
             if not ok:
                 raise DiffquantError(f"train recipe: '{key}' = {getattr(self, key)!r}, expected {expected}")
 
-        need(self.kind in ATTENTION_KINDS, "kind", f"one of {', '.join(ATTENTION_KINDS)}")
-        need(self.preset in PRESETS, "preset", f"one of {', '.join(PRESETS)}")
+        need(
+            isinstance(self.name, str)
+            and self.name not in ("", ".", "..")
+            and not set("/\\") & set(self.name),
+            "name",
+            "a non-empty name without '/' or '\\' (it names the run folder)",
+        )
+        need(
+            isinstance(self.kind, str) and self.kind in ATTENTION_KINDS,
+            "kind",
+            f"one of {', '.join(ATTENTION_KINDS)}",
+        )
+        need(
+            isinstance(self.preset, str) and self.preset in PRESETS, "preset", f"one of {', '.join(PRESETS)}"
+        )
+        need(isinstance(self.model, dict), "model", "a mapping of model config keys (or {})")
+        for key in ("data", "eval_data"):
+            need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, "a data source")
         for key in (
             "seq_len",
             "batch_size",
             "steps",
             "log_every",
             "eval_every",
-            "eval_tokens",
             "checkpoint_every",
+            "retrieval_samples",
         ):
-            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "an integer >= 1")
-        need(0 <= self.warmup <= self.steps, "warmup", f"an integer in [0, steps={self.steps}]")
-        need(self.lr > 0 and 0 <= self.min_lr <= self.lr, "min_lr", f"a number in [0, lr={self.lr}]")
-        need(self.grad_clip > 0, "grad_clip", "a number > 0")
+            need(_is_int(getattr(self, key)) and getattr(self, key) >= 1, key, "an integer >= 1")
+        need(_is_int(self.eval_tokens) and self.eval_tokens >= 2, "eval_tokens", "an integer >= 2")
+        need(
+            self.data_tokens is None or (_is_int(self.data_tokens) and self.data_tokens >= 1),
+            "data_tokens",
+            "an integer >= 1 or null (all of the data)",
+        )
+        need(
+            _is_int(self.warmup) and 0 <= self.warmup <= self.steps,
+            "warmup",
+            f"an integer in [0, steps={self.steps}]",
+        )
+        need(_is_number(self.lr) and self.lr > 0, "lr", "a number > 0")
+        need(
+            _is_number(self.min_lr) and 0 <= self.min_lr <= self.lr,
+            "min_lr",
+            f"a number in [0, lr={self.lr}]",
+        )
+        need(_is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
+        for key in ("beta1", "beta2"):
+            need(_is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1, key, "a number in [0, 1)")
+        need(_is_number(self.grad_clip) and self.grad_clip > 0, "grad_clip", "a number > 0")
+        need(
+            _is_number(self.needle_fraction) and 0 <= self.needle_fraction <= 1,
+            "needle_fraction",
+            "a number in [0, 1]",
+        )
+        need(_is_int(self.seed) and self.seed >= 0, "seed", "an integer >= 0")
+        need(
+            self.threads is None or (_is_int(self.threads) and self.threads >= 1),
+            "threads",
+            "an integer >= 1 or null",
+        )
         need(self.save_dtype in ("bfloat16", "float32"), "save_dtype", "bfloat16 or float32")
         need(self.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
+        need(
+            self.out is None or (isinstance(self.out, str) and self.out != ""), "out", "a folder path or null"
+        )
+        model = self.model_config()
+        need(
+            model.vocab_size == ByteTokenizer.vocab_size,
+            "model",
+            f"vocab_size {ByteTokenizer.vocab_size} (training reads bytes), got vocab_size {model.vocab_size}",
+        )
+        # Training feeds seq_len - 1 tokens and evaluation windows of seq_len; the final retrieval evaluation
+        # puts seq_len - RETRIEVAL_RESERVE bytes of context before its question and answer.
+        need(
+            RETRIEVAL_RESERVE <= self.seq_len <= model.max_seq_len,
+            "seq_len",
+            f"an integer in [{RETRIEVAL_RESERVE}, {model.max_seq_len}] (at least the {RETRIEVAL_RESERVE} tokens "
+            f"of the final retrieval evaluation's question and answer, at most the model's max_seq_len)",
+        )
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
@@ -111,6 +185,14 @@ class TrainConfig:
         base = preset_config(self.preset, self.kind).to_dict()
         base.update(self.model)
         return ModelConfig.from_dict(base, source="train recipe 'model'")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -156,24 +238,139 @@ def _watch_lambda(model) -> list:
     return handles
 
 
+_CHECKPOINT = re.compile(r"step-(\d{7,})")
+_CHECKPOINT_FILES = ("train_state.pt", "model/config.json", "model/model.safetensors")
+
+
 def _latest_checkpoint(out: Path) -> Path | None:
-    found = sorted((out / "checkpoints").glob("step-*"))
-    return found[-1] if found else None
+    """The complete checkpoint of the highest step. A checkpoint is written into ``step-N.tmp`` and renamed
+    to ``step-N`` once all its files are there, so a ``.tmp`` folder (a save that was killed) or a folder
+    missing one of the files does not count."""
+    folder = out / "checkpoints"
+    found = []
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = _CHECKPOINT.fullmatch(path.name)
+            if match and path.is_dir() and all((path / f).is_file() for f in _CHECKPOINT_FILES):
+                found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def _stale_temporaries(out: Path) -> list[Path]:
+    """What a killed run leaves behind: checkpoint saves (``step-N.tmp``) and the temporary folders and
+    files of atomic writes (``.final.*``, ``.log.csv.*``)."""
+    stale = [*out.glob(".final.*"), *out.glob(".log.csv.*"), *out.glob("checkpoints/step-*.tmp")]
+    return sorted(stale)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _save_state(path: Path, model, optimizer, step: int, cfg: TrainConfig) -> None:
+    """A checkpoint folder, written whole into ``step-N.tmp`` and then renamed, so that a save that is
+    killed leaves only a ``.tmp`` folder, which resume ignores and removes."""
     from diffquant.io import save_checkpoint
 
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     save_checkpoint(model, tmp / "model", overwrite=True)
+    # Tensors and plain data only: resume reads it with torch.load(weights_only=True).
     torch.save(
         {"optimizer": optimizer.state_dict(), "step": step, "config": asdict(cfg)}, tmp / "train_state.pt"
     )
+    if path.exists():
+        shutil.rmtree(path)
     tmp.rename(path)
+
+
+def _load_state(latest: Path, cfg: TrainConfig, device: torch.device):
+    """(model, optimizer, step) of a checkpoint folder. ``train_state.pt`` is unpickled with
+    ``weights_only=True``: tensors and plain data only, so a planted pickle cannot run code."""
+    import pickle
+
+    from diffquant.io import load_checkpoint, read_config
+
+    where = latest / "train_state.pt"
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(where, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        lines = [line.strip() for line in str(err).splitlines()]
+        refused = [line for line in lines if line.startswith("WeightsUnpickler error:")]
+        detail = (
+            refused[0].removeprefix("WeightsUnpickler error:").split(" was not ")[0].strip()
+            if refused
+            else ""
+        )
+        raise DiffquantError(
+            f"{where}: refused, it holds more than tensors and plain data (unpickling it could run code"
+            + (f"; {detail[:120]})" if detail else ")")
+        ) from None
+    except Exception as err:  # a truncated zip, a file that is no pickle at all, ...
+        first = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:120]
+        raise DiffquantError(
+            f"{where}: not a readable training state ({type(err).__name__}: {first}); remove {latest} to "
+            "resume from an earlier checkpoint"
+        ) from None
+    step = state.get("step") if isinstance(state, dict) else None
+    expected_step = int(_CHECKPOINT.fullmatch(latest.name).group(1))
+    if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict) or step != expected_step:
+        raise DiffquantError(
+            f"{where}: expected a mapping with 'optimizer' and 'step' = {expected_step}, got "
+            + (
+                f"keys {sorted(map(str, state))}, step {step!r}"
+                if isinstance(state, dict)
+                else type(state).__name__
+            )
+        )
+    if not step < cfg.steps:
+        raise DiffquantError(f"{where}: step {step}, expected a step < the recipe's steps = {cfg.steps}")
+    saved = read_config(latest / "model").to_dict()
+    if saved != cfg.model_config().to_dict():
+        raise DiffquantError(
+            f"{latest / 'model'}: its model config differs from the recipe's (kind, preset and model must "
+            "not change across a resume)"
+        )
+    model = load_checkpoint(latest / "model").train().to(device)
+    optimizer = _optimizer(model, cfg)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise DiffquantError(f"{where}: optimizer state does not fit the model ({err})") from None
+    return model, optimizer, step
+
+
+def _kept_log(path: Path, step: int) -> str | None:
+    """log.csv cut back to the rows of steps <= ``step`` (the rows a resume from ``step`` would otherwise
+    log twice; a row half-written by a kill goes too): the text to write, "" to remove the file, None to
+    leave it as it is."""
+    if not path.exists():
+        return None
+    try:
+        rows = list(csv.reader(io.StringIO(path.read_text())))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise DiffquantError(f"{path}: not a readable training log ({err})") from None
+    if not rows:
+        return ""
+    header, body = rows[0], rows[1:]
+    if "step" not in header:
+        raise DiffquantError(f"{path}: not a training log (no 'step' column in its header)")
+    col = header.index("step")
+    keep = [r for r in body if len(r) == len(header) and r[col].isdigit() and int(r[col]) <= step]
+    if len(keep) == len(body):
+        return None
+    if not keep:
+        return ""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([header, *keep])
+    return buf.getvalue()
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -184,39 +381,79 @@ def _device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def _retrieval_config(cfg: TrainConfig):
+    from diffquant.eval.retrieval import RetrievalConfig
+
+    return RetrievalConfig(
+        samples_per_depth=cfg.retrieval_samples, context_bytes=cfg.seq_len - RETRIEVAL_RESERVE, seed=12345
+    )
+
+
+def _eval_streams(cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The token streams of the evaluations (validation during and after the run, train bpb at the end),
+    read once, before the first step, so a bad source fails before any work is done."""
+    from diffquant.data import token_stream
+
+    streams = {}
+    for key, source in (("eval_data", cfg.eval_data), ("data", cfg.data)):
+        stream = token_stream(source, cfg.eval_tokens)
+        if stream.numel() < 2:
+            raise DiffquantError(
+                f"train recipe: '{key}' = {source!r} has {stream.numel()} token(s); evaluation needs at least 2"
+            )
+        streams[key] = stream
+    return streams
+
+
+def _check_retrieval(cfg: TrainConfig) -> None:
+    """The final retrieval evaluation's prompts must fit the model: checked on the prompts themselves."""
+    from types import SimpleNamespace
+
+    from diffquant.data import ByteTokenizer
+    from diffquant.eval.retrieval import _check_samples, make_samples
+
+    _check_samples(
+        SimpleNamespace(config=cfg.model_config()), make_samples(_retrieval_config(cfg)), ByteTokenizer()
+    )
+
+
 def train(
     cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = None, log=print, recipe_text: str = ""
 ) -> Path:
     """Train (or resume) into ``cfg.out``; returns the run folder. ``stop_after`` ends the run early
-    (after that many steps in total) without changing the schedule, e.g. to split a run across jobs."""
-    from diffquant.io import load_checkpoint
+    (after that many steps in total) without changing the schedule, e.g. to split a run across jobs.
+
+    Everything that can be checked (the recipe, the data, the checkpoint to resume from, what the final
+    evaluation needs) is checked before the first write; ``final/`` appears whole (weights and card) or
+    not at all."""
+    from diffquant.io.artifacts import write_text_atomic
     from diffquant.models import DecoderLM
     from diffquant.train.data import TrainData
 
+    cfg.validate()  # again: fields may have been set after construction (the CLI sets out)
+    if stop_after is not None and not (_is_int(stop_after) and stop_after >= 1):
+        raise DiffquantError(f"stop_after (--stop-after) = {stop_after!r}, expected an integer >= 1")
     out = Path(cfg.out or f"runs/train/{cfg.name}")
+    if out.exists() and not out.is_dir():
+        raise DiffquantError(f"{out}: exists and is not a folder; expected a run folder")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device(cfg)
-    start_step = 0
     latest = _latest_checkpoint(out) if resume else None
-    if resume and latest is None:
-        log(f"resume: no checkpoint in {out}/checkpoints, starting from step 0")
-    if not resume and (out / "log.csv").exists():
+    if not resume and (
+        (out / "log.csv").exists() or _latest_checkpoint(out) is not None or (out / "final").exists()
+    ):
         raise DiffquantError(
             f"{out}: holds a training run already; pass --resume to continue it or remove it"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    start_step = 0
     if latest is not None:
-        model = load_checkpoint(latest / "model").train().to(device)
-        state = torch.load(latest / "train_state.pt", weights_only=False)
-        optimizer = _optimizer(model, cfg)
-        optimizer.load_state_dict(state["optimizer"])
-        start_step = state["step"]
-        log(f"resumed from {latest} at step {start_step}")
-    else:
-        model = DecoderLM(cfg.model_config()).to(device).train()
-        optimizer = _optimizer(model, cfg)
+        model, optimizer, start_step = _load_state(latest, cfg, device)
+    if stop_after is not None and stop_after <= start_step:
+        raise DiffquantError(
+            f"stop_after (--stop-after) = {stop_after}: the run in {out} is at step {start_step} already; "
+            f"expected a step > {start_step}"
+        )
     data = TrainData(
         cfg.data,
         seq_len=cfg.seq_len,
@@ -224,11 +461,33 @@ def train(
         needle_fraction=cfg.needle_fraction,
         seed=cfg.seed,
     )
+    streams = _eval_streams(cfg)
+    _check_retrieval(cfg)
+    log_path = out / "log.csv"
+    kept_log = _kept_log(log_path, start_step) if resume else None
+
+    # The first write.
+    out.mkdir(parents=True, exist_ok=True)
+    for path in _stale_temporaries(out):
+        log(f"removing {path}, left by an interrupted run")
+        _remove(path)
+    if kept_log == "":
+        log_path.unlink()
+    elif kept_log is not None:
+        write_text_atomic(log_path, kept_log)
+    if resume and latest is None:
+        log(f"resume: no checkpoint in {out}/checkpoints, starting from step 0")
+    if latest is not None:
+        log(f"resumed from {latest} at step {start_step}")
+    else:
+        torch.manual_seed(cfg.seed)
+        model = DecoderLM(cfg.model_config()).to(device).train()
+        optimizer = _optimizer(model, cfg)
     pad = data.tok.pad_id
     handles = _watch_lambda(model)
-    log_path = out / "log.csv"
     rows: list[dict[str, Any]] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    saved = start_step
     tick = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Null()
     for step in range(start_step, end):
@@ -261,7 +520,7 @@ def train(
             }
             tick = now
             if evaluate:
-                row["val_bpb"] = _val_bpb(model, cfg)
+                row["val_bpb"] = _val_bpb(model, cfg, streams["eval_data"])
                 model.train()
             rows.append(row)
             _append_log(log_path, row)
@@ -272,13 +531,15 @@ def train(
             )
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
             _save_state(out / "checkpoints" / f"step-{done:07d}", model, optimizer, done, cfg)
+            saved = done
     for h in handles:
         h.remove()
     if end < cfg.steps:
-        _save_state(out / "checkpoints" / f"step-{end:07d}", model, optimizer, end, cfg)
+        if saved != end:
+            _save_state(out / "checkpoints" / f"step-{end:07d}", model, optimizer, end, cfg)
         log(f"stopped after step {end}; resume with --resume")
         return out
-    _finish(model, cfg, out, recipe_text, log)
+    _finish(model, cfg, out, recipe_text, log, streams)
     return out
 
 
@@ -303,59 +564,62 @@ def _append_log(path: Path, row: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _val_bpb(model, cfg: TrainConfig, data: str | None = None) -> float:
-    from diffquant.eval.perplexity import evaluate_bpb
+def _val_bpb(model, cfg: TrainConfig, stream: torch.Tensor) -> float:
+    from diffquant.eval.perplexity import evaluate_stream
 
     model.eval()
     with torch.no_grad():
-        return evaluate_bpb(model, data or cfg.eval_data, max_tokens=cfg.eval_tokens, seq_len=cfg.seq_len)[
-            "bits_per_byte"
-        ]
+        return evaluate_stream(model, stream, seq_len=cfg.seq_len)["bits_per_byte"]
 
 
-def _finish(model, cfg: TrainConfig, out: Path, recipe_text: str, log) -> None:
-    """Export the final weights (in save_dtype) with a card of what they measure as exported."""
-    from diffquant.eval.retrieval import RetrievalConfig, evaluate_retrieval
+def _finish(
+    model, cfg: TrainConfig, out: Path, recipe_text: str, log, streams: dict[str, torch.Tensor]
+) -> None:
+    """Export the final weights (in save_dtype) with a card of what they measure as exported: all of
+    ``final/`` is written into a temporary folder and renamed, so a failure never leaves a ``final/``."""
+    from diffquant.eval.retrieval import evaluate_retrieval
     from diffquant.io import load_checkpoint, save_checkpoint
     from diffquant.io.artifacts import sha256_file, write_json_atomic
 
-    final = out / "final"
-    export = copy.deepcopy(model).cpu().to(getattr(torch, cfg.save_dtype))
-    save_checkpoint(export, final, overwrite=True)
-    shipped = load_checkpoint(final, dtype=torch.float32)  # measure what ships, upcast as `zoo:` loads it
-    val = _val_bpb(shipped, cfg)
-    train_bpb = _val_bpb(shipped, cfg, data=cfg.data)
-    with torch.no_grad():
-        retrieval = evaluate_retrieval(
-            shipped,
-            RetrievalConfig(
-                samples_per_depth=cfg.retrieval_samples, context_bytes=cfg.seq_len - 128, seed=12345
-            ),
-            attention=False,
+    card: dict[str, Any] = {}
+
+    def measure(folder: Path) -> None:
+        shipped = load_checkpoint(
+            folder, dtype=torch.float32
+        )  # measure what ships, upcast as `zoo:` loads it
+        val = _val_bpb(shipped, cfg, streams["eval_data"])
+        train_bpb = _val_bpb(shipped, cfg, streams["data"])
+        with torch.no_grad():
+            retrieval = evaluate_retrieval(shipped, _retrieval_config(cfg), attention=False)
+        card.update(
+            {
+                "name": cfg.name,
+                "kind": cfg.kind,
+                "parameters": shipped.num_parameters(),
+                "config": shipped.config.to_dict(),
+                "recipe": cfg.name,
+                "recipe_text": recipe_text,
+                "steps": cfg.steps,
+                "tokens": cfg.tokens,
+                "batch_size": cfg.batch_size,
+                "seq_len": cfg.seq_len,
+                "train_bpb": train_bpb,
+                "train_bpb_data": f"{cfg.data} (first {cfg.eval_tokens} tokens)",
+                "val_bpb": val,
+                "val_bpb_data": f"{cfg.eval_data} (first {cfg.eval_tokens} tokens)",
+                "retrieval": {k: retrieval[k] for k in ("acc_rank", "acc_greedy", "chance_rank", "n")},
+                "retrieval_setup": "4 needles, 1 query, depths 0/25/50/75/100 %, candidates = the 4 numbers in "
+                "context, seed 12345",
+                "save_dtype": cfg.save_dtype,
+                "sha256": sha256_file(folder / "model.safetensors"),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+            }
         )
-    card = {
-        "name": cfg.name,
-        "kind": cfg.kind,
-        "parameters": shipped.num_parameters(),
-        "config": shipped.config.to_dict(),
-        "recipe": cfg.name,
-        "recipe_text": recipe_text,
-        "steps": cfg.steps,
-        "tokens": cfg.tokens,
-        "batch_size": cfg.batch_size,
-        "seq_len": cfg.seq_len,
-        "train_bpb": train_bpb,
-        "train_bpb_data": f"{cfg.data} (first {cfg.eval_tokens} tokens)",
-        "val_bpb": val,
-        "val_bpb_data": f"{cfg.eval_data} (first {cfg.eval_tokens} tokens)",
-        "retrieval": {k: retrieval[k] for k in ("acc_rank", "acc_greedy", "chance_rank", "n")},
-        "retrieval_setup": "4 needles, 1 query, depths 0/25/50/75/100 %, candidates = the 4 numbers in context, seed 12345",
-        "save_dtype": cfg.save_dtype,
-        "sha256": sha256_file(final / "model.safetensors"),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    write_json_atomic(final / "card.json", card)
+        write_json_atomic(folder / "card.json", card)
+
+    export = copy.deepcopy(model).cpu().to(getattr(torch, cfg.save_dtype))
+    save_checkpoint(export, out / "final", overwrite=True, extra=measure)
     log(
         json.dumps(
             {k: card[k] for k in ("name", "parameters", "tokens", "train_bpb", "val_bpb", "retrieval")}
