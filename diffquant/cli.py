@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -86,10 +88,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from diffquant.data import fingerprint
     from diffquant.distributed import init_from_env, shutdown
-    from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
-    from diffquant.profile.runner import profile_stage
+    from diffquant.io.runfolder import claim_run_folder
+    from diffquant.profile.runner import check_profile
 
     _, world = init_from_env()
     try:
@@ -98,55 +99,72 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         for spec in args.checkpoints:
             models[_unique_name(spec, models)] = (spec, _load(args, spec))
         out = Path(args.out)
-        header, text, n_tokens = profile_stage(
-            models,
-            data=args.data,
-            tokens=args.tokens,
+        identity = {
+            "checkpoints": {n: str(s) for n, (s, _) in models.items()},
+            **{k: getattr(args, k) for k in ("data", "tokens", "seq_len", "batch_size", "sites", "topk")},
+            **{k: getattr(args, k) for k in ("no_attention_metrics", "device", "dtype", "tokenizer")},
+        }
+        check_profile(models, args.seq_len, args.data, args.sites)  # before the folder is claimed (created)
+        with claim_run_folder(out, "profile", identity, force=args.force):
+            return _profile_into(args, models, out, world)
+    finally:
+        shutdown()
+
+
+def _profile_into(args: argparse.Namespace, models: dict, out, world: int) -> int:
+    """Profile into a claimed run folder; the manifest is written last, once the profiles exist."""
+    from diffquant.data import fingerprint
+    from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
+    from diffquant.profile.runner import profile_stage
+
+    header, text, n_tokens = profile_stage(
+        models,
+        data=args.data,
+        tokens=args.tokens,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        sites=args.sites,
+        topk=args.topk,
+        attention=False if args.no_attention_metrics else None,
+        out=out,
+        progress=sys.stderr.isatty(),
+    )
+    if not header:  # not rank 0
+        return 0
+    data = header.rsplit(" from ", 1)[1]
+    write_json_atomic(
+        out / "manifest.json",
+        manifest(
+            "profile",
+            checkpoints={
+                n: {
+                    "spec": str(s),
+                    "sha256": checkpoint_sha256(s),
+                    "tokenizer": m.tokenizer.name if m.tokenizer else "byte",
+                }
+                for n, (s, m) in models.items()
+            },
+            data={"source": data, "fingerprint": fingerprint(data), "tokens": n_tokens},
+            device=args.device,
+            dtype=args.dtype,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             sites=args.sites,
             topk=args.topk,
-            attention=False if args.no_attention_metrics else None,
-            out=out,
-            progress=sys.stderr.isatty(),
-        )
-        if not header:  # not rank 0
-            return 0
-        data = header.rsplit(" from ", 1)[1]
-        write_json_atomic(
-            out / "manifest.json",
-            manifest(
-                "profile",
-                checkpoints={
-                    n: {
-                        "spec": str(s),
-                        "sha256": checkpoint_sha256(s),
-                        "tokenizer": m.tokenizer.name if m.tokenizer else "byte",
-                    }
-                    for n, (s, m) in models.items()
-                },
-                data={"source": data, "fingerprint": fingerprint(data), "tokens": n_tokens},
-                device=args.device,
-                dtype=args.dtype,
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                sites=args.sites,
-                topk=args.topk,
-                world_size=world,
-            ),
-        )
-        print(header)
-        print(text)
-        print(f"wrote {out}/profile/*.json, table5.txt, table5.json, manifest.json")
-        return 0
-    finally:
-        shutdown()
+            world_size=world,
+        ),
+    )
+    print(header)
+    print(text)
+    print(f"wrote {out}/profile/*.json, table5.txt, table5.json, manifest.json")
+    return 0
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from diffquant.quant.run import quantize_checkpoint
 
     _positive(args, "calib_tokens", "eval_tokens", "seq_len", "batch_size")
+    _refuse_overwriting_input(args.checkpoint, args.out)
     summary = quantize_checkpoint(
         args.checkpoint,
         args.plan,
@@ -192,7 +210,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             tokenizers={name: args.tokenizer for name in models} if args.tokenizer else {},
         )
         out = Path(args.out)
-        results = run_sweep(spec, out, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
+        results = run_sweep(
+            spec, out, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr), force=args.force
+        )
         if results is None:
             return 0
         print(format_results(spec, results))
@@ -210,7 +230,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe, args.set)
         log = print if rank == 0 else (lambda message: None)
-        run_recipe(recipe, args.out, progress=sys.stderr.isatty(), log=log)
+        run_recipe(recipe, args.out, progress=sys.stderr.isatty(), log=log, force=args.force)
         return 0
     finally:
         shutdown()
@@ -238,9 +258,16 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from diffquant.report import write_report
+    from pathlib import Path
+
+    from diffquant.io.artifacts import read_json
+    from diffquant.report import run_status, write_report
 
     md, page = write_report(args.run_dir, dpi=args.dpi)
+    manifest = Path(args.run_dir) / "manifest.json"
+    status = run_status(read_json(manifest)) if manifest.is_file() else None
+    if status is not None:
+        print(f"diffquant report: warning: {args.run_dir} is an incomplete run ({status})", file=sys.stderr)
     print(f"wrote {md} and {page}")
     return 0
 
@@ -294,6 +321,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from diffquant.io import save_checkpoint
     from diffquant.io.convert_hf import export_hf
 
+    _refuse_overwriting_input(args.model, args.out)
     model = _load(args, args.model)
     if args.to == "native":
         out = save_checkpoint(model, args.out, overwrite=args.force)
@@ -345,6 +373,18 @@ def _load(args: argparse.Namespace, spec: str):
         dtype=parse_dtype(getattr(args, "dtype", None)),
         tokenizer=getattr(args, "tokenizer", None),
     )
+
+
+def _refuse_overwriting_input(spec: str, out: str) -> None:
+    """--force replaces the output folder; it must never be the model being read (or hold it)."""
+    from pathlib import Path
+
+    text = str(spec)
+    scheme, _, rest = text.partition(":")
+    source = Path(rest if scheme in ("hf", "gguf", "unilm") and rest else text).expanduser().resolve()
+    target = Path(out).expanduser().resolve()
+    if source == target or target in source.parents:
+        raise DiffquantError(f"{out}: is the model being read ({spec}); write the output elsewhere")
 
 
 def _tokenizer_line(model, spec: str) -> str:
@@ -433,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--topk", type=int, default=100, help="largest magnitudes kept per site")
     prof.add_argument("--no-attention-metrics", action="store_true", help="skip per-head attention metrics")
     prof.add_argument("--out", default="runs/profile", help="run folder (default: runs/profile)")
+    prof.add_argument("--force", action="store_true", help="start clean in a folder of another run")
     _add_model_options(prof)
     prof.set_defaults(func=_cmd_profile)
 
@@ -443,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
         "layers; calibrate static scales; report the error per site against the unquantized model.",
     )
     quant.add_argument("checkpoint", help="an unquantized model: a folder, zoo:NAME, hf:PATH, gguf:FILE, ...")
-    quant.add_argument("--plan", required=True, help="a preset name (see --list-presets) or a YAML plan file")
+    quant.add_argument(
+        "--plan", required=True, help="a preset name (list them with `diffquant presets`) or a YAML plan file"
+    )
     quant.add_argument(
         "--calib-data",
         default=None,
@@ -489,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--calib-seq-len", type=int, default=256)
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
+    ev.add_argument("--force", action="store_true", help="start clean in a folder of another run")
     _add_model_options(ev)
     ev.set_defaults(func=_cmd_eval)
 
@@ -496,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="a recipe file, e.g. recipes/paper-fig8.yaml")
     run.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
     run.add_argument("--out", default=None, help="run folder (default: the recipe's output.dir)")
+    run.add_argument("--force", action="store_true", help="start clean in a folder of another run")
     run.set_defaults(func=_cmd_run)
 
     plot = sub.add_parser("plot", help="draw the figures of a run folder (from its artifacts only)")
@@ -563,17 +608,48 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _route_warnings()
     if args.command is None:
         parser.print_help()
         return 0
+    # One handler for every expected failure: a user error, the file system refusing (read-only disk, full
+    # disk, --out under a file), undecodable input, a closed pipe, Ctrl-C. Anything else is a bug and keeps
+    # its traceback.
     try:
         return args.func(args)
     except DiffquantError as err:
-        print(f"diffquant {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args.command, str(err))
+    except BrokenPipeError:
+        # `diffquant zoo | head -1`: the reader left; point stdout at /dev/null so the final flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        return _fail(args.command, f"{where}{err.strerror or err}")
+    except UnicodeDecodeError as err:
+        return _fail(args.command, f"input is not UTF-8 text (byte {err.start}: {err.reason})")
     except KeyboardInterrupt:
         print("diffquant: interrupted", file=sys.stderr)
         return 130
+
+
+class _StderrLine(logging.Handler):
+    """Library warnings (a non-UTF-8 text file, ...) as one line each on the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"diffquant: warning: {' '.join(record.getMessage().split())}", file=sys.stderr)
+
+
+def _route_warnings() -> None:
+    logger = logging.getLogger("diffquant")
+    if not any(isinstance(h, _StderrLine) for h in logger.handlers):
+        logger.addHandler(_StderrLine(logging.WARNING))
+        logger.propagate = False
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"diffquant {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

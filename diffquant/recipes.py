@@ -13,17 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from diffquant.errors import DiffquantError
 
-# Schema: key -> (python types, default) or a nested dict schema. REQUIRED keys have no default.
+# Schema: key -> (python types, default[, minimum]) or a nested dict schema. REQUIRED keys have no default;
+# integers with a minimum are checked against it (and against 2**63, what torch and numpy take).
 _REQUIRED = object()
-_CALIB = {"source": ((str, type(None)), None), "tokens": ((int,), 4096), "seq_len": ((int,), 256)}
+_CALIB = {"source": ((str, type(None)), None), "tokens": ((int,), 4096, 1), "seq_len": ((int,), 256, 2)}
 SCHEMA: dict[str, Any] = {
     "name": ((str,), _REQUIRED),
     "description": ((str,), ""),
-    "seed": ((int,), 0),
+    "seed": ((int,), 0, 0),
     "models": ((dict,), _REQUIRED),
     # Where and how models run, and which tokenizer they read: a path for all models, or {model: path}.
     "device": ((str,), "cpu"),
@@ -33,19 +32,20 @@ SCHEMA: dict[str, Any] = {
     "profile": {
         "enabled": ((bool,), True),
         "data": ((str, type(None)), None),
-        "tokens": ((int,), 16384),
-        "seq_len": ((int,), 256),
-        "batch_size": ((int,), 8),
+        "tokens": ((int,), 16384, 1),
+        "seq_len": ((int,), 256, 1),
+        "batch_size": ((int,), 8, 1),
         "sites": ((list, str), ["*"]),
-        "topk": ((int,), 100),
+        "topk": ((int,), 100, 1),
         "attention_metrics": ((bool,), True),
     },
-    "quantize": {"plans": ((list,), []), "eval_tokens": ((int,), 2048), "batch_size": ((int,), 8)},
-    "eval": {"tasks": ((list,), [{"type": "bpb"}]), "batch_size": ((int,), 8)},
+    "quantize": {"plans": ((list,), []), "eval_tokens": ((int,), 2048, 1), "batch_size": ((int,), 8, 1)},
+    "eval": {"tasks": ((list,), [{"type": "bpb"}]), "batch_size": ((int,), 8, 1)},
     "sweep": {"plans": ((list,), [])},
-    "plots": {"enabled": ((bool,), True), "formats": ((list,), ["png"]), "dpi": ((int,), 150)},
+    "plots": {"enabled": ((bool,), True), "formats": ((list,), ["png"]), "dpi": ((int,), 150, 1)},
     "output": {"dir": ((str, type(None)), None)},
 }
+_INT_LIMIT = 2**63
 _OPTIONAL_STAGES = ("profile", "quantize", "eval", "sweep", "plots")
 
 
@@ -100,12 +100,15 @@ def _check(raw: dict[str, Any], schema: dict[str, Any], source: str, prefix: str
     for key, rule in schema.items():
         path = f"{prefix}{key}"
         if isinstance(rule, dict):
-            value = raw.get(key) or {}
+            value = raw.get(key)
+            if value is None:
+                value = {}
             if not isinstance(value, dict):
-                raise DiffquantError(f"{source}: {path}: expected a mapping, got {type(value).__name__}")
+                hint = f" (to turn the stage off: {path}: {{enabled: false}})" if "enabled" in rule else ""
+                raise DiffquantError(f"{source}: {path}: expected a mapping, got {value!r}{hint}")
             out[key] = _check(value, rule, source, f"{path}.")
             continue
-        types, default = rule
+        types, default, *minimum = rule
         if key not in raw:
             if default is _REQUIRED:
                 raise DiffquantError(f"{source}: missing required key '{path}'")
@@ -115,19 +118,19 @@ def _check(raw: dict[str, Any], schema: dict[str, Any], source: str, prefix: str
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
             names = " or ".join(t.__name__ for t in types)
             raise DiffquantError(f"{source}: {path}: expected {names}, got {value!r}")
+        if minimum and isinstance(value, int) and not minimum[0] <= value < _INT_LIMIT:
+            raise DiffquantError(
+                f"{source}: {path}: expected an integer in [{minimum[0]}, 2**63), got {value!r}"
+            )
         out[key] = value
     return out
 
 
 def read_yaml(path: str | Path, overrides: list[str] | None = None) -> Any:
     """A recipe file's YAML with ``--set`` overrides applied (run and train recipes alike)."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise DiffquantError(f"{path}: recipe file not found") from None
-    except yaml.YAMLError as err:
-        raise DiffquantError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    from diffquant.io.yamlfile import read_yaml_file
+
+    raw = read_yaml_file(path, "recipe")
     for item in overrides or []:
         raw = apply_override(raw, item)
     return raw
@@ -165,8 +168,11 @@ def apply_override(raw: Any, item: str) -> Any:
                 node = node[part]
         except (IndexError, KeyError, TypeError):
             raise DiffquantError(f"--set {item!r}: path {key!r} does not exist in the recipe") from None
+    from diffquant.io.yamlfile import parse_yaml
+
+    parsed = parse_yaml(value, f"--set {item!r}")
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = parsed
     except (IndexError, TypeError):
         raise DiffquantError(f"--set {item!r}: path {key!r} does not exist in the recipe") from None
     return raw
@@ -178,45 +184,59 @@ def run_recipe(
     *,
     progress: bool = False,
     log: Callable[[str], None] = print,
+    force: bool = False,
 ) -> Path:
-    """Run every stage the recipe names into a run folder; returns the folder."""
+    """Run every stage the recipe names into a run folder; returns the folder.
+
+    The folder belongs to this recipe (:func:`diffquant.io.runfolder.claim_run_folder`): the same recipe
+    may run into it again, another run's folder is refused unless ``force`` starts it clean.
+    """
     import torch
 
     from diffquant.data import fingerprint
     from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
 
     out = Path(out or recipe["output"]["dir"] or f"runs/{recipe['name']}")
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(recipe["seed"])
     present = recipe["_present"]
     clean = {k: v for k, v in recipe.items() if k != "_present"}
-    texts = _default_texts(recipe)
+    # Everything checkable is checked before the first write: models, tokenizers, window lengths, texts.
+    texts = _preflight(recipe)
     sources = {recipe["data"]["calib"]["source"] or texts["calib"]}
     if "profile" in present and recipe["profile"]["enabled"]:
         sources.add(recipe["profile"]["data"] or texts["profile"])
     for task in recipe["eval"]["tasks"]:
         if isinstance(task, dict) and task.get("type", "bpb") in ("bpb", "ppl"):
             sources.add(task.get("data") or texts["eval"])
-    write_json_atomic(
-        out / "manifest.json",
-        manifest(
-            "run",
-            recipe=clean,
-            seed=recipe["seed"],
-            checkpoints={
-                name: {"spec": spec, "sha256": checkpoint_sha256(spec)}
-                for name, spec in recipe["models"].items()
-            },
-            corpora={s: fingerprint(s) for s in sorted(sources)},
-        ),
+    record = manifest(
+        "run",
+        recipe=clean,
+        seed=recipe["seed"],
+        checkpoints={
+            name: {"spec": spec, "sha256": checkpoint_sha256(spec)} for name, spec in recipe["models"].items()
+        },
+        corpora={s: fingerprint(s) for s in sorted(sources)},
+        status="running",
     )
-    log(f"run {recipe['name']} -> {out}")
-    if "profile" in present and recipe["profile"]["enabled"]:
-        _stage_profile(recipe, out, progress, log)
-    if "quantize" in present and recipe["quantize"]["plans"]:
-        _stage_quantize(recipe, out, log)
-    if "eval" in present or "sweep" in present:
-        _stage_sweep(recipe, out, progress, log)
+    from diffquant.io.runfolder import claim_run_folder
+
+    # What decides the results; cosmetic keys (description, plots, output) may change between reruns.
+    identity = {k: v for k, v in clean.items() if k not in ("description", "plots", "output")}
+    with claim_run_folder(out, "run", identity, force=force):
+        torch.manual_seed(recipe["seed"])
+        write_json_atomic(out / "manifest.json", record)
+        try:
+            _run_stages(recipe, out, progress, log)
+        except BaseException as err:  # the run folder says it is incomplete, whatever stopped it
+            message = str(err).splitlines()[0] if str(err) else type(err).__name__
+            write_json_atomic(out / "manifest.json", {**record, "status": f"failed: {message}"})
+            raise
+        write_json_atomic(out / "manifest.json", {**record, "status": "complete"})
+        _finish(recipe, out, log)
+    return out
+
+
+def _finish(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
+    # Figures and the report are views of the finished artifacts (`diffquant plot` / `report` redo them).
     figures: list = []
     if recipe["plots"]["enabled"]:
         from diffquant.plots import render_run
@@ -228,7 +248,54 @@ def run_recipe(
     md, page = write_report(out, figures=figures)
     log(f"report: {md}, {page}")
     log(f"done: {out}")
-    return out
+
+
+def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
+    """Check every model (config, tokenizer fit, window lengths) and every text source before a run
+    writes anything; returns the default texts for the models' tokenizers."""
+    from diffquant.data.corpus import iter_documents
+    from diffquant.eval.tasks import default_text, parse_task
+    from diffquant.io import check_model_spec
+    from diffquant.io.options import parse_device
+
+    parse_device(recipe["device"])
+    present = recipe["_present"]
+    seq_lens = [("data.calib.seq_len", recipe["data"]["calib"]["seq_len"])]
+    if "profile" in present and recipe["profile"]["enabled"]:
+        seq_lens.append(("profile.seq_len", recipe["profile"]["seq_len"]))
+    tasks = (
+        [parse_task(t) for t in recipe["eval"]["tasks"]] if ("eval" in present or "sweep" in present) else []
+    )
+    seq_lens += [(f"task {t.label} seq_len", t.params.get("seq_len")) for t in tasks]
+    paths = model_tokenizer_paths(recipe)
+    tokenizers = [
+        check_model_spec(spec, name, paths.get(name), seq_lens)[1] for name, spec in recipe["models"].items()
+    ]
+    texts = {purpose: default_text(tokenizers, purpose) for purpose in ("calib", "profile", "eval")}
+    for source in {
+        recipe["data"]["calib"]["source"] or texts["calib"],
+        recipe["profile"]["data"] or texts["profile"],
+    }:
+        iter_documents(source)  # raises at once for a missing source
+    for t in tasks:
+        if t.type in ("bpb", "ppl") and t.params["data"]:
+            iter_documents(t.params["data"])
+        if t.type == "mc":
+            from diffquant.eval.multiple_choice import load_mc_jsonl
+
+            load_mc_jsonl(t.params["path"])
+    return texts
+
+
+def _run_stages(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
+    present = recipe["_present"]
+    log(f"run {recipe['name']} -> {out}")
+    if "profile" in present and recipe["profile"]["enabled"]:
+        _stage_profile(recipe, out, progress, log)
+    if "quantize" in present and recipe["quantize"]["plans"]:
+        _stage_quantize(recipe, out, log)
+    if "eval" in present or "sweep" in present:
+        _stage_sweep(recipe, out, progress, log)
 
 
 def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
@@ -239,19 +306,6 @@ def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
     if isinstance(tokenizer, str):
         return dict.fromkeys(recipe["models"], tokenizer)
     return dict(tokenizer)
-
-
-def _default_texts(recipe: dict[str, Any]) -> dict[str, str]:
-    """The texts stages read when the recipe names none, decided by the models' tokenizers."""
-    from diffquant.data.tokenizer import ByteTokenizer
-    from diffquant.eval.tasks import default_text
-    from diffquant.io import peek_tokenizer
-
-    paths = model_tokenizer_paths(recipe)
-    tokenizers = [
-        peek_tokenizer(spec, paths.get(name)) or ByteTokenizer() for name, spec in recipe["models"].items()
-    ]
-    return {purpose: default_text(tokenizers, purpose) for purpose in ("calib", "profile", "eval")}
 
 
 def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:

@@ -295,3 +295,60 @@ def test_diff_v1_lambda_init_schedule() -> None:
     for depth, published in enumerate(PUBLISHED_LAMBDA_INIT):
         assert lambda_init_schedule(depth) == pytest.approx(published, abs=1e-4)
         assert float(model.layers[depth].attn.lambda_init) == pytest.approx(published, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a whole float64 model against a float64 reference
+# ----------------------------------------------------------------------------------------------------
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in x's precision."""
+    y = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.detach()
+
+
+def reference_logits(model: DecoderLM, ids: torch.Tensor) -> torch.Tensor:
+    """Pre-norm decoder (Llama layout): x += attn(norm(x)); x += down(silu(gate(h)) * up(h)), h = norm(x);
+    logits = lm_head(norm(x)); silu(z) = z sigmoid(z). Attention from the per-kind references above."""
+    cfg = model.config
+    x = model.embed.weight.detach().double()[ids]
+    for depth, block in enumerate(model.layers):
+        h = reference_rms_norm(x, block.attn_norm.weight, cfg.norm_eps)
+        if cfg.attention == "diff_v1":
+            x = x + reference_diff_v1(block.attn, h, cfg, depth=depth)
+        else:
+            x = x + REFERENCES[cfg.attention](block.attn, h, cfg)
+        h = reference_rms_norm(x, block.mlp_norm.weight, cfg.norm_eps)
+        gate, up = h @ _w(block.mlp.gate).T, h @ _w(block.mlp.up).T
+        x = x + (gate * torch.sigmoid(gate) * up) @ _w(block.mlp.down).T
+    return reference_rms_norm(x, model.norm.weight, cfg.norm_eps) @ _w(model.lm_head).T
+
+
+@pytest.mark.parametrize("path", ["fused", "explicit", "explicit_chunked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_float64_model_matches_float64_reference(kind: str, path: str) -> None:
+    """A float64 model computes in float64 throughout: RMSNorm, the DIFF combination and lambda, the explicit
+    maps (float32 there would leave relative errors of ~1e-7 instead of ~1e-15)."""
+    cfg = make_config(kind, n_rep=2)
+    torch.manual_seed(5 + KINDS.index(kind))
+    model = DecoderLM(cfg).double().eval()
+    with torch.no_grad():  # unit-scale weights so attention is far from uniform and logits are O(1)
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, module.in_features**-0.5)
+            elif name.endswith("norm") and getattr(module, "weight", None) is not None:
+                module.weight.copy_(1.0 + 0.1 * torch.randn_like(module.weight))
+        model.embed.weight.normal_(0.0, 1.0)
+        for block in model.layers:
+            if kind == "diff_v1":
+                for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                    getattr(block.attn, name).normal_(0.0, 0.3)
+    model.set_attention_path(*PATHS[path] if path != "fused" else ("fused",))
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(ids)
+    assert got.dtype == torch.float64
+    expected = reference_logits(model, ids)
+    assert expected.abs().max() > 0.5
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from diffquant.quant.formats import (
     absmax_scale,
     block_scales,
     e8m0_round,
+    e8m0_round_up,
     get_block_format,
     get_format,
     int_format,
@@ -32,6 +34,7 @@ from diffquant.quant.formats import (
     quantize_blocks,
     quantize_int,
 )
+from diffquant.quant.schemes import Scheme, quantize_dynamic, round_scale
 
 SETTINGS = settings(max_examples=60, deadline=None)
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -323,6 +326,108 @@ def test_e8m0_round():
     # Agrees with the MX shared-exponent rule on random inputs: 2^floor(log2 x).
     y = log_uniform(10_000, -100, 100, seed=4).abs()
     assert torch.equal(e8m0_round(y), torch.exp2(torch.floor(torch.log2(y.double()))).float())
+
+
+def test_e8m0_round_floors_float64_in_its_own_precision():
+    # 8 (1 - 2^-40) is below 8; a cast to float32 first would round it to 8 and floor to 8 instead of 4.
+    x = torch.tensor([8 * (1 - 2.0**-40), 8.0], dtype=torch.float64)
+    assert e8m0_round(x).tolist() == [4.0, 8.0]
+
+
+# ------------------------------------------------------------------------------------------ stored scales
+def _ceil_pow2_exponent(x: float) -> int:
+    """Reference for the E8M0 round-up: the least integer k with 2^k >= x, in exact rationals."""
+    f = Fraction(x)
+    k = f.numerator.bit_length() - f.denominator.bit_length()
+    while Fraction(2) ** k < f:
+        k += 1
+    while Fraction(2) ** (k - 1) >= f:
+        k -= 1
+    return k
+
+
+def _e8m0_up_reference(x: float) -> float:
+    if math.isnan(x):
+        return math.nan
+    if x <= 0:
+        return 2.0**-127
+    if math.isinf(x):
+        return 2.0**127
+    return 2.0 ** min(127, max(-127, _ceil_pow2_exponent(x)))
+
+
+def _e8m0_probe_values() -> tuple[list[float], list[float]]:
+    """float32 and float64 inputs around every power of two, subnormals and both ends of the ranges."""
+    f32, f64 = [], []
+    for k in range(-149, 128):
+        f32.append(math.ldexp(1.0, k))
+        if k >= -126:  # 2^k (1 + 2^-23) and 2^k (1 - 2^-24): the float32 neighbours of a normal 2^k
+            f32.append(math.ldexp(1 + 2.0**-23, k))
+            if k > -126:
+                f32.append(math.ldexp(1 - 2.0**-24, k))
+        f64 += [math.ldexp(1 + 2.0**-52, k), math.ldexp(1 - 2.0**-53, k)]
+    f32 += [math.ldexp(3.0, -149), math.ldexp(1.0, -127) + math.ldexp(1.0, -149), math.ldexp(1.5, -130)]
+    f32 += [math.ldexp(2 - 2.0**-23, 127), math.ldexp(1 + 2.0**-23, 127), 0.0, -1.0, math.inf]
+    f64 += [math.ldexp(1.0, 200), math.ldexp(1.0, -300), 5e-324, math.ldexp(1 + 2.0**-52, 127)]
+    return f32, f64
+
+
+def test_round_scale_e8m0_rounds_up_exactly():
+    """A stored E8M0 scale is the least power of two >= amax / qmax: log2 in float32 rounds
+    log2(2^k (1 + 2^-23)) to k and used to give 2^k, a scale that clips the tensor's max."""
+    f32, f64 = _e8m0_probe_values()
+    for dtype, values in ((torch.float32, f32), (torch.float64, f64)):
+        x = torch.tensor(values, dtype=dtype)
+        assert x.tolist() == values  # every probe is exact in its dtype
+        got = round_scale(x, "e8m0")
+        assert got.dtype == torch.float32
+        assert got.tolist() == [_e8m0_up_reference(v) for v in values], dtype
+    assert e8m0_round_up(torch.tensor(math.nan)).isnan()
+
+
+def _e4m3_up_reference(x: float, grid: list[float]) -> float:
+    """Least finite positive E4M3 value >= x (from torch's own float8_e4m3fn decoding), 448 above it."""
+    if math.isnan(x):
+        return math.nan
+    return next((v for v in grid if v >= x), grid[-1])
+
+
+def test_round_scale_fp8_e4m3_rounds_up_and_saturates():
+    """Stored E4M3 scales: the least E4M3 value >= scale; above 448 (the largest finite value) they saturate
+    to 448, never to the NaN code 0x7F; below the smallest subnormal 2^-9 they are 2^-9, never 0."""
+    grid = sorted(v for v in fp8_values(torch.float8_e4m3fn).tolist() if v > 0)
+    assert grid[0] == 2.0**-9 and grid[-1] == 448.0
+    probes = [
+        *grid,
+        449.0,
+        464.0,
+        480.0,
+        500.0,
+        1e30,
+        3.4e38,
+        math.inf,
+        2.0**-10,
+        2.0**-10 * 1.5,
+        1e-30,
+        1e-45,
+    ]
+    for v in grid:  # both float32 neighbours of every value
+        probes += [math.nextafter(v, 0.0), math.nextafter(v, math.inf)]
+    probes = torch.tensor(probes, dtype=torch.float32).tolist()
+    probes += log_uniform(5000, -14.0, 10.0, seed=9).abs().tolist()
+    x = torch.tensor(probes, dtype=torch.float32)
+    got = round_scale(x, "fp8_e4m3")
+    assert torch.isfinite(got).all() and (got > 0).all()
+    assert got.tolist() == [_e4m3_up_reference(v, grid) for v in x.tolist()]
+    # the stored value is itself an E4M3 value: torch's round-to-nearest cast keeps it
+    assert torch.equal(got.to(torch.float8_e4m3fn).float(), got)
+    # end to end: huge and tiny tensors stay finite (the former clip at 448 * 127, as documented)
+    scheme = Scheme(format="int8", scale_format="fp8_e4m3")
+    big = torch.tensor([[1e5, -3e4, 10.0]])
+    y = quantize_dynamic(big, scheme, ("batch", "channel"))
+    assert torch.equal(y, torch.tensor([[448.0 * 127, -3e4 // 448 * 448, 0.0]]))
+    tiny = torch.tensor([[1e-30, -1e-31, 0.0]])
+    assert torch.equal(quantize_dynamic(tiny, scheme, ("batch", "channel")), torch.zeros(1, 3))
 
 
 def test_block_format_table():

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from conftest import tiny_model
 
 from diffquant import DiffquantError
@@ -12,7 +13,7 @@ from diffquant.cli import main
 from diffquant.io import load_model, save_checkpoint, save_quantized
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.plan import PRESETS, QuantPlan, apply_plan, calibrate, nan_counts, preset
-from diffquant.quant.report import ErrorStats, compare_models
+from diffquant.quant.report import ErrorStats, compare_models, format_report
 from diffquant.quant.schemes import Scheme
 
 
@@ -82,6 +83,54 @@ def test_bad_scheme_one_line(value, message):
     with pytest.raises(DiffquantError) as err:
         Scheme.parse(value)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# Plan values whose Python truthiness or coercion would mean something else than written: each must be
+# refused with one line naming the field and the value (YAML 'no' unquoted is already a boolean; quoted,
+# it is a string that Python reads as true).
+BAD_TYPED_PLANS = [
+    ({"scheme": {"format": "int8", "symmetric": "false"}}, "symmetric: expected a boolean (YAML true or false), got 'false'"),
+    ({"scheme": {"format": "int8", "granularity": "tokens(8)", "smooth": "no"}}, "smooth: expected a boolean (YAML true or false), got 'no'"),
+    ({"scheme": {"format": "int8", "symmetric": 0}}, "symmetric: expected a boolean (YAML true or false), got 0 (an integer)"),
+    ({"scheme": {"format": "int8", "smooth": 1.0}}, "smooth: expected a boolean (YAML true or false), got 1.0 (a number)"),
+    ({"scheme": {"format": "int8", "symmetric": None}}, "symmetric: expected a boolean (YAML true or false), got None (null)"),
+    ({"scheme": {"format": "int8", "scale": True}}, "scale: expected a number, got True (a boolean)"),
+    ({"scheme": {"format": "int8", "scale": "0.01"}}, "scale: expected a number, got '0.01' (a string)"),
+    ({"scheme": {"format": "int8", "calibration": "percentile", "percentile": "99"}}, "percentile: expected a number, got '99'"),
+    ({"scheme": {"format": "int8", "granularity": 8}}, "granularity: expected a string, got 8 (an integer)"),
+    ({"scheme": {"format": True}}, "format: expected a string, got True (a boolean)"),
+    ({"backend": {"name": "bnb", "mode": "nf4", "blocksize": 64.0}}, "backend.blocksize: expected an integer, got 64.0 (a number)"),
+    ({"backend": {"name": "bnb", "mode": "nf4", "blocksize": "64"}}, "backend.blocksize: expected an integer, got '64' (a string)"),
+    ({"backend": {"name": "bnb", "mode": "nf4", "blocksize": True}}, "backend.blocksize: expected an integer, got True (a boolean)"),
+    ({"backend": {"name": "bnb", "mode": "nf4", "blocksize": 48}}, "backend.blocksize: 48; valid: 32, 64"),
+    ({"backend": {"name": "bnb", "threshold": "6"}}, "backend.threshold: expected a finite number >= 0, got '6' (a string)"),
+    ({"backend": {"name": "bnb", "threshold": False}}, "backend.threshold: expected a finite number >= 0, got False (a boolean)"),
+    ({"rules": [{"sites": "kind:logits", "exclude": True, "scheme": "int8"}]}, "rules[0].exclude: expected a pattern or a list of patterns, got True"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("doc", "message"), BAD_TYPED_PLANS)
+def test_plan_fields_must_have_their_type(tmp_path, doc, message):
+    if "scheme" in doc:
+        doc = {"rules": [{"sites": "kind:logits", **doc}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({"name": "typed", **doc}))
+    with pytest.raises(DiffquantError) as err:
+        QuantPlan.load(path)
+    text = str(err.value)
+    assert message in text and "\n" not in text and text.startswith(str(path)), text
+
+
+def test_plan_booleans_and_integers_that_are_right_still_load(tmp_path):
+    path = tmp_path / "plan.yaml"
+    # YAML 1.1 spellings of booleans (PyYAML: no / off / false) are real booleans
+    path.write_text(
+        "rules:\n  - sites: kind:k\n    scheme: {format: int8, granularity: tokens(8), smooth: no, symmetric: off}\n"
+    )
+    rule = QuantPlan.load(path).rules[0]
+    assert rule.scheme.smooth is False and rule.scheme.symmetric is False and rule.scheme.asymmetric
+    plan = QuantPlan.from_dict({"backend": {"name": "bnb", "mode": "nf4", "blocksize": 32, "threshold": 5}})
+    assert plan.backend.blocksize == 32 and plan.backend.threshold == 5.0
 
 
 def test_nan_propagates_and_is_counted():
@@ -161,6 +210,73 @@ def test_plan_pattern_matching_nothing():
         apply_plan(tiny_model("baseline"), plan)
 
 
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        (
+            {"rules": [{"sites": "kind:logits", "exclude": "*", "scheme": "int8"}]},
+            "plan x: rules[0]: site patterns ['kind:logits'] select 2 site(s), all removed by exclude ['*']",
+        ),
+        (
+            {
+                "rules": [
+                    {
+                        "weights": "layers.0.*",
+                        "exclude": ["layers.0.attn.*", "layers.0.mlp.*"],
+                        "scheme": "int8",
+                    }
+                ]
+            },
+            "plan x: rules[0]: patterns ['layers.0.*'] select 7 Linear(s), all removed by exclude",
+        ),
+        (
+            {"backend": {"name": "quanto", "modules": "layers.1.mlp.*", "exclude": "*"}},
+            "plan x: backend quanto: patterns ['layers.1.mlp.*'] select 3 Linear(s), all removed by exclude ['*']",
+        ),
+        (  # one rule that selects something does not excuse another that selects nothing
+            {
+                "rules": [
+                    {"sites": "kind:q", "scheme": "int8"},
+                    {"sites": "layers.0.*", "exclude": "layers.0.*", "scheme": "int4"},
+                ]
+            },
+            "plan x: rules[1]: site patterns ['layers.0.*'] select",
+        ),
+        (
+            {"rules": [{"sites": "kind:diff_map", "scheme": "int8"}]},
+            "plan x: rules[0]: site pattern 'kind:diff_map' matches no site; this model's site kinds",
+        ),
+    ],
+)
+def test_plan_rule_selecting_nothing_is_an_error(doc, message):
+    model = tiny_model("baseline")
+    plan = QuantPlan.from_dict({"name": "x", **doc})
+    with pytest.raises(DiffquantError) as err:
+        apply_plan(model, plan)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert "quantize nothing" in str(err.value) or "matches no site" in str(err.value)
+    # refused before anything was inserted: the model is still unquantized and takes another plan
+    assert getattr(model, "quant_plan", None) is None and not nan_counts(model)
+    assert all(tap.quantizer is None for tap in model.taps().values())
+    assert apply_plan(model, preset("w8a8"))
+
+
+def test_cli_quantize_refuses_a_plan_that_quantizes_nothing(tmp_path, capsys):
+    base = tmp_path / "base"
+    save_checkpoint(tiny_model("diff_v1", vocab_size=259, max_seq_len=64), base)
+    data = tmp_path / "d.txt"
+    data.write_text("x = 1\n" * 100)
+    plan = tmp_path / "none.yaml"
+    plan.write_text(
+        "name: none\nrules:\n  - sites: kind:linear_in\n    exclude: [layers.*, lm_head.*]\n    scheme: int8\n"
+    )
+    args = ["quantize", str(base), "--plan", str(plan), "--calib-data", str(data), "--seq-len", "32"]
+    assert main([*args, "--calib-tokens", "64", "--eval-tokens", "32", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "rules[0]: site patterns ['kind:linear_in'] select" in err and "all removed by exclude" in err
+    assert err.count("\n") == 1 and not (tmp_path / "q").exists()
+
+
 def test_per_tensor_logit_quantization_ignores_chunking():
     model = tiny_model("diff_v2")
     apply_plan(model, preset("attn-logits-int4"))
@@ -200,6 +316,20 @@ def test_static_absmax_calibration_and_percentile_mse_clip():
     assert 0 < scales["mse"] <= scales["absmax"] * 1.000001
 
 
+@pytest.mark.parametrize("scale_format", ["fp32", "e8m0", "fp8_e4m3"])
+def test_static_scale_is_never_zero(scale_format):
+    """amax / qmax can underflow to 0 in float32 (amax = 1e-45); a zero scale made x / scale inf and the
+    output NaN. Such a scale is 1 (fp32) or the scale format's smallest positive value."""
+    fq = FakeQuant(Scheme(format="int8", calibration="absmax", scale_format=scale_format), "s", "resid")
+    x = torch.full((1, 4, 8), 1e-45)
+    fq.start_calibration()
+    fq(x)
+    fq.finish_calibration()
+    assert float(fq.scale) > 0
+    y = fq(x)
+    assert torch.isfinite(y).all() and (y - x).abs().max() <= 1e-45
+
+
 def test_static_before_calibration_is_an_error():
     model = tiny_model("baseline")
     apply_plan(
@@ -234,6 +364,64 @@ def test_compare_models_sees_only_what_changed():
     assert report["layers.0.attn.q"]["rmse"] == 0.0  # upstream of the first quantizer: identical
     assert report["layers.0.attn.logits1"]["rmse"] > 0
     assert 0.99 < report["logits"]["cosine"] < 1.0
+
+
+def test_error_stats_non_finite_is_never_exact():
+    s = ErrorStats()
+    nan = torch.tensor([math.nan, 1.0, math.inf])
+    s.update(nan, nan.clone())  # the same NaN / inf in both models: still nothing to call exact
+    out = s.summary()
+    row = format_report({"logits": out}).splitlines()[1]
+    assert "exact" not in row and "non-finite: 2 of 3 values" in row, row
+    assert out["n"] == 1 and out["nonfinite"] == 2 and out["exact"] is False and out["rmse"] == 0.0
+    json.dumps(out, allow_nan=False)
+    masked = ErrorStats()  # invalid positions (e.g. above the causal diagonal) are not counted
+    masked.update(nan, nan.clone(), valid=torch.tensor([False, True, False]))
+    assert masked.summary()["nonfinite"] == 0 and masked.summary()["exact"] is True
+    assert "exact" in format_report({"logits": masked.summary()})
+    zero = ErrorStats()  # a zero reference with an error has SQNR -inf, not "exact"
+    zero.update(torch.zeros(3), torch.tensor([0.0, 0.5, 0.0]))
+    assert "-inf" in format_report({"logits": zero.summary()}) and zero.summary()["exact"] is False
+
+
+def test_nan_weight_report_says_non_finite_not_exact():
+    ref, quant = tiny_model("diff_v2"), tiny_model("diff_v2")
+    for model in (ref, quant):  # the checkpoint itself holds one NaN weight
+        model.layers[1].mlp.down.weight.data[3, 5] = math.nan
+    apply_plan(quant, preset("w8a8"))
+    report = compare_models(ref, quant, _windows(2, 16))
+    text = format_report(report)
+    row = next(line for line in text.splitlines() if line.startswith("(model output logits)"))
+    assert "exact" not in row and f"non-finite: {2 * 16 * 61} of {2 * 16 * 61} values" in row, text
+    assert "layers.1.resid" in text and "exact" not in text  # the broken sites are listed, worst first
+    logits = report["logits"]
+    assert logits["n"] == 0 and logits["nonfinite"] == 2 * 16 * 61
+    assert logits["exact"] is False and logits["sqnr_db"] is None
+    json.loads(json.dumps(report, allow_nan=False))  # valid JSON: null, never NaN
+
+
+def test_cli_quantize_nan_checkpoint_reports_non_finite(tmp_path, capsys):
+    model = tiny_model("baseline", vocab_size=259, max_seq_len=64)
+    model.layers[0].attn.v_proj.weight.data[2, 7] = math.nan
+    save_checkpoint(model, tmp_path / "base")
+    data = tmp_path / "d.txt"
+    data.write_text("for i in range(10):\n    print(i * i)\n" * 40)
+    args = [
+        "quantize",
+        str(tmp_path / "base"),
+        "--plan",
+        "w8a8",
+        "--calib-data",
+        str(data),
+        "--seq-len",
+        "32",
+    ]
+    assert main([*args, "--calib-tokens", "64", "--eval-tokens", "64", "--out", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("(model output logits)"))
+    assert "exact" not in row and "non-finite:" in row, out
+    report = json.loads((tmp_path / "q" / "quant_report.json").read_text())["report"]
+    assert report["logits"]["nonfinite"] > 0 and report["logits"]["exact"] is False
 
 
 # --------------------------------------------------------------------------- checkpoints and CLI

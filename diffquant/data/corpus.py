@@ -16,6 +16,7 @@ tool all read wiki.test.raw as one stream).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import sysconfig
@@ -119,12 +120,31 @@ def _entries(source: str) -> list[tuple[str, Path]]:
     raise DiffquantError(f"data source {source!r}: no such file or folder; {_EXPECTED}")
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
 def _read(source: str, name: str, path: Path) -> str:
+    """A file's text. Text is UTF-8: a byte that does not decode (a Latin-1 file, say) becomes U+FFFD,
+    which is 3 bytes in UTF-8, so such a file reads as more bytes than it has; a warning says how many."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise DiffquantError(f"data source {source!r}: cannot read {name!r}: {exc.strerror or exc}") from None
-    return data.decode("utf-8", errors="replace")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+        if (source, name) in _WARNED:  # once per file and process, however often it is read
+            return text
+        _WARNED.add((source, name))
+        logging.getLogger(__name__).warning(
+            "data source %r: %s is not UTF-8: %d undecodable byte sequence(s) read as U+FFFD (3 bytes each)",
+            source,
+            name,
+            bad,
+        )
+        return text
 
 
 def _is_jsonl(path: Path) -> bool:

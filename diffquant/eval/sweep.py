@@ -5,6 +5,22 @@ folder, so a killed sweep restarts where it stopped and never recomputes a finis
 (``results.csv`` / ``results.json``) are rebuilt from the cells in a fixed order and hold no timing, so an
 interrupted-and-resumed sweep writes the same results file as an uninterrupted one; timings go to
 ``timing.csv``. Under ``torchrun`` cell i runs on rank i % world and rank 0 writes the results.
+
+Resuming is by content, not by name: each cell record carries an ``ident``, the sha256 of what decides its
+numbers: the model's files (:func:`diffquant.io.artifacts.model_content_sha256`; ``init:`` models by their
+specifier), the resolved plan, the task's parameters and the sweep's settings (calibration, batch size,
+device, dtype, tokenizer override, hashed by content when it is a file). A checkpoint replaced at the same
+path or a plan file edited in place therefore recomputes exactly the cells it touches (said in the log),
+while a plain resume recomputes nothing. The folder is claimed
+(:func:`diffquant.io.runfolder.claim_run_folder`) for the sweep's *specifiers* (model specs, plan names,
+tasks, settings): another sweep in the same folder, or any other run, is refused; a concurrent run into the
+folder is refused while this one holds it.
+
+A record only counts once its line is complete (ends in a newline). A last line cut short (a SIGKILL or a
+full disk during the write) is dropped, said in the log with its file and line, truncated away before the
+next append, and its cell recomputed. Any other line that is not a cell record means the file was damaged
+(not an interrupted append, which can only tear the last line): that is a one-line error naming the file
+and line, rather than a guess at which cells are safe to keep.
 """
 
 from __future__ import annotations
@@ -13,6 +29,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -26,7 +43,14 @@ from tqdm import tqdm
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.eval.tasks import TaskSpec, default_text, parse_task, run_task
-from diffquant.io.artifacts import write_json_atomic, write_text_atomic
+from diffquant.io.artifacts import (
+    model_content_sha256,
+    read_json,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
+from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
 
 NONE_PLAN = "none"
@@ -92,25 +116,134 @@ class SweepSpec:
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
+    def identity(self) -> dict[str, Any]:
+        """The sweep by its specifiers (plans by name, not content): what its run folder is claimed for.
+        Content behind a specifier (weights, a plan file) is keyed per cell instead (:func:`cell_idents`),
+        so changing it recomputes the cells it touches rather than making the folder another sweep's."""
+        return {**self.to_dict(), "plans": list(self.plans)}
 
-def read_cells(out: Path) -> dict[str, dict[str, Any]]:
-    """Finished cells in a run folder (a torn last line from a killed writer is ignored)."""
-    done: dict[str, dict[str, Any]] = {}
+
+def read_cells(out: Path, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Cell records in a run folder by cell key (the last one of a key wins; :func:`run_sweep` picks by
+    content instead). An incomplete last line (an interrupted append) is skipped and said through ``log``;
+    any other line that is not a cell record is a one-line DiffquantError naming file and line."""
+    return {record["key"]: record for record in _read_records(Path(out), log)}
+
+
+def _read_records(out: Path, log: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    records = []
     for path in sorted(out.glob("cells-rank*.jsonl")):
-        for line in path.read_text().splitlines():
+        try:
+            lines = path.read_bytes().split(b"\n")
+        except OSError as err:
+            raise DiffquantError(f"{path}: cannot read cell records ({err.strerror or err})") from None
+        tail = lines.pop()  # b"" when the file ends with a newline, else a record cut short
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done[record["key"]] = record
-    return done
+                problem = None if _is_record(record) else "not a cell record"
+            except ValueError as err:
+                problem = f"invalid JSON: {getattr(err, 'msg', None) or type(err).__name__}"
+            if problem is not None:
+                raise DiffquantError(
+                    f"{path}:{lineno}: damaged cell record ({problem}); an interrupted write only cuts the "
+                    "last line, so the file was changed or damaged: delete that line (its cell is "
+                    "recomputed) or rerun with --force to start clean"
+                )
+            records.append(record)
+        if tail.strip() and log is not None:
+            log(
+                f"sweep: {path}:{len(lines) + 1}: incomplete last line (an interrupted write, "
+                f"{len(tail)} bytes); dropping it, its cell will be recomputed"
+            )
+    return records
+
+
+def _is_record(record: Any) -> bool:
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("key"), str)
+        and isinstance(record.get("metrics"), dict)
+        and "attention" in record
+    )
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Truncate ``path`` after its last newline, so the next record starts on its own line."""
+    if not path.is_file():
+        return
+    with open(path, "r+b") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record, allow_nan=False) + "\n")
+    with open(path, "ab") as f:
+        f.write((json.dumps(record, allow_nan=False) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
+
+
+def cell_idents(spec: SweepSpec, plans: dict[str, Any]) -> dict[str, tuple[str, dict[str, str]]]:
+    """Cell key -> (ident, {"model", "plan", "task", "settings": sha256}) for every cell: the content key
+    a finished record must carry to count as done. Each model's files are hashed once."""
+    settings = _hash(
+        {
+            "calib": {"data": spec.calib_data, "tokens": spec.calib_tokens, "seq_len": spec.calib_seq_len},
+            "batch_size": spec.batch_size,
+            "device": spec.device,
+            "dtype": spec.dtype,
+        }
+    )
+    by_spec: dict[str, str] = {}
+    models = {}
+    for name, model_spec in spec.models.items():
+        if model_spec not in by_spec:
+            by_spec[model_spec] = model_content_sha256(model_spec)
+        models[name] = _hash(
+            {"weights": by_spec[model_spec], "tokenizer": _tokenizer_key(spec.tokenizers.get(name))}
+        )
+    plan_keys = {name: _hash(None if plan is None else plan.to_dict()) for name, plan in plans.items()}
+    task_keys = {t.label: _hash(t.to_dict()) for t in spec.tasks}
+    out = {}
+    for cell in spec.cells():
+        inputs = {
+            "model": models[cell.model],
+            "plan": plan_keys[cell.plan],
+            "task": task_keys[cell.task],
+            "settings": settings,
+        }
+        out[cell.key] = (_hash(inputs), inputs)
+    return out
+
+
+def _tokenizer_key(override: str | None) -> Any:
+    """A tokenizer override by content where it is a file (or a folder's tokenizer files)."""
+    if override is None:
+        return None
+    path = Path(override)
+    if path.is_file():
+        return {"file": sha256_file(path)}
+    if path.is_dir():
+        return {p.name: sha256_file(p) for p in sorted(path.glob("tokenizer*.json")) if p.is_file()}
+    return override
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def load_plans(spec: SweepSpec) -> dict[str, Any]:
+    """Each plan of the sweep, read once (None for the unquantized cell)."""
+    from diffquant.quant.plan import QuantPlan
+
+    return {p: None if p == NONE_PLAN else QuantPlan.load(p) for p in spec.plans}
 
 
 class _Runner:
@@ -119,8 +252,9 @@ class _Runner:
     Models with different tokenizers read the same text, each cut into windows of its own tokens.
     """
 
-    def __init__(self, spec: SweepSpec, tokenizers: dict[str, Any]) -> None:
+    def __init__(self, spec: SweepSpec, tokenizers: dict[str, Any], plans: dict[str, Any]) -> None:
         self.spec = spec
+        self.plans = plans
         self.tokenizers = tokenizers
         self._calib: dict[str, torch.Tensor] = {}
         self.calib_data = spec.calib_data or default_text(tokenizers.values(), "calib")
@@ -137,11 +271,13 @@ class _Runner:
         return self._calib[key]
 
     def model(self, cell: Cell):
-        from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
+        import copy
+
+        from diffquant.quant.plan import apply_plan, calibrate
 
         model = load_for_sweep(self.spec, cell.model)
         if cell.plan != NONE_PLAN:
-            plan = QuantPlan.load(cell.plan)
+            plan = copy.deepcopy(self.plans[cell.plan])  # the plan the cell's ident was computed from
             apply_plan(model, plan)
             if plan.uses_static:
                 calibrate(model, self.calibration_windows(model.tokenizer), batch_size=self.spec.batch_size)
@@ -172,61 +308,144 @@ def sweep_tokenizers(spec: SweepSpec) -> dict[str, Any]:
 
 
 def run_sweep(
-    spec: SweepSpec, out: str | Path, *, progress: bool = False, log: Callable[[str], None] | None = None
+    spec: SweepSpec,
+    out: str | Path,
+    *,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+    force: bool = False,
 ) -> dict[str, Any] | None:
-    """Run (or resume) a sweep into ``out``; the results on rank 0, None on other ranks."""
+    """Run (or resume) a sweep into ``out``; the results on rank 0, None on other ranks.
+
+    The folder is claimed for this sweep (:func:`diffquant.io.runfolder.claim_run_folder`, command
+    ``"sweep"``): another run's folder is refused, ``force`` starts it clean, a concurrent run into it is
+    refused. Cells whose records match their content key are kept; all others run.
+    """
     out = Path(out)
     rank, world = rank_and_world()
-    fingerprint = spec.fingerprint()
-    marker = out / "sweep.json"
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if marker.exists():
-            previous = json.loads(marker.read_text()).get("fingerprint")
-            if previous != fingerprint:
-                raise DiffquantError(
-                    f"{out}: holds a different sweep (spec changed); use another output folder or remove it"
+    say = log if log is not None and rank == 0 else None
+    with claim_run_folder(out, "sweep", spec.identity(), force=force):
+        plans = load_plans(spec)
+        if rank == 0:
+            _check_marker(out / "sweep.json")
+            write_json_atomic(out / "sweep.json", {"fingerprint": spec.fingerprint(), "spec": spec.to_dict()})
+        _barrier(world)
+        idents = cell_idents(spec, plans)
+        records = _read_records(out, say)
+        done = _current(records, idents)
+        cells = spec.cells()
+        if say is not None:
+            say(f"sweep: {len(cells)} cells, {len(done)} already done, {len(cells) - len(done)} to run")
+            stale = _stale(records, idents, done)
+            if stale:
+                say(f"sweep: {stale}")
+        _drop_torn_tail(out / f"cells-rank{rank}.jsonl")  # so the next record starts on its own line
+        if rank == 0:  # and the files of ranks an earlier, wider run had
+            for extra in out.glob("cells-rank*.jsonl"):
+                index = extra.stem.removeprefix("cells-rank")
+                if index.isdigit() and int(index) >= world:
+                    _drop_torn_tail(extra)
+        mine = [c for i, c in enumerate(cells) if i % world == rank and c.key not in done]
+        runner = _Runner(spec, sweep_tokenizers(spec), plans)
+        if say is not None:
+            for name, tok in runner.tokenizers.items():
+                say(f"sweep: {name} reads tokenizer {tok.describe()}")
+            if any(t.type in ("bpb", "ppl") and not t.params.get("data") for t in spec.tasks):
+                say(
+                    f"sweep: text tasks without 'data' read {runner.eval_data} (the default for these tokenizers)"
                 )
-        else:
-            write_json_atomic(marker, {"fingerprint": fingerprint, "spec": spec.to_dict()})
-    _barrier(world)
-    done = read_cells(out)
-    cells = spec.cells()
-    mine = [c for i, c in enumerate(cells) if i % world == rank and c.key not in done]
-    if log is not None and rank == 0:
-        log(f"sweep: {len(cells)} cells, {len(done)} already done, {len(cells) - len(done)} to run")
-    runner = _Runner(spec, sweep_tokenizers(spec))
-    if log is not None and rank == 0:
-        for name, tok in runner.tokenizers.items():
-            log(f"sweep: {name} reads tokenizer {tok.describe()}")
-        if any(t.type in ("bpb", "ppl") and not t.params.get("data") for t in spec.tasks):
-            log(
-                f"sweep: text tasks without 'data' read {runner.eval_data} (the default for these tokenizers)"
+        tasks = {t.label: t for t in spec.tasks}
+        path = out / f"cells-rank{rank}.jsonl"
+        for cell in tqdm(mine, desc="sweep", unit="cell", disable=not progress or rank != 0):
+            start = time.perf_counter()
+            with torch.no_grad():
+                model = runner.model(cell)
+                metrics = run_task(
+                    model, tasks[cell.task], batch_size=spec.batch_size, default_data=runner.eval_data
+                )
+            ident, inputs = idents[cell.key]
+            record = {
+                "key": cell.key,
+                "ident": ident,
+                "inputs": inputs,
+                "model": cell.model,
+                "attention": model.config.attention,
+                "plan": cell.plan,
+                "task": cell.task,
+                "metrics": _clean(metrics),
+                "attention_paths": path_summary(model),
+                "seconds": time.perf_counter() - start,
+            }
+            _append(path, record)
+            broken = _non_finite(record["metrics"])
+            if broken and log is not None:
+                log(
+                    f"sweep: NON-FINITE result in {cell.key}: {', '.join(broken)} (the model's output is not finite)"
+                )
+        _barrier(world)
+        if rank != 0:
+            return None
+        done = _current(_read_records(out, say), idents)
+        results = write_results(spec, out, done)
+        missing = [c.key for c in cells if c.key not in done]
+        if missing:  # never report a missing cell as done
+            raise DiffquantError(
+                f"{out}: {len(missing)} of {len(cells)} cells have no result after the sweep "
+                f"(first: {missing[0]}); run the sweep again to compute them"
             )
-    tasks = {t.label: t for t in spec.tasks}
-    path = out / f"cells-rank{rank}.jsonl"
-    for cell in tqdm(mine, desc="sweep", unit="cell", disable=not progress or rank != 0):
-        start = time.perf_counter()
-        with torch.no_grad():
-            model = runner.model(cell)
-            metrics = run_task(
-                model, tasks[cell.task], batch_size=spec.batch_size, default_data=runner.eval_data
-            )
-        record = {
-            "key": cell.key,
-            "model": cell.model,
-            "attention": model.config.attention,
-            "plan": cell.plan,
-            "task": cell.task,
-            "metrics": _clean(metrics),
-            "attention_paths": path_summary(model),
-            "seconds": time.perf_counter() - start,
-        }
-        _append(path, record)
-    _barrier(world)
-    if rank != 0:
+        return results
+
+
+def _check_marker(path: Path) -> None:
+    """A sweep.json already in the folder must be readable: a damaged one is a one-line error."""
+    if not path.exists():
+        return
+    try:
+        data = read_json(path, "sweep description")
+    except DiffquantError as err:
+        raise DiffquantError(f"{err} (use another --out, or --force to start clean)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), str):
+        raise DiffquantError(
+            f"{path}: expected a sweep description (a JSON object with 'fingerprint'), got "
+            f"{type(data).__name__}{'' if not isinstance(data, dict) else ' without it'} "
+            "(use another --out, or --force to start clean)"
+        )
+
+
+def _current(
+    records: list[dict[str, Any]], idents: dict[str, tuple[str, dict[str, str]]]
+) -> dict[str, dict[str, Any]]:
+    """Cell key -> the record computed from the cell's current content (stale records are ignored)."""
+    done = {}
+    for record in records:
+        key = record["key"]
+        if key in idents and record.get("ident") == idents[key][0]:
+            done[key] = record
+    return done
+
+
+def _stale(
+    records: list[dict[str, Any]],
+    idents: dict[str, tuple[str, dict[str, str]]],
+    done: dict[str, dict[str, Any]],
+) -> str | None:
+    """A line naming what changed for cells whose records were all computed from other content."""
+    changed: dict[str, None] = {}
+    stale = set()
+    for record in records:
+        key = record["key"]
+        if key not in idents or key in done:
+            continue
+        stale.add(key)
+        old = record.get("inputs") if isinstance(record.get("inputs"), dict) else {}
+        for part, now in idents[key][1].items():
+            if old.get(part) != now:
+                label = record.get(part) if part in ("model", "plan", "task") else None
+                changed[f"{part} {label} changed" if label else f"{part} changed"] = None
+    if not stale:
         return None
-    return write_results(spec, out, read_cells(out))
+    n = len(stale)
+    return f"{n} finished cell{'s' if n > 1 else ''} out of date, recomputed ({'; '.join(changed)})"
 
 
 def _barrier(world: int) -> None:
@@ -236,17 +455,25 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+NON_FINITE = ("nan", "inf", "-inf")
+
+
 def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
-    """JSON-safe metrics: numbers as float / int, non-finite numbers as None."""
+    """JSON-safe metrics: numbers as float / int; a non-finite number as the string "nan" / "inf" /
+    "-inf" (JSON has no NaN, and a null would read as "not measured" when the model's output was broken)."""
     out = {}
     for key, value in metrics.items():
         if isinstance(value, bool) or value is None:
             out[key] = value
         elif isinstance(value, (int, float)):
-            out[key] = value if value == value and abs(value) != float("inf") else None
+            out[key] = value if math.isfinite(value) else ("nan" if value != value else str(float(value)))
         elif isinstance(value, (str, list, dict)):
             out[key] = value
     return out
+
+
+def _non_finite(metrics: dict[str, Any]) -> list[str]:
+    return [f"{k} = {v}" for k, v in metrics.items() if isinstance(v, str) and v in NON_FINITE]
 
 
 def result_rows(spec: SweepSpec, records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -257,10 +484,12 @@ def result_rows(spec: SweepSpec, records: dict[str, dict[str, Any]]) -> list[dic
             continue
         base = records.get(Cell(cell.model, NONE_PLAN, cell.task).key, {}).get("metrics", {})
         for metric, value in record["metrics"].items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number and value not in NON_FINITE:
                 continue
             ref = base.get(metric)
-            delta = value - ref if isinstance(ref, (int, float)) and not isinstance(ref, bool) else None
+            ref_number = isinstance(ref, (int, float)) and not isinstance(ref, bool)
+            delta = value - ref if number and ref_number else None
             rows.append(
                 {
                     "model": cell.model,
@@ -323,7 +552,10 @@ def format_results(spec: SweepSpec, results: dict[str, Any]) -> str:
                 if row is None:
                     cells.append(f"{'-':>{width}}")
                 elif plan == NONE_PLAN or row["delta"] is None:
-                    cells.append(f"{row['value']:>{width}.4f}")
+                    value = row["value"]
+                    cells.append(
+                        f"{value:>{width}.4f}" if not isinstance(value, str) else f"{value:>{width}}"
+                    )
                 else:
                     cells.append(f"{row['value']:.4f} ({row['delta']:+.4f})".rjust(width))
             lines.append(f"{plan:<24}" + "".join(cells))

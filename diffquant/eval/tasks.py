@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from diffquant.errors import DiffquantError
+from diffquant.io.yamlfile import parse_yaml
 
 # type -> {parameter: default}; a default of REQUIRED must be given.
 REQUIRED = object()
@@ -39,6 +38,69 @@ TASK_PARAMS: dict[str, dict[str, Any]] = {
         "attention": True,
     },
     "mc": {"path": REQUIRED, "limit": None},
+}
+_INT_LIMIT = 2**63
+
+
+def _int(low: int, high: int = _INT_LIMIT - 1, optional: bool = False):
+    def check(v: Any) -> str | None:
+        if v is None and optional:
+            return None
+        if isinstance(v, int) and not isinstance(v, bool) and low <= v <= high:
+            return None
+        top = "2**63 - 1" if high == _INT_LIMIT - 1 else str(high)
+        return f"an integer in [{low}, {top}]" + (" or null" if optional else "")
+
+    return check
+
+
+def _text(optional: bool):
+    return lambda v: (
+        None
+        if isinstance(v, str) and v or (optional and v is None)
+        else "a string" + (" or null" if optional else "")
+    )
+
+
+def _choice(*values: Any):
+    return lambda v: None if v in values else "one of " + ", ".join(repr(x) for x in values)
+
+
+def _depths(v: Any) -> str | None:
+    ok = (
+        isinstance(v, list)
+        and v
+        and all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 100 for d in v)
+    )
+    return None if ok else "a non-empty list of percentages in [0, 100]"
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "true or false"
+
+
+# type -> {parameter: check}: what each parameter must be (a message of what was expected, or None).
+_TEXT_CHECKS = {
+    "data": _text(True),
+    "tokens": _int(2),
+    "seq_len": _int(2, optional=True),
+    "stride": _int(1, optional=True),
+    "windows": _choice(None, "disjoint", "chained"),
+}
+TASK_CHECKS: dict[str, dict[str, Any]] = {
+    "bpb": _TEXT_CHECKS,
+    "ppl": _TEXT_CHECKS,
+    "retrieval": {
+        "needles": _int(1),
+        "queries": _int(1),
+        "depths": _depths,
+        "samples_per_depth": _int(1),
+        "context_bytes": _int(0, optional=True),
+        "digits": _int(1, 18),  # distinct candidates must exist, and numbers stay machine-sized
+        "seed": _int(0),
+        "attention": _bool,
+    },
+    "mc": {"path": _text(False), "limit": _int(1, optional=True)},
 }
 # type -> (primary metric, higher is better)
 PRIMARY: dict[str, tuple[str, bool]] = {
@@ -78,7 +140,7 @@ def parse_task(value: Any, where: str = "task") -> TaskSpec:
             key, eq, raw = item.partition("=")
             if not eq:
                 raise DiffquantError(f"{where}: {item!r} is not key=value (in {value!r})")
-            data[key.strip()] = yaml.safe_load(raw) if raw else None
+            data[key.strip()] = parse_yaml(raw, f"{where}: {key.strip()}") if raw else None
         value = data
     if not isinstance(value, dict):
         raise DiffquantError(f"{where}: expected a mapping or 'TYPE[:key=value,...]', got {value!r}")
@@ -101,6 +163,10 @@ def parse_task(value: Any, where: str = "task") -> TaskSpec:
             if default is REQUIRED:
                 raise DiffquantError(f"{where}: task type {kind} needs '{key}'")
             params[key] = default
+    for key, val in params.items():
+        expected = TASK_CHECKS[kind][key](val)
+        if expected is not None:
+            raise DiffquantError(f"{where}: {kind} parameter '{key}': expected {expected}, got {val!r}")
     if kind == "retrieval":
         params["depths"] = [float(d) for d in params["depths"]]
     return TaskSpec(kind, params, str(value.get("name", "")))

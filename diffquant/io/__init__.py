@@ -134,3 +134,59 @@ def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
     from diffquant.io.checkpoint import read_tokenizer
 
     return read_tokenizer(text)
+
+
+def peek_config(spec: str | Path):
+    """The ModelConfig a model specifier names, read from its config alone (no weights, no model built):
+    what a run checks before its first write (sequence lengths, vocabulary, tokenizer fit)."""
+    from diffquant.models import PRESETS, preset_config
+
+    text = resolve_fetch(spec)
+    scheme, _, rest = text.partition(":")
+    if scheme == "init":
+        parts = text.split(":")
+        if len(parts) in (3, 4) and parts[2] in PRESETS:
+            return preset_config(parts[2], parts[1])
+        return init_model(text, device="meta").config  # the one-line error of init_model
+    if scheme == "zoo":
+        from diffquant.zoo import zoo_path
+
+        return read_config(zoo_path(rest))
+    if scheme == "hf" and rest:
+        from diffquant.io.artifacts import read_json
+        from diffquant.io.convert_hf import CONFIG_FILE, _folder, config_from_hf
+
+        return config_from_hf(read_json(_folder(rest) / CONFIG_FILE), str(Path(rest) / CONFIG_FILE))
+    if scheme == "unilm" and rest:
+        from diffquant.io.artifacts import read_json
+        from diffquant.io.convert_hf import CONFIG_FILE, _folder
+        from diffquant.io.convert_unilm import config_from_unilm
+
+        return config_from_unilm(read_json(_folder(rest) / CONFIG_FILE), str(Path(rest) / CONFIG_FILE))
+    if scheme == "gguf" and rest:
+        from diffquant.io.convert_gguf import config_from_gguf, read_gguf
+
+        return config_from_gguf(read_gguf(Path(rest)), rest)
+    return read_config(text)
+
+
+def check_model_spec(spec: str | Path, name: str, tokenizer: str | Path | None = None, seq_lens=()):
+    """Fail early, in one line, for a model a run cannot use: unreadable config, no tokenizer that fits,
+    or a window longer than its context. Returns (config, tokenizer)."""
+    from diffquant.data.tokenizer import ByteTokenizer, check_fits
+
+    config = peek_config(spec)
+    tok = peek_tokenizer(spec, tokenizer)
+    if tok is None:
+        if config.vocab_size != ByteTokenizer.vocab_size:
+            from diffquant.data.tokenizer import model_tokenizer
+
+            model_tokenizer(type("Shell", (), {"config": config})(), name)  # raises the one-line error
+        tok = ByteTokenizer()
+    check_fits(tok, config.vocab_size, name)
+    for what, length in seq_lens:
+        if length is not None and length > config.max_seq_len:
+            raise DiffquantError(
+                f"{what} {length} exceeds the max_seq_len {config.max_seq_len} of {name} ({spec})"
+            )
+    return config, tok

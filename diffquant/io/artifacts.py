@@ -87,10 +87,23 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def checkpoint_sha256(spec: str | Path) -> str | None:
-    """sha256 of the weights a model specifier names (a folder's model.safetensors, a GGUF file); None for
-    models that are not files (init:, zoo: are versioned with the package)."""
+    """sha256 of the weights a model specifier names: a folder's model.safetensors, a GGUF file, a zoo
+    model's shipped model.safetensors; None for ``init:`` models (seeded, versioned with the package) and
+    for paths that hold no weights file.
+
+    ``fetch:NAME`` never downloads just to hash: a cached file is hashed (what a run will read); one not
+    cached yet gives the sha256 the fetch pins and verifies on extraction (what it will read once fetched).
+    """
     from diffquant.io import resolve_fetch
 
+    text = str(spec)
+    if text.startswith("fetch:"):
+        return _fetched_sha256(text)
+    if text.startswith("zoo:"):
+        from diffquant.zoo import zoo_path
+
+        weights = zoo_path(text[len("zoo:") :]) / "model.safetensors"
+        return sha256_file(weights) if weights.is_file() else None
     text = resolve_fetch(spec)
     scheme, _, rest = text.partition(":")
     path = Path(rest if scheme in ("hf", "unilm", "gguf") and rest else text)
@@ -98,6 +111,83 @@ def checkpoint_sha256(spec: str | Path) -> str | None:
         return sha256_file(path)
     weights = path / "model.safetensors"
     return sha256_file(weights) if weights.is_file() else None
+
+
+def _fetch_cache_file(name: str) -> tuple[Path, int, str] | None:
+    """(cache path, pinned size, pinned sha256) of ``fetch:NAME``, found without downloading; None for a
+    fetchable name this module does not know the cache layout of."""
+    from diffquant.io import fetch
+
+    if name == "smollm2":
+        path = fetch.cache_root() / "smollm2" / fetch.SMOLLM2_FILE
+        return path, fetch.SMOLLM2_SIZE, fetch.SMOLLM2_SHA256
+    return None
+
+
+def _fetched_sha256(spec: str) -> str | None:
+    from diffquant.io import resolve_fetch
+    from diffquant.io.fetch import FETCHABLE
+
+    name = spec[len("fetch:") :]
+    if name not in FETCHABLE:
+        resolve_fetch(spec)  # the one-line error naming the fetchable models
+    known = _fetch_cache_file(name)
+    if known is None:
+        return None
+    path, size, pinned = known
+    # fetch treats a cached file of another size as absent and downloads the pinned one again
+    return sha256_file(path) if path.is_file() and path.stat().st_size == size else pinned
+
+
+# Files of a checkpoint folder that decide what a loaded model computes: every *.safetensors (weights, HF
+# shards, quantization state) and *.gguf, plus these (config, tokenizer, shard index, quantization plan).
+MODEL_FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "model.safetensors.index.json",
+    "quant_plan.json",
+)
+
+
+def model_content_sha256(spec: str | Path) -> str:
+    """sha256 naming what a model specifier loads, for keying results by content rather than by path.
+
+    ``init:KIND:PRESET[:SEED]`` is keyed by the specifier itself (deterministic); ``zoo:NAME`` by its
+    shipped folder; ``fetch:NAME`` by :func:`checkpoint_sha256` (no download); ``gguf:FILE`` by the file;
+    a folder (native, quantized, ``hf:``, ``unilm:``) by the sha256 of each file in MODEL_FOLDER_FILES,
+    ``*.safetensors`` and ``*.gguf`` directly inside it. Files are streamed, never read whole. A path that
+    does not exist is a one-line DiffquantError.
+    """
+    text = str(spec)
+    scheme, _, rest = text.partition(":")
+    if scheme == "init":
+        return _digest({"init": text})
+    if scheme == "fetch":
+        return _digest({"fetch": text, "sha256": checkpoint_sha256(text)})
+    if scheme == "zoo":
+        from diffquant.zoo import zoo_path
+
+        path = zoo_path(rest)
+    else:
+        path = Path(rest if scheme in ("hf", "unilm", "gguf") and rest else text)
+    if path.is_file():
+        return _digest({path.name: sha256_file(path)})
+    if not path.is_dir():
+        raise DiffquantError(f"model {text!r}: {path} is neither a checkpoint folder nor a file")
+    files = sorted(
+        p
+        for p in path.iterdir()
+        if p.is_file() and (p.name in MODEL_FOLDER_FILES or p.suffix in (".safetensors", ".gguf"))
+    )
+    return _digest({p.name: sha256_file(p) for p in files})
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def library_versions() -> dict[str, str | None]:
@@ -132,11 +222,17 @@ def write_folder_atomic(out_dir: str | Path, write: Callable[[Path], None], over
     try:
         write(tmp)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; give the folder the usual mode
-        if path.exists():
+        for file in tmp.rglob("*"):  # safetensors writes 0600; every file gets the usual mode too
+            if file.is_file() and not file.is_symlink():
+                os.chmod(file, 0o666 & ~_umask())
+        if path.exists() or path.is_symlink():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)
             tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # --force over a file (or a link): remove it too, leave nothing behind
+                old.unlink(missing_ok=True)
         else:
             tmp.rename(path)
     finally:

@@ -28,6 +28,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "diffquant-native"
 FORMAT_VERSION = 1
+_FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
 
 
 def save_checkpoint(
@@ -67,7 +68,9 @@ def save_checkpoint(
 
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a native checkpoint folder, validated."""
-    return ModelConfig.from_dict(_read_meta(path)["config"], source=f"{Path(path) / CONFIG_FILE} 'config'")
+    return ModelConfig.from_dict(
+        _read_meta(path)["config"], source=f"{Path(path) / CONFIG_FILE} 'config'", complete=True
+    )
 
 
 def read_tokenizer(path: str | Path):
@@ -112,19 +115,33 @@ def load_checkpoint(
     folder = _checkpoint_folder(path)
     config = read_config(folder)
     weights = folder / WEIGHTS_FILE
-    with torch.device("meta"):
-        model = DecoderLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_embeddings:
-        expected.pop("lm_head.weight", None)
     tokenizer = read_tokenizer(folder)
-    state = {}
     try:
         with safe_open(str(weights), framework="pt", device=str(device)) as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            keys = list(f.keys())
+            # Everything checkable from the header is checked before a module is built or a tensor read.
+            from diffquant.io.convert_hf import check_layer_count
+
+            check_layer_count(config.n_layers, keys, r"layers\.(\d+)\.", f"{folder / CONFIG_FILE}")
+            for key in keys:
+                kind = f.get_slice(key).get_dtype()
+                if kind not in _FLOAT_TAGS:
+                    raise DiffquantError(
+                        f"{weights}: tensor {key} has dtype {kind}, expected a floating dtype "
+                        f"({', '.join(_FLOAT_TAGS)})"
+                    )
+            with torch.device("meta"):
+                model = DecoderLM(config)
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            if config.tie_embeddings:
+                expected.pop("lm_head.weight", None)
+            state = {}
+            for key in keys:
                 tensor = f.get_tensor(key)
                 # Cast tensor by tensor: the weights are never held in two dtypes at once.
-                state[key] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                state[key] = tensor.to(dtype) if dtype is not None else tensor
+    except DiffquantError:
+        raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise DiffquantError(
             f"{weights}: not a readable safetensors file (truncated or corrupt: {err})"

@@ -45,7 +45,7 @@ import torch
 
 from diffquant.data.tokenizer import HFTokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.convert_hf import FLOAT_DTYPES, Transform, assemble, check_float_dtype
+from diffquant.io.convert_hf import FLOAT_DTYPES, Transform, assemble, check_float_dtype, check_layer_count
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -99,6 +99,7 @@ def load_gguf(
     for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
         del reader.fields[key]
     source = GGUFTensors(reader, file, dtype or torch.float32)
+    check_layer_count(config.n_layers, source.keys(), r"blk\.(\d+)\.", str(file))
     key_map = gguf_key_map(config)
     source.check_types(list(key_map.values()))
     model = assemble(config, source, key_map, gguf_transforms(config), device, dtype or torch.float32)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +73,14 @@ def load_hf(
     check_float_dtype(dtype, "requested dtype")
     hf = read_json(folder / CONFIG_FILE)
     config = config_from_hf(hf, str(folder / CONFIG_FILE))
-    key_map = hf_key_map(config)
-    transforms = _import_transforms(config)
     # Some tied checkpoints store the head anyway (a copy of the embedding); the tie makes it redundant.
     optional = frozenset({"lm_head.weight"}) if config.tie_embeddings else frozenset()
     with open_tensors(folder, device) as source:
+        check_layer_count(
+            config.n_layers, source.keys(), r"model\.layers\.(\d+)\.", str(folder / CONFIG_FILE)
+        )
+        key_map = hf_key_map(config)
+        transforms = _import_transforms(config)
         model = assemble(config, source, key_map, transforms, device, dtype, optional)
     model.tokenizer = _folder_tokenizer(folder)
     return model
@@ -450,6 +454,19 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ====================================================================================== shared helpers
+def check_layer_count(n_layers: int, keys: Iterable[str], pattern: str, source: str) -> None:
+    r"""The config's layer count must be the number of layers the weights hold, checked from the tensor
+    names alone, before anything is built: a config that says a billion layers would otherwise allocate a
+    billion modules (even on the meta device) before any shape check could fail. ``pattern`` is a regex
+    whose group 1 is the layer index (``r"model\.layers\.(\d+)\."``)."""
+    regex = re.compile(pattern)
+    found = {int(m.group(1)) for key in keys if (m := regex.match(key))}
+    # More layers in the file than in the config is left to the key check, which names the extra tensors.
+    if n_layers > len(found):
+        held = f"layers 0..{max(found)}" if found and len(found) == max(found) + 1 else f"{len(found)} layers"
+        raise DiffquantError(f"{source}: the config says {n_layers} layers, the weights hold {held}")
+
+
 def check_float_dtype(dtype: torch.dtype | None, what: str) -> None:
     """Refuse dtypes the native model cannot compute in (integer, bool, fp8, complex)."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -516,6 +533,11 @@ def open_tensors(folder: Path, device: str | torch.device = "cpu") -> Iterator[T
                 by_shard.setdefault(str(shard), []).append(key)
             for shard, keys in sorted(by_shard.items()):
                 file = folder / shard
+                # A shard is a file name inside the folder: an index must not read weights from elsewhere.
+                if Path(shard).name != shard or shard in ("", ".", ".."):
+                    raise DiffquantError(
+                        f"{index}: shard {shard!r} is not a file name inside {folder} (it holds {keys[0]})"
+                    )
                 if not file.is_file():
                     raise DiffquantError(
                         f"{index}: shard {shard} is missing from {folder} (it holds {keys[0]} and "

@@ -60,6 +60,7 @@ from diffquant.io.convert_hf import (
     _folder,
     assemble,
     check_float_dtype,
+    check_layer_count,
     open_tensors,
     read_json,
 )
@@ -79,6 +80,7 @@ def load_unilm(
     check_float_dtype(dtype, "requested dtype")
     config = config_from_unilm(read_json(folder / CONFIG_FILE), str(folder / CONFIG_FILE))
     with open_tensors(folder, device) as source:
+        check_layer_count(config.n_layers, source.keys(), r"layers\.(\d+)\.", str(folder / CONFIG_FILE))
         key_map = unilm_key_map(config, set(source.keys()))
         optional = frozenset({"output.weight"}) if config.tie_embeddings else frozenset()
         return assemble(config, source, key_map, _transforms(config), device, dtype, optional)

@@ -69,8 +69,15 @@ def quant_state(model: DecoderLM) -> dict[str, torch.Tensor]:
 
 
 def save_quantized(
-    model: DecoderLM, path: str | Path, meta: dict[str, Any] | None = None, overwrite: bool = False
+    model: DecoderLM,
+    path: str | Path,
+    meta: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    documents: dict[str, Any] | None = None,
 ) -> Path:
+    """Write a quantized checkpoint; ``documents`` (file name -> JSON data, e.g. the error report) are
+    written into the folder before it is renamed into place, so a folder either has all of them or does
+    not exist."""
     plan = getattr(model, "quant_plan", None)
     if plan is None:
         raise DiffquantError("model has no quantization plan; use save_checkpoint for unquantized models")
@@ -80,6 +87,8 @@ def save_quantized(
         doc = {"format": PLAN_FORMAT, "plan": plan.to_dict(), "meta": meta or {}}
         (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
         save_file(quant_state(model), str(folder / STATE_FILE), metadata={"format": "pt"})
+        for name, data in (documents or {}).items():
+            (folder / name).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
     return save_checkpoint(model, path, overwrite=overwrite, state=base_state, extra=extra)
 

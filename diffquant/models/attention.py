@@ -31,8 +31,15 @@ ATTN_PATHS = ("auto", "fused", "explicit")
 DEFAULT_MAP_BUDGET = 1 << 24
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision norms, maps and the DIFF combination are computed in: float32 for fp16 / bf16 / fp32
+    tensors (so half-precision models normalise like fp32 ones), float64 for float64 models (which must not
+    be rounded through float32: relative error 1e-7 instead of 1e-16)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in fp32 so bf16 models normalise like fp32 ones."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in :func:`compute_dtype` (fp32 for half-precision inputs)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True) -> None:
         super().__init__()
@@ -40,10 +47,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
+        y = x.to(compute_dtype(x.dtype))
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.float()
+            y = y * self.weight.to(y.dtype)
         return y.to(x.dtype)
 
 
@@ -279,7 +286,8 @@ class Attention(nn.Module):
         ]
         if lam is None:
             return outs[0]
-        return (outs[0].float() - lam * outs[1].float()).to(v.dtype)
+        dtype = compute_dtype(v.dtype)
+        return (outs[0].to(dtype) - lam.to(dtype) * outs[1].to(dtype)).to(v.dtype)
 
     def _explicit(self, components, v, lam, pos0: int, need_output: bool = True) -> torch.Tensor | None:
         bsz, heads, t, _ = components[0][0].shape
@@ -289,14 +297,15 @@ class Attention(nn.Module):
             chunk = t  # a scale shared across query rows (per tensor / head) must see the whole map
         valid_all = _valid_mask(t, s, pos0, v.device)
         names = [""] if len(components) == 1 else ["1", "2"]
-        vf = v.float()
+        dtype = compute_dtype(v.dtype)
+        vf = v.to(dtype)
         pieces = []
         for t0 in range(0, t, chunk):
             t1 = min(t, t0 + chunk)
             valid = valid_all[:, :, t0:t1]
             probs = []
             for (qc, kc), suffix in zip(components, names, strict=True):
-                logits = torch.matmul(qc[:, :, t0:t1].float(), kc.float().transpose(-1, -2)) * self.scale
+                logits = torch.matmul(qc[:, :, t0:t1].to(dtype), kc.to(dtype).transpose(-1, -2)) * self.scale
                 logits = getattr(self, "logits" + suffix)(logits, valid)
                 p = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
                 probs.append(getattr(self, "probs" + suffix)(p, valid))
@@ -375,8 +384,9 @@ class DiffV1Attention(Attention):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def lambda_value(self) -> torch.Tensor:
-        lam1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lam2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        dtype = compute_dtype(self.lambda_q1.dtype)
+        lam1 = torch.exp(torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)))
+        lam2 = torch.exp(torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)))
         return lam1 - lam2 + self.lambda_init
 
     def _lambda(self, x):
@@ -411,7 +421,8 @@ class DiffV2Attention(Attention):
         self.head_out, self.out = Tap("head_out"), Tap("attn_out")
 
     def _lambda(self, x):
-        lam = getattr(self, "lambda")(torch.sigmoid(self.lambda_proj(x).float()))  # (B, T, H)
+        z = self.lambda_proj(x)
+        lam = getattr(self, "lambda")(torch.sigmoid(z.to(compute_dtype(z.dtype))))  # (B, T, H)
         return lam.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
 
     def _components(self, q, k, v):

@@ -124,7 +124,13 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "model config") -> ModelConfig:
+    def from_dict(
+        cls, data: dict[str, Any], source: str = "model config", complete: bool = False
+    ) -> ModelConfig:
+        """A validated config from a dict. ``complete=True`` (a saved checkpoint's config) also requires
+        every field but those added after checkpoints first existed (:data:`OPTIONAL_FIELDS`): a field
+        missing from a saved config would otherwise silently take a default the weights were not trained
+        with."""
         if not isinstance(data, dict):
             raise DiffquantError(f"{source}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -133,6 +139,9 @@ class ModelConfig:
             raise DiffquantError(
                 f"{source}: unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(sorted(known))}"
             )
+        missing = sorted(known - set(data) - set(OPTIONAL_FIELDS)) if complete else []
+        if missing:
+            raise DiffquantError(f"{source}: missing key(s) {', '.join(missing)}")
         try:
             return cls(**data)
         except DiffquantError as err:
@@ -157,6 +166,10 @@ class ModelConfig:
         except FileNotFoundError:
             raise DiffquantError(f"{path}: file not found") from None
         return cls.from_json(text, source=str(path))
+
+
+# Fields a saved config may lack (added later; their default is the behaviour of older checkpoints).
+OPTIONAL_FIELDS = {"rope_scaling": None, "v1_norm_eps": 1e-5}
 
 
 def _is_number(value: Any) -> bool:

@@ -327,6 +327,8 @@ def render_run(
             try:
                 fig = F.fig_degradation(art.results, art.sweep, task, colors=colors)
             except DiffquantError as err:
+                if what is None:  # drawing what the artifacts allow: a sweep of `none` alone has no curve
+                    continue
                 msg = _one_line(str(err))
                 raise DiffquantError(f"{art.sweep_path}: {msg}") from None
             metric = art.results["primary"][task].get("metric")

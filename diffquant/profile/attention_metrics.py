@@ -146,6 +146,8 @@ class _HeadSums:
         obj = cls(n_heads)
         for name in cls.SUMS + cls.COUNTS:
             values = data.get(name)
+            if values is None and name == "nonfinite_rows":  # profiles written before it was counted
+                values = [0] * (n_heads or 0)
             if not isinstance(values, list) or len(values) != (n_heads or 0):
                 raise DiffquantError(
                     f"{cls.__name__}.from_dict: field {name!r} must be a list of {n_heads or 0} numbers"
@@ -175,17 +177,24 @@ class MapStats(_HeadSums):
     """
 
     SUMS = ("entropy_sum", "norm_entropy_sum", "sink_sum")
-    COUNTS = ("rows", "multi_key_rows", "single_key_rows")
+    COUNTS = ("rows", "multi_key_rows", "single_key_rows", "nonfinite_rows")
 
     def update(self, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add one chunk: probs (B, H, Tq, S) and the tap's causal ``valid`` mask."""
+        """Add one chunk: probs (B, H, Tq, S) and the tap's causal ``valid`` mask.
+
+        A row with a NaN / Inf among its visible entries (a model with non-finite weights) is counted in
+        ``nonfinite_rows`` and left out of every mean, so the means stay numbers and the event is visible.
+        """
         _check_map(probs, "MapStats")
         self._ensure_heads(probs.shape[1])
         valid = _valid_or_all(probs, valid)
         p = torch.where(valid, probs.to(_work_dtype(probs)), 0.0)
+        finite = torch.isfinite(p).all(-1)  # (B, H, Tq)
+        p = torch.where(finite[..., None], p, 0.0)
         n_visible = torch.broadcast_to(valid, p.shape).sum(-1)  # (B, H, Tq)
-        rows = n_visible > 0
-        multi = n_visible > 1
+        self._add("nonfinite_rows", ((n_visible > 0) & ~finite).sum((0, 2)))
+        rows = (n_visible > 0) & finite
+        multi = (n_visible > 1) & finite
         entropy = -torch.special.xlogy(p, p).sum(-1)  # (B, H, Tq); p = 0 contributes 0
         log_n = torch.log(n_visible.clamp(min=2).to(p.dtype))
         self._add("entropy_sum", torch.where(rows, entropy, 0.0).sum((0, 2)))
@@ -193,13 +202,14 @@ class MapStats(_HeadSums):
         self._add("sink_sum", torch.where(rows, p[..., 0], 0.0).sum((0, 2)))
         self._add("rows", rows.sum((0, 2)))
         self._add("multi_key_rows", multi.sum((0, 2)))
-        self._add("single_key_rows", (n_visible == 1).sum((0, 2)))
+        self._add("single_key_rows", ((n_visible == 1) & finite).sum((0, 2)))
 
     def summary(self) -> dict[str, Any]:
         rows, multi = self._get("rows"), self._get("multi_key_rows")
         ent, norm, sink = self._get("entropy_sum"), self._get("norm_entropy_sum"), self._get("sink_sum")
         return {
             "rows": rows,
+            "nonfinite_rows": self._get("nonfinite_rows"),
             "single_key_rows": self._get("single_key_rows"),
             "entropy": _per_head([_mean(e, n) for e, n in zip(ent, rows, strict=True)]),
             "norm_entropy": _per_head([_mean(e, n) for e, n in zip(norm, multi, strict=True)]),
@@ -220,15 +230,20 @@ class DiffMapStats(_HeadSums):
     """
 
     SUMS = ("neg_sum", "abs_sum", "row_sum", "sink_sum")
-    COUNTS = ("rows",)
+    COUNTS = ("rows", "nonfinite_rows")
 
     def update(self, diff_map: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add one chunk: D (B, H, Tq, S) and the tap's causal ``valid`` mask."""
+        """Add one chunk: D (B, H, Tq, S) and the tap's causal ``valid`` mask (rows with NaN / Inf are
+        counted in ``nonfinite_rows`` and left out, as in :class:`MapStats`)."""
         _check_map(diff_map, "DiffMapStats")
         self._ensure_heads(diff_map.shape[1])
         valid = _valid_or_all(diff_map, valid)
         d = torch.where(valid, diff_map.to(_work_dtype(diff_map)), 0.0)
-        rows = torch.broadcast_to(valid, d.shape).any(-1)  # (B, H, Tq)
+        finite = torch.isfinite(d).all(-1)
+        d = torch.where(finite[..., None], d, 0.0)
+        any_visible = torch.broadcast_to(valid, d.shape).any(-1)  # (B, H, Tq)
+        self._add("nonfinite_rows", (any_visible & ~finite).sum((0, 2)))
+        rows = any_visible & finite
         self._add("neg_sum", (-d).clamp(min=0).sum(-1).sum((0, 2)))
         self._add("abs_sum", d.abs().sum(-1).sum((0, 2)))
         self._add("row_sum", d.sum(-1).sum((0, 2)))
@@ -240,6 +255,7 @@ class DiffMapStats(_HeadSums):
         neg, total = self._get("neg_sum"), self._get("abs_sum")
         return {
             "rows": rows,
+            "nonfinite_rows": self._get("nonfinite_rows"),
             "negative_fraction": _per_head([_mean(n, a) for n, a in zip(neg, total, strict=True)]),
             "l1_ratio": _per_head([_mean(a, n) for a, n in zip(total, rows, strict=True)]),
             "row_sum": _per_head([_mean(s, n) for s, n in zip(self._get("row_sum"), rows, strict=True)]),

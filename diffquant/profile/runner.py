@@ -43,6 +43,30 @@ def profile_model(
     return merge_profiles(Profile.from_dict(p) for p in parts)
 
 
+def check_profile(
+    models: dict[str, tuple[str, DecoderLM]],
+    seq_len: int,
+    data: str | None,
+    sites: str | Sequence[str] = "*",
+) -> dict:
+    """What a profile would refuse, refused before it writes anything: each model's tokenizer (and its
+    fit), the site patterns, the window length, the text source. Returns the tokenizers by model name."""
+    from diffquant.data import iter_documents, model_tokenizer
+    from diffquant.errors import DiffquantError
+    from diffquant.models.taps import select_taps
+
+    tokenizers = {}
+    for name, (spec, model) in models.items():
+        tokenizers[name] = model_tokenizer(model, str(spec))
+        select_taps(model, sites)  # a pattern that matches nothing is a one-line error
+        cfg = model.config
+        if seq_len > cfg.max_seq_len:
+            raise DiffquantError(f"--seq-len {seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}")
+    if data:
+        iter_documents(data)  # a missing source fails here
+    return tokenizers
+
+
 def profile_stage(
     models: dict[str, tuple[str, DecoderLM]],
     *,
@@ -66,20 +90,14 @@ def profile_stage(
     first window (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens of the first
     model) on rank 0 and ("", "", tokens) elsewhere. Shared by `diffquant profile` and recipes.
     """
-    from diffquant.data import count_bytes, model_tokenizer, token_windows
-    from diffquant.errors import DiffquantError
+    from diffquant.data import count_bytes, token_windows
     from diffquant.eval.tasks import default_text
     from diffquant.io.artifacts import write_json_atomic, write_text_atomic
     from diffquant.kernels.dispatch import path_summary
     from diffquant.profile.maps import capture_maps, save_maps
     from diffquant.profile.tables import format_table5, layerwise, table5
 
-    tokenizers = {}
-    for name, (spec, model) in models.items():
-        tokenizers[name] = model_tokenizer(model, str(spec))
-        cfg = model.config
-        if seq_len > cfg.max_seq_len:
-            raise DiffquantError(f"--seq-len {seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}")
+    tokenizers = check_profile(models, seq_len, data, sites)
     data = data or default_text(tokenizers.values(), "profile")
     by_tokenizer: dict[str, torch.Tensor] = {}
     rank, _ = rank_and_world()

@@ -200,6 +200,18 @@ def _entry_key(entry: dict[str, Any]) -> tuple:
     return (-entry["abs"], loc["site"], loc["sample"], *coords, entry["value"])
 
 
+def _earlier_nonfinite(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The earlier of two first-non-finite records (sample, then coordinates, then site)."""
+    if a is None or b is None:
+        return a or b
+
+    def key(entry: dict[str, Any]) -> tuple:
+        loc = entry["loc"]
+        return (loc["sample"], *(v for k, v in loc.items() if k in _COORDS), loc["site"])
+
+    return a if key(a) <= key(b) else b
+
+
 def _merge_entries(a: list[dict], b: list[dict], cap: int) -> list[dict]:
     return sorted(a + b, key=_entry_key)[:cap]
 
@@ -262,6 +274,7 @@ class SiteStats:
         self.massive_cap = int(massive_cap)
         self.layout: Layout | None = None  # known after the first update
         self.count = 0  # finite, valid values
+        self.first_nonfinite: dict[str, Any] | None = None  # earliest NaN / Inf entry: {value, loc}
         self.nan_count = 0
         self.posinf_count = 0
         self.neginf_count = 0
@@ -322,6 +335,8 @@ class SiteStats:
             self.nan_count += n_nan
             self.posinf_count += n_pinf
             self.neginf_count += n_ninf
+            if n_nan + n_pinf + n_ninf:
+                self._note_nonfinite(x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset)
         af = x.abs()  # magnitudes; excluded entries -> -1 (below every real magnitude)
         if not all_ok:
             af.masked_fill_(~ok, -1.0)
@@ -365,6 +380,22 @@ class SiteStats:
         if gt100:
             massive = self._entries(_select(af_flat, self.massive_cap, MASSIVE_FLOOR, gt100), *where)
             self._massive = _merge_entries(self._massive, massive, self.massive_cap)
+
+    def _note_nonfinite(self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset) -> None:
+        """Keep the location of the earliest non-finite entry (by sample, then layout coordinates), so a
+        profile of a broken model says where NaN / Inf first appear, not only how many there are."""
+        bad = ~finite if vmask is None else ~finite & vmask
+        idx = torch.nonzero(bad.reshape(-1))[:1].reshape(-1)
+        qpos = query_positions(valid).tolist() if valid is not None and "key" in layout else None
+        entry = self._entries(
+            idx, x.reshape(-1), tuple(x.shape), layout, qpos, tokens, sample_offset, pos_offset
+        )[0]
+        value = entry["value"]
+        candidate = {
+            "value": "nan" if value != value else ("inf" if value > 0 else "-inf"),
+            "loc": entry["loc"],
+        }
+        self.first_nonfinite = _earlier_nonfinite(self.first_nonfinite, candidate)
 
     def _update_absmax(self, af: torch.Tensor, layout: Layout) -> None:
         """SmoothQuant act_scales: max |x| over every dim but head / channel (excluded entries count as 0)."""
@@ -486,6 +517,7 @@ class SiteStats:
         self.nan_count += other.nan_count
         self.posinf_count += other.posinf_count
         self.neginf_count += other.neginf_count
+        self.first_nonfinite = _earlier_nonfinite(self.first_nonfinite, copy.deepcopy(other.first_nonfinite))
         if other.min is not None:
             self.min = other.min if self.min is None else min(self.min, other.min)
             self.max = other.max if self.max is None else max(self.max, other.max)
@@ -531,6 +563,7 @@ class SiteStats:
             "nan_count": self.nan_count,
             "posinf_count": self.posinf_count,
             "neginf_count": self.neginf_count,
+            "first_nonfinite": copy.deepcopy(self.first_nonfinite),
             "min": self.min,
             "max": self.max,
             "moments": {"n": n, "mean": mean, "m2": m2, "m3": m3, "m4": m4},
@@ -560,6 +593,7 @@ class SiteStats:
         s.layout = None if d["layout"] is None else tuple(d["layout"])
         s.count, s.nan_count = d["count"], d["nan_count"]
         s.posinf_count, s.neginf_count = d["posinf_count"], d["neginf_count"]
+        s.first_nonfinite = copy.deepcopy(d.get("first_nonfinite"))  # absent in older profiles
         s.min, s.max = d["min"], d["max"]
         m = d["moments"]
         s._moments = (m["n"], m["mean"], m["m2"], m["m3"], m["m4"])
@@ -692,6 +726,7 @@ class SiteStats:
             "nan_count": self.nan_count,
             "posinf_count": self.posinf_count,
             "neginf_count": self.neginf_count,
+            "first_nonfinite": copy.deepcopy(self.first_nonfinite),
             "min": self.min,
             "max": self.max,
             "mean": self.mean,

@@ -29,6 +29,12 @@ def table5(profile: Profile) -> dict[str, dict[str, Any]]:
             summary = pooled.summary()
             rows[label] = {col: summary[col] for col in TABLE5_COLUMNS}
             rows[label]["top1_at"] = summary["top"][0]["loc"] if summary["top"] else None
+            rows[label]["nonfinite"] = {
+                "nan": summary["nan_count"],
+                "posinf": summary["posinf_count"],
+                "neginf": summary["neginf_count"],
+                "first": summary["first_nonfinite"],
+            }
     return rows
 
 
@@ -76,4 +82,11 @@ def format_table5(tables: dict[str, dict[str, dict[str, float | None]]]) -> str:
         for name, rows in tables.items()
         if label in rows and rows[label].get("top1_at")
     ]
-    return "\n".join(lines + where)
+    broken = [
+        f"NON-FINITE {label} in {name}: {n['nan']:,} NaN, {n['posinf']:,} +Inf, {n['neginf']:,} -Inf "
+        f"(left out of the statistics above); first {n['first']['value']} at {describe_location(n['first']['loc'])}"
+        for label in TABLE5_ACTIVATIONS
+        for name, rows in tables.items()
+        if label in rows and (n := rows[label].get("nonfinite")) and n["first"]
+    ]
+    return "\n".join(lines + where + broken)

@@ -18,7 +18,7 @@ from diffquant.quant.schemes import (
     apply_scale,
     masked_absmax,
     quantize_dynamic,
-    round_scale,
+    scale_from_absmax,
     static_dims,
 )
 
@@ -155,8 +155,7 @@ class FakeQuant(nn.Module):
             amax = _percentile_clip(self._hist, self.scheme.percentile).to(amax.dtype).reshape(amax.shape)
         elif self.scheme.calibration == "mse":
             amax = _mse_clip(self._hist, amax.reshape(-1), element).to(amax.dtype).reshape(amax.shape)
-        scale = torch.where(amax > 0, amax / element.max_value, torch.ones_like(amax))
-        self.scale = round_scale(scale, self.scheme.scale_format)
+        self.scale = scale_from_absmax(amax, element, self.scheme)  # never 0, even if amax / qmax underflows
         self._amax = self._hist = None
 
 

@@ -50,7 +50,9 @@ __all__ = [
     "ElementFormat",
     "absmax_scale",
     "block_scales",
+    "e4m3_round_up",
     "e8m0_round",
+    "e8m0_round_up",
     "get_block_format",
     "get_format",
     "int_format",
@@ -99,7 +101,7 @@ def _exp2i(k: torch.Tensor) -> torch.Tensor:
 
 
 def _floor_log2(x: torch.Tensor) -> torch.Tensor:
-    """floor(log2 |x|) as int32, exact for every finite non-zero float32 (subnormals included).
+    """floor(log2 |x|) as int32, exact for every finite non-zero float32 / float64 (subnormals included).
 
     frexp gives |x| = m * 2^e with m in [0.5, 1), so floor(log2 |x|) = e - 1; torch.log2 can round a value
     just below a power of two up to it. For 0, inf and NaN the result is meaningless: callers mask those.
@@ -344,19 +346,69 @@ def quantize_int(
     return (fmt.round(torch.round(x / s) + z) - z) * s
 
 
+def _scale_input(x: torch.Tensor | float) -> torch.Tensor:
+    """``x`` as a float tensor that holds it exactly: float64 (and Python floats) in float64, else float32.
+
+    The scale roundings below decide from the input's own exponent and mantissa bits, so a float64 value just
+    above a power of two must not be rounded to float32 first (that could land on the power of two itself).
+    """
+    if not isinstance(x, torch.Tensor):
+        return torch.tensor(x, dtype=torch.float64)
+    return x if x.dtype == torch.float64 else x.to(torch.float32)
+
+
 def e8m0_round(x: torch.Tensor | float) -> torch.Tensor:
     """Power-of-two scale 2^floor(log2 x) clamped to E8M0's range [2^-127, 2^127], as float32.
 
     This is the MX rule (OCP MX v1.0 sec. 6.3): the shared exponent is the floor of log2 of its argument, so
     ``e8m0_round(amax / 2^emax_elem)`` is the block scale X. E8M0 has no zero and no sign: x <= 0 maps to the
-    smallest scale 2^-127, +inf to 2^127, NaN to NaN (E8M0's 0xFF).
+    smallest scale 2^-127, +inf to 2^127, NaN to NaN (E8M0's 0xFF). The floor is exact (frexp of the input
+    in its own precision, float64 kept), never log2.
     """
-    x = torch.as_tensor(x, dtype=torch.float32)
+    x = _scale_input(x)
     k = _floor_log2(x).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
     k = torch.where(x > 0, k, torch.full_like(k, E8M0_MIN_EXP))
     k = torch.where(x == math.inf, torch.full_like(k, E8M0_MAX_EXP), k)
     out = _exp2i(k)
-    return torch.where(torch.isnan(x), x, out)
+    return torch.where(torch.isnan(x), x.to(out.dtype), out)
+
+
+def e8m0_round_up(x: torch.Tensor | float) -> torch.Tensor:
+    """Smallest power of two >= x, clamped to E8M0's range [2^-127, 2^127], as float32.
+
+    The rule for a scale that must keep amax / scale inside the element range (a per-tensor / channel scale
+    ``amax / qmax`` stored as E8M0), unlike the MX block rule of :func:`e8m0_round`, which floors on purpose.
+    Exact for every float32 / float64 input: with frexp's x = m * 2^e, m in [0.5, 1), the answer is
+    2^(e - 1) when m == 0.5 (x is a power of two) and 2^e otherwise. (exp2(ceil(log2 x)) is not: float32 log2
+    rounds log2(2^k (1 + 2^-23)) to exactly k, giving 2^k < x.) Saturating ends: x > 2^127 (and +inf) give
+    2^127, x <= 2^-127 (0 and negatives included) give 2^-127, never 0; NaN stays NaN.
+    """
+    x = _scale_input(x)
+    mantissa, exponent = torch.frexp(x)
+    k = exponent.to(torch.int32) - (mantissa == 0.5).to(torch.int32)
+    k = k.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    k = torch.where(x > 0, k, torch.full_like(k, E8M0_MIN_EXP))
+    k = torch.where(x == math.inf, torch.full_like(k, E8M0_MAX_EXP), k)
+    out = _exp2i(k)
+    return torch.where(torch.isnan(x), x.to(out.dtype), out)
+
+
+def e4m3_round_up(x: torch.Tensor | float) -> torch.Tensor:
+    """Smallest FP8 E4M3 value >= x (OCP OFP8 rev 1.0, e4m3fn), saturating to [2^-9, 448], as float32.
+
+    For a scale stored in E4M3: rounding up keeps amax / scale inside the element range. Within a binade
+    [2^e, 2^(e+1)), e in [-6, 8] (subnormals: e = -6), E4M3 values are spaced 2^(e-3), so the answer is
+    ceil(x / 2^(e-3)) * 2^(e-3) (both products by powers of two are exact; a carry lands on 2^(e+1), itself a
+    value). Ends: x > 448 (the largest finite value; 480 would be the NaN code S.1111.111) and +inf saturate
+    to 448, as a saturating conversion does; x below the smallest subnormal 2^-9 (0 and negatives included)
+    gives 2^-9, never 0. NaN stays NaN.
+    """
+    x = _scale_input(x)
+    fmt = _ELEMENTS["fp8_e4m3"]
+    e = _floor_log2(x).clamp(1 - fmt.bias, fmt.emax)
+    up = torch.ceil(x * _exp2i(fmt.mbits - e).to(x.dtype)) * _exp2i(e - fmt.mbits).to(x.dtype)
+    smallest = math.ldexp(1.0, 1 - fmt.bias - fmt.mbits)  # 2^-9
+    return up.clamp(smallest, fmt.max_value).to(torch.float32)  # +inf -> 448; clamp keeps NaN
 
 
 # ------------------------------------------------------------------------------------------ block formats

@@ -21,20 +21,21 @@ cached), and swaps matching Linears for the backend's layers, keeping their inpu
 from __future__ import annotations
 
 import fnmatch
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear
 from diffquant.models.taps import Tap, select_taps
+from diffquant.quant.backends.bnb import BNB_BLOCKSIZES
 from diffquant.quant.fake import FakeQuant
-from diffquant.quant.schemes import Scheme
+from diffquant.quant.schemes import Scheme, is_number, type_name
 
 BACKENDS = ("quanto", "bnb")
 QUANTO_WEIGHTS = ("qint8", "qint4", "qfloat8")
@@ -132,11 +133,9 @@ class QuantPlan:
             raise DiffquantError(
                 f"plan {text!r}: neither a preset nor a file; presets: {', '.join(sorted(PRESETS))}"
             )
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise DiffquantError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-        return cls.from_dict(data, source=str(path))
+        from diffquant.io.yamlfile import read_yaml_file
+
+        return cls.from_dict(read_yaml_file(path, "plan"), source=str(path))
 
     @property
     def uses_static(self) -> bool:
@@ -161,7 +160,7 @@ def _patterns(raw: dict[str, Any], key: str, where: str) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise DiffquantError(f"{where}.{key}: expected a pattern or a list of patterns")
+        raise DiffquantError(f"{where}.{key}: expected a pattern or a list of patterns, got {value!r}")
     return value
 
 
@@ -198,10 +197,25 @@ def _backend(raw: Any, where: str) -> BackendSpec:
                 f"{where}: '{extra[0]}' is a quanto option; bnb takes mode, threshold, blocksize"
             )
         spec.mode = raw.get("mode", "int8")
-        spec.threshold = float(raw.get("threshold", 6.0))
-        spec.blocksize = int(raw.get("blocksize", 64))
         if spec.mode not in BNB_MODES:
             raise DiffquantError(f"{where}.mode: {spec.mode!r}; valid: {', '.join(BNB_MODES)}")
+        # No coercion: float("6") or int(64.7) / int(True) would accept a string, truncate, or read a
+        # boolean as a number. Integral floats (64.0) are refused too: blocksize is an integer field.
+        threshold = raw.get("threshold", 6.0)
+        if not is_number(threshold) or not math.isfinite(threshold) or threshold < 0:
+            raise DiffquantError(
+                f"{where}.threshold: expected a finite number >= 0, got {threshold!r} ({type_name(threshold)})"
+            )
+        blocksize = raw.get("blocksize", 64)
+        if isinstance(blocksize, bool) or not isinstance(blocksize, int):
+            raise DiffquantError(
+                f"{where}.blocksize: expected an integer, got {blocksize!r} ({type_name(blocksize)})"
+            )
+        if blocksize not in BNB_BLOCKSIZES:
+            raise DiffquantError(
+                f"{where}.blocksize: {blocksize}; valid: {', '.join(map(str, BNB_BLOCKSIZES))}"
+            )
+        spec.threshold, spec.blocksize = float(threshold), blocksize
     return spec
 
 
@@ -340,6 +354,8 @@ def linear_modules(model: nn.Module) -> dict[str, Linear]:
 def _select_linears(
     model: nn.Module, patterns: list[str], exclude: list[str], where: str
 ) -> dict[str, Linear]:
+    """Linears matching any of ``patterns`` but none of ``exclude``; each pattern must match, and the
+    excludes must leave something (see :func:`apply_plan`)."""
     linears = linear_modules(model)
     chosen = {}
     for pattern in patterns:
@@ -350,42 +366,84 @@ def _select_linears(
                 f"{where}: weight pattern {pattern!r} matches no Linear (names look like {example})"
             )
         chosen.update(hits)
-    return {n: m for n, m in chosen.items() if not any(fnmatch.fnmatchcase(n, e) for e in exclude)}
+    kept = {n: m for n, m in chosen.items() if not any(fnmatch.fnmatchcase(n, e) for e in exclude)}
+    if not kept:
+        raise DiffquantError(
+            f"{where}: patterns {patterns} select {len(chosen)} Linear(s), all removed by exclude {exclude}; "
+            "it would quantize nothing"
+        )
+    return kept
+
+
+def _select_sites(model: nn.Module, rule: Rule, where: str) -> dict[str, Tap]:
+    """The taps of ``rule.sites`` minus ``rule.exclude``; like :func:`_select_linears`, never empty."""
+    try:
+        taps = select_taps(model, rule.sites)
+    except DiffquantError as err:
+        raise DiffquantError(f"{where}: {err}") from None
+    kept = {n: t for n, t in taps.items() if not any(fnmatch.fnmatchcase(n, e) for e in rule.exclude)}
+    if not kept:
+        raise DiffquantError(
+            f"{where}: site patterns {rule.sites} select {len(taps)} site(s), all removed by exclude "
+            f"{rule.exclude}; it would quantize nothing"
+        )
+    return kept
 
 
 def apply_plan(model: nn.Module, plan: QuantPlan) -> list[tuple[str, str, str]]:
-    """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion."""
+    """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion.
+
+    Every selection must select something in this model, checked per rule (and for the backend): each
+    site / weight / module pattern must match (``kind:NAME`` included), and the exclude patterns must not
+    remove everything a rule's sites, weights or the backend's modules selected. Otherwise a one-line
+    DiffquantError names the rule, its patterns and excludes. Per rule rather than per plan because a rule
+    that quantizes nothing is a typo or a plan written for another model, and would otherwise pass silently
+    (down to writing a "0 sites" quantized checkpoint) as long as another rule matched. Every shipped preset
+    selects only sites all three attention kinds have (Linear inputs, q / k / v, logits, probs), so each
+    applies to baseline, DIFF V1 and DIFF V2 models alike (tests/test_quant.py); a plan naming DIFF-only
+    sites (``kind:diff_map``, ``kind:lambda``) is refused on a baseline model for the same reason.
+    All selections are resolved before the model is touched, so a refused plan leaves it unquantized.
+    """
     if getattr(model, "quant_plan", None) is not None:
         raise DiffquantError("model is already quantized; apply a plan to the unquantized model")
-    applied = []
+    selected = []
     for i, rule in enumerate(plan.rules):
         where = f"plan {plan.name}: rules[{i}]"
-        if rule.sites:
-            taps = select_taps(model, rule.sites)
-            for name, tap in taps.items():
-                if any(fnmatch.fnmatchcase(name, e) for e in rule.exclude):
-                    continue
-                tap.quantizer = FakeQuant(rule.scheme, name, tap.kind)
-                applied.append(("site", name, rule.scheme.label()))
-        if rule.weights:
-            for name, linear in _select_linears(model, rule.weights, rule.exclude, where).items():
-                linear.weight_quantizer = FakeQuant(rule.scheme, f"{name}.weight", "weight")
-                linear.weight_quantizer.quantize_weight(linear.weight)  # checks the shape now, not mid-run
-                applied.append(("weight", name, rule.scheme.label()))
+        taps = _select_sites(model, rule, where) if rule.sites else {}
+        linears = _select_linears(model, rule.weights, rule.exclude, where) if rule.weights else {}
+        selected.append((rule, taps, linears))
+    backend_linears = {}
     if plan.backend is not None:
-        applied += _apply_backend(model, plan.backend)
+        spec = plan.backend
+        backend_linears = _select_linears(
+            model, spec.modules, spec.exclude, f"plan {plan.name}: backend {spec.name}"
+        )
+        for _, _, linears in selected:
+            clash = sorted(set(linears) & set(backend_linears))
+            if clash:
+                raise DiffquantError(
+                    f"{clash[0]}: a plan rule already fake-quantizes this weight; the backend would too"
+                )
+    applied = []
+    for rule, taps, linears in selected:
+        for name, tap in taps.items():
+            tap.quantizer = FakeQuant(rule.scheme, name, tap.kind)
+            applied.append(("site", name, rule.scheme.label()))
+        for name, linear in linears.items():
+            linear.weight_quantizer = FakeQuant(rule.scheme, f"{name}.weight", "weight")
+            linear.weight_quantizer.quantize_weight(linear.weight)  # checks the shape now, not mid-run
+            applied.append(("weight", name, rule.scheme.label()))
+    if plan.backend is not None:
+        applied += _apply_backend(model, plan.backend, backend_linears)
     model.quant_plan = plan
     return applied
 
 
-def _apply_backend(model: nn.Module, spec: BackendSpec) -> list[tuple[str, str, str]]:
-    chosen = _select_linears(model, spec.modules, spec.exclude, f"backend {spec.name}")
+def _apply_backend(
+    model: nn.Module, spec: BackendSpec, chosen: dict[str, Linear]
+) -> list[tuple[str, str, str]]:
     applied = []
     for name, linear in chosen.items():
-        if linear.weight_quantizer is not None:
-            raise DiffquantError(
-                f"{name}: a plan rule already fake-quantizes this weight; the backend would too"
-            )
         if spec.name == "quanto":
             from diffquant.quant.backends.quanto import to_quanto
 

@@ -20,6 +20,10 @@ from diffquant.models.taps import select_taps
 
 @dataclass
 class ErrorStats:
+    """Streaming error statistics of one site. ``n`` counts the compared (valid, finite in both models)
+    values; ``nonfinite`` the valid positions where either model has NaN / +-inf, which no metric can
+    describe: they are reported as such, never folded into "exact"."""
+
     n: int = 0
     ref2: float = 0.0
     err2: float = 0.0
@@ -31,10 +35,10 @@ class ErrorStats:
 
     def update(self, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         r, q = ref.detach().double(), quant.detach().double()
-        ok = torch.isfinite(r) & torch.isfinite(q)
-        if valid is not None:
-            ok = ok & valid.expand_as(ok)
-        self.nonfinite += int((~(torch.isfinite(r) & torch.isfinite(q))).sum())
+        finite = torch.isfinite(r) & torch.isfinite(q)
+        considered = torch.ones_like(finite) if valid is None else valid.expand_as(finite)
+        self.nonfinite += int((considered & ~finite).sum())
+        ok = considered & finite
         r, q = r[ok], q[ok]
         e = q - r
         self.n += r.numel()
@@ -45,7 +49,14 @@ class ErrorStats:
         self.abs_err += float(e.abs().sum())
         self.abs_ref += float(r.abs().sum())
 
-    def summary(self) -> dict[str, float | int | None]:
+    def summary(self) -> dict[str, float | int | bool | None]:
+        """JSON-ready metrics: numbers or null, never NaN / inf literals.
+
+        ``exact`` is true only when values were compared, all of them equal, and none was non-finite.
+        ``sqnr_db`` is null when it is not a finite number: exact (+inf), a zero reference with a non-zero
+        error (-inf), or nothing finite to compare (see ``nonfinite``).
+        """
+        exact = self.n > 0 and self.err2 == 0 and self.nonfinite == 0
         if self.n == 0:
             return {
                 "n": 0,
@@ -54,19 +65,24 @@ class ErrorStats:
                 "rel_l1": None,
                 "rmse": None,
                 "nonfinite": self.nonfinite,
+                "exact": False,
             }
-        sqnr = (
-            math.inf if self.err2 == 0 else 10 * math.log10(self.ref2 / self.err2) if self.ref2 > 0 else None
-        )
+        sqnr = 10 * math.log10(self.ref2 / self.err2) if self.err2 > 0 and self.ref2 > 0 else None
         denom = math.sqrt(self.ref2 * self.q2)
         return {
             "n": self.n,
-            "sqnr_db": None if sqnr is None or math.isinf(sqnr) else sqnr,
-            "cosine": self.dot / denom if denom > 0 else None,
-            "rel_l1": self.abs_err / self.abs_ref if self.abs_ref > 0 else None,
-            "rmse": math.sqrt(self.err2 / self.n),
+            "sqnr_db": _finite(sqnr),
+            "cosine": _finite(self.dot / denom) if denom > 0 else None,
+            "rel_l1": _finite(self.abs_err / self.abs_ref) if self.abs_ref > 0 else None,
+            "rmse": _finite(math.sqrt(self.err2 / self.n)),
             "nonfinite": self.nonfinite,
+            "exact": exact,
         }
+
+
+def _finite(value: float | None) -> float | None:
+    """``value``, or None when it is not a finite number (sums of huge float64 values can overflow)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 @torch.no_grad()
@@ -134,15 +150,57 @@ def _compare_batch(reference, quantized, batch, ref_taps, q_taps, stats) -> tupl
 
 
 def format_report(report: dict[str, dict], limit: int = 12) -> str:
-    """The final logits and the ``limit`` sites with the lowest SQNR, as a text table."""
-    rows = [(n, s) for n, s in report.items() if n != "logits" and s["sqnr_db"] is not None]
-    rows.sort(key=lambda r: r[1]["sqnr_db"])
+    """The final logits and the ``limit`` worst sites, as a text table.
+
+    Worst first: sites with non-finite values (most first), then the lowest SQNR. Exact sites are left out
+    of the list; the logits row always shows. A row says "exact" only for a comparison with values, no
+    difference and nothing non-finite; non-finite values are counted on their row ("non-finite: N of M
+    values"), with the metrics of the finite part, or dashes when nothing finite was left to compare.
+    """
+    rows = [(n, s) for n, s in report.items() if n != "logits" and not _is_exact(s)]
+    rows.sort(key=lambda r: (-r[1].get("nonfinite", 0), _sort_sqnr(r[1])))
     lines = [f"{'site':<32}{'SQNR dB':>9}{'cosine':>10}{'rel L1':>9}{'RMSE':>11}"]
     for name, s in [("(model output logits)", report["logits"]), *rows[:limit]]:
-        if s["n"] == 0 or s["sqnr_db"] is None:
-            lines.append(f"{name:<32}{'exact':>9}")
-            continue
-        lines.append(
-            f"{name:<32}{s['sqnr_db']:>9.2f}{s['cosine']:>10.5f}{s['rel_l1']:>9.4f}{s['rmse']:>11.4g}"
-        )
+        lines.append(_format_row(name, s))
     return "\n".join(lines)
+
+
+def _is_exact(s: dict) -> bool:
+    if "exact" in s:
+        return bool(s["exact"])
+    return s["n"] > 0 and s.get("nonfinite", 0) == 0 and s.get("rmse") == 0  # reports from older versions
+
+
+def _sort_sqnr(s: dict) -> float:
+    if s["sqnr_db"] is not None:
+        return s["sqnr_db"]
+    return -math.inf if s["n"] > 0 else math.inf  # -inf dB (zero reference) first, nothing compared last
+
+
+def _sqnr_text(s: dict) -> str:
+    if s["sqnr_db"] is not None:
+        return f"{s['sqnr_db']:.2f}"
+    if s["rmse"] == 0:
+        return "inf"  # no error on the finite part (the row also says what was non-finite)
+    if s["rmse"] is not None and s.get("rel_l1") is None:
+        return "-inf"  # an all-zero reference with an error
+    return "-"
+
+
+def _format_row(name: str, s: dict) -> str:
+    if _is_exact(s):
+        return f"{name:<32}{'exact':>9}"
+    nonfinite = s.get("nonfinite", 0)
+    if s["n"] == 0:
+        line = f"{name:<32}{'-':>9}{'-':>10}{'-':>9}{'-':>11}"
+    else:
+        sqnr = _sqnr_text(s)
+        cosine = "-" if s["cosine"] is None else f"{s['cosine']:.5f}"
+        rel_l1 = "-" if s["rel_l1"] is None else f"{s['rel_l1']:.4f}"
+        rmse = "-" if s["rmse"] is None else f"{s['rmse']:.4g}"
+        line = f"{name:<32}{sqnr:>9}{cosine:>10}{rel_l1:>9}{rmse:>11}"
+    if nonfinite:
+        line += f"  non-finite: {nonfinite} of {s['n'] + nonfinite} values"
+    elif s["n"] == 0:
+        line += "  nothing compared"
+    return line

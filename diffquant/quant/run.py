@@ -39,7 +39,7 @@ def quantize_checkpoint(
     from diffquant.data import fingerprint, model_tokenizer, token_windows
     from diffquant.eval.tasks import default_text
     from diffquant.io import load_model
-    from diffquant.io.artifacts import library_versions, write_json_atomic
+    from diffquant.io.artifacts import library_versions
     from diffquant.io.options import parse_device, parse_dtype
     from diffquant.io.quantized import is_quantized, save_quantized
     from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
@@ -85,9 +85,12 @@ def quantize_checkpoint(
         "nan_counts": nan_counts(model),
         "versions": library_versions(),
     }
-    save_quantized(model, out, meta=meta, overwrite=force)
-    write_json_atomic(
-        out / "quant_report.json", {"plan": plan.to_dict(), "applied": applied, "report": report}
+    save_quantized(
+        model,
+        out,
+        meta=meta,
+        overwrite=force,
+        documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
     )
     counts = Counter(target for target, _, _ in applied)
     calibration = (

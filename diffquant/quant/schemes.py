@@ -19,6 +19,7 @@ setting); ``absmax``, ``percentile`` and ``mse`` fix static scales from a calibr
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -26,7 +27,15 @@ from typing import Any
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.formats import BLOCK_FORMATS, ELEMENT_FORMATS, ElementFormat, get_format, int_format
+from diffquant.quant.formats import (
+    BLOCK_FORMATS,
+    ELEMENT_FORMATS,
+    ElementFormat,
+    e4m3_round_up,
+    e8m0_round_up,
+    get_format,
+    int_format,
+)
 
 CALIBRATIONS = ("dynamic", "absmax", "percentile", "mse")
 SCALE_FORMATS = ("fp32", "e8m0", "fp8_e4m3")
@@ -84,6 +93,7 @@ class Scheme:
         return {k: v for k, v in asdict(self).items() if k == "format" or v != defaults[k].default}
 
     def validate(self) -> None:
+        self._check_types()
         bits = re.fullmatch(r"u?int(\d+)", str(self.format))
         if bits and self.format not in ELEMENT_FORMATS:
             raise DiffquantError(f"format {self.format!r}: bits {bits.group(1)} out of range 2..8")
@@ -123,12 +133,33 @@ class Scheme:
             raise DiffquantError(
                 f"unknown scale_format {self.scale_format!r}; valid: {', '.join(SCALE_FORMATS)}"
             )
-        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            raise DiffquantError(f"scale {self.scale!r}: expected a number > 0")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise DiffquantError(f"scale {self.scale!r}: expected a finite number > 0")
         if self.asymmetric and self.is_static:
             raise DiffquantError("static calibration supports symmetric schemes only (set symmetric: true)")
         if not self.symmetric and not self.format.startswith(("int", "uint")):
             raise DiffquantError(f"symmetric: false applies to int formats only (format {self.format})")
+
+    def _check_types(self) -> None:
+        """Each field has its own type; nothing is coerced. A YAML ``smooth: "no"`` is the string "no", which
+        Python would take as true, so booleans must be real booleans (YAML true / false); numbers must be
+        numbers (a bool is not one), strings strings."""
+        for name in ("format", "granularity", "calibration", "scale_format"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise DiffquantError(f"{name}: expected a string, got {value!r} ({type_name(value)})")
+        for name in ("symmetric", "smooth"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise DiffquantError(
+                    f"{name}: expected a boolean (YAML true or false), got {value!r} ({type_name(value)})"
+                )
+        for name in ("percentile", "scale"):
+            value = getattr(self, name)
+            if name == "scale" and value is None:
+                continue
+            if not is_number(value):
+                raise DiffquantError(f"{name}: expected a number, got {value!r} ({type_name(value)})")
 
     # ------------------------------------------------------------------------------- properties
     @property
@@ -159,6 +190,17 @@ class Scheme:
 
     def label(self) -> str:
         return self.format if self.is_block_format else f"{self.format}:{self.granularity}"
+
+
+def is_number(value: Any) -> bool:
+    """An int or float that is not a bool (YAML ``true`` is no number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def type_name(value: Any) -> str:
+    """'a string', 'an integer', ... for error messages about YAML values."""
+    names = {bool: "a boolean", str: "a string", int: "an integer", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 # ------------------------------------------------------------------------------------------ reduction
@@ -203,19 +245,35 @@ def masked_absmax(x: torch.Tensor, dims: tuple[int, ...], valid: torch.Tensor | 
 
 
 def round_scale(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
-    """Scales as stored: fp32, a power of two (E8M0, rounded up so the max still fits) or an E4M3 value."""
+    """Scales as stored: fp32 unchanged, or rounded *up* onto the scale format so that amax / scale stays
+    inside the element range (the absmax scale amax / qmax is the smallest one that does).
+
+    - ``e8m0``: the smallest power of two >= scale, exact from the float's exponent field
+      (:func:`~diffquant.quant.formats.e8m0_round_up`), within E8M0's [2^-127, 2^127]. This is a per-tensor /
+      channel / token scale of amax / qmax rounded up, not the MX block rule 2^(floor(log2 amax) - emax_elem)
+      of the mx* formats (which floors and lets the top binade saturate, as OCP MX v1.0 sec. 6.3 specifies).
+    - ``fp8_e4m3``: the smallest E4M3 value >= scale (:func:`~diffquant.quant.formats.e4m3_round_up`),
+      within [2^-9, 448].
+
+    Ends of the range, the only places where the stored scale differs from rounding up:
+    - a scale above the format's largest value (448 for E4M3, 2^127 for E8M0) saturates to that value, as a
+      saturating FP8 conversion (OCP OFP8 rev 1.0, "saturation mode") does in hardware. The elements then
+      saturate too: values beyond max_scale * qmax (e.g. 448 * 127 = 56896 for int8, 448 * 7 = 3136 for int4)
+      clip to +-max_scale * qmax. Use ``scale_format: fp32`` for tensors that large.
+    - a scale below the smallest positive value (2^-9 for E4M3, 2^-127 for E8M0) is raised to it, never 0,
+      so x / scale stays finite; tensors that small then round to fewer levels (down to all zeros).
+    NaN stays NaN (callers only pass absmax scales of finite values).
+    """
     if scale_format == "e8m0":
-        return torch.exp2(torch.ceil(torch.log2(scale)))
+        return e8m0_round_up(scale)
     if scale_format == "fp8_e4m3":
-        # round up to the next E4M3 value so absmax / scale stays inside the element range
-        rounded = get_format("fp8_e4m3").round(scale)
-        bumped = rounded.to(torch.float8_e4m3fn).view(torch.uint8) + 1
-        up = bumped.view(torch.float8_e4m3fn).float()
-        return torch.where(rounded < scale, up, rounded)
+        return e4m3_round_up(scale)
     return scale
 
 
 def scale_from_absmax(amax: torch.Tensor, element: ElementFormat, scheme: Scheme) -> torch.Tensor:
+    """amax / qmax rounded onto the scheme's scale format; 1 where that is 0 (an all-zero, or underflowing,
+    group: its values quantize to 0 either way), so no scale is ever 0."""
     scale = amax / element.max_value
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return round_scale(scale, scheme.scale_format)

@@ -34,6 +34,20 @@ class Section:
     figures: list[tuple[str, Path]] = field(default_factory=list)  # caption, path
 
 
+def _nonfinite(counts: dict[str, Any] | None) -> str:
+    """'0', or 'N NaN, M Inf (first at ...)': a broken model's profile says so in the report too."""
+    if not counts:
+        return "-"
+    total = counts.get("nan", 0) + counts.get("posinf", 0) + counts.get("neginf", 0)
+    if not total:
+        return "0"
+    first = counts.get("first") or {}
+    return (
+        f"{counts.get('nan', 0):,} NaN, {counts.get('posinf', 0) + counts.get('neginf', 0):,} Inf "
+        f"(first at {describe_location(first.get('loc'))})"
+    )
+
+
 def _num(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -81,6 +95,9 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
     recipe = manifest.get("recipe") or {}
     overview = Section("Run")
     lines = [f"Folder `{run}`; command `{manifest.get('command', '?')}`."]
+    status = run_status(manifest)
+    if status is not None:
+        lines.insert(0, f"**INCOMPLETE RUN** ({status}): the results below are partial.")
     if recipe:
         lines.append(f"Recipe **{recipe.get('name')}**: {recipe.get('description', '')}")
     overview.text = "\n\n".join(lines)
@@ -112,12 +129,18 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
         )
         cols = ["top1", "top2", "top3", "top10", "top100", "median"]
         rows = [
-            [name, label, *(_num(row.get(c)) for c in cols), describe_location(row.get("top1_at"))]
+            [
+                name,
+                label,
+                *(_num(row.get(c)) for c in cols),
+                describe_location(row.get("top1_at")),
+                _nonfinite(row.get("nonfinite")),
+            ]
             for label in ("attention logits", "hidden states")
             for name, m in models.items()
             if (row := m.get("table5", {}).get(label))
         ]
-        sec.tables.append(("Table 5 view", ["model", "activation", *cols, "top1 at"], rows))
+        sec.tables.append(("Table 5 view", ["model", "activation", *cols, "top1 at", "non-finite"], rows))
         layer_rows = [
             [name, str(r["layer"]), *(_num(r.get(c)) for c in ("top1", "top2", "top3", "median", "kurtosis"))]
             for name, m in models.items()
@@ -229,6 +252,12 @@ def to_html(sections: list[Section]) -> str:
             )
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def run_status(manifest: dict[str, Any]) -> str | None:
+    """None for a finished run (or one written before runs recorded a status), else its status."""
+    status = manifest.get("status")
+    return None if status in (None, "complete") else str(status)
 
 
 def write_report(run_dir: str | Path, figures: list[Any] | None = None, dpi: int = 150) -> tuple[Path, Path]:

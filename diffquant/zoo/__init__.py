@@ -23,8 +23,10 @@ def zoo_names() -> list[str]:
 
 
 def zoo_path(name: str) -> Path:
+    """The folder of zoo model ``name``: one of :func:`zoo_names`, never a path (``zoo:/abs``,
+    ``zoo:../x`` would otherwise load any folder on disk under the zoo's name)."""
     path = ZOO_DIR / name
-    if not (path / "config.json").is_file():
+    if name not in zoo_names():
         names = ", ".join(zoo_names()) or "none shipped"
         raise DiffquantError(f"zoo model {name!r} not found; zoo models: {names}")
     return path
