@@ -471,3 +471,32 @@ def test_fuzzed_plans_never_trace_back(tmp_path_factory, where, key, value):
         assert not out.exists()
     else:
         load_model(out)
+
+
+def test_eval_of_a_nan_model_is_loud_and_keeps_valid_json(broken, text, tmp_path, capsys):
+    out = tmp_path / "ev"
+    code, stdout, err = _run_cli(
+        ["eval", str(broken), "--task", f"bpb:data={text},tokens=128,seq_len=64", "--out", str(out)], capsys
+    )
+    assert code == 0
+    assert "NON-FINITE result in broken|none|bpb: bits_per_byte = nan" in err
+    assert "nan" in stdout.splitlines()[-2]  # the table shows it, not "-"
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["metric"]: r["value"] for r in rows}["bits_per_byte"] == "nan"
+
+
+def test_a_folder_of_another_profile_is_refused(tiny, tmp_path, text, capsys):
+    other = tmp_path / "other"
+    assert main(["init", "--kind", "diff_v2", "--preset", "tiny", str(other)]) == 0
+    common = ["--data", str(text), "--tokens", "64", "--seq-len", "32", "--sites", "kind:resid"]
+    out = str(tmp_path / "prof")
+    assert main(["profile", str(tiny), *common, "--out", out]) == 0
+    assert main(["profile", str(tiny), *common, "--out", out]) == 0  # the same run may come back
+    capsys.readouterr()
+    code, _, err = _run_cli(["profile", str(other), *common, "--out", out], capsys)
+    assert code == 2 and "--force" in _one_line(err)
+    assert main(["profile", str(other), *common, "--out", out, "--force"]) == 0
+    assert sorted(p.name for p in (tmp_path / "prof" / "profile").iterdir()) == [
+        "other.json",
+        "other.maps.safetensors",
+    ]
