@@ -80,6 +80,17 @@ def test_duplicate_yaml_keys_are_errors(tmp_path, capsys):
     assert code == 2 and "duplicate key" in _one_line(err)
 
 
+def _tiny_hf_llama(tmp_path: Path) -> Path:
+    """A tiny random HF Llama folder (analysis/convert/make_tiny_hf.py), for damaging in a test."""
+    pytest.importorskip("transformers")
+    subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "analysis/convert/make_tiny_hf.py"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    return tmp_path / "tiny-llama"
+
+
 # ------------------------------------------------------------------------------- 5. unbounded configs
 def _edit_config(folder: Path, **changes) -> None:
     path = folder / "config.json"
@@ -97,13 +108,7 @@ def test_huge_layer_count_is_refused_before_anything_is_built(tiny, capsys):
 
 
 def test_huge_hf_layer_count_is_refused(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    subprocess.run(
-        [sys.executable, str(Path(__file__).parents[1] / "analysis/convert/make_tiny_hf.py"), str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
-    folder = tmp_path / "tiny-llama"
+    folder = _tiny_hf_llama(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["num_hidden_layers"] = 10**9
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -298,13 +303,7 @@ def test_zoo_names_are_names_not_paths(tiny, capsys):
 
 
 def test_hf_shard_index_cannot_point_outside_its_folder(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    subprocess.run(
-        [sys.executable, str(Path(__file__).parents[1] / "analysis/convert/make_tiny_hf.py"), str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
-    folder = tmp_path / "tiny-llama"
+    folder = _tiny_hf_llama(tmp_path)
     outside = tmp_path / "elsewhere.safetensors"
     (folder / "model.safetensors").rename(outside)
     from safetensors import safe_open
