@@ -429,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantization and activation-outlier analysis of Differential Transformers.",
     )
     parser.add_argument("--version", action="version", version=f"diffquant {__version__}")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress output on stderr (bars, periodic lines); also DIFFQUANT_QUIET=1",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     info = sub.add_parser("info", help="show a checkpoint's config, parameter counts and probe sites")
@@ -606,31 +611,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Passive OpenMP threads unless the user chose: torch's busy-waiting (active) default burns the cores
+    # that the other threads (or other processes) need between parallel regions. libgomp reads this once,
+    # when torch is first imported, so it must be set first (build_parser imports torch).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     _route_warnings()
     if args.command is None:
         parser.print_help()
         return 0
-    # One handler for every expected failure: a user error, the file system refusing (read-only disk, full
-    # disk, --out under a file), undecodable input, a closed pipe, Ctrl-C. Anything else is a bug and keeps
-    # its traceback.
-    try:
-        return args.func(args)
-    except DiffquantError as err:
-        return _fail(args.command, str(err))
-    except BrokenPipeError:
-        # `diffquant zoo | head -1`: the reader left; point stdout at /dev/null so the final flush is quiet.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-    except OSError as err:
-        where = f"{err.filename}: " if err.filename else ""
-        return _fail(args.command, f"{where}{err.strerror or err}")
-    except UnicodeDecodeError as err:
-        return _fail(args.command, f"input is not UTF-8 text (byte {err.start}: {err.reason})")
-    except KeyboardInterrupt:
-        print("diffquant: interrupted", file=sys.stderr)
-        return 130
+    from diffquant.progress import quiet
+
+    with quiet(args.quiet):  # --quiet: no progress output, here and in the workers this run starts
+        # One handler for every expected failure: a user error, the file system refusing (read-only disk, full
+        # disk, --out under a file), undecodable input, a closed pipe, Ctrl-C. Anything else is a bug and keeps
+        # its traceback.
+        try:
+            return args.func(args)
+        except DiffquantError as err:
+            return _fail(args.command, str(err))
+        except BrokenPipeError:
+            # `diffquant zoo | head -1`: the reader left; point stdout at /dev/null so the final flush is quiet.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except OSError as err:
+            where = f"{err.filename}: " if err.filename else ""
+            return _fail(args.command, f"{where}{err.strerror or err}")
+        except UnicodeDecodeError as err:
+            return _fail(args.command, f"input is not UTF-8 text (byte {err.start}: {err.reason})")
+        except KeyboardInterrupt:
+            print("diffquant: interrupted", file=sys.stderr)
+            return 130
 
 
 class _StderrLine(logging.Handler):

@@ -31,16 +31,15 @@ tokens scored:
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from diffquant.data.corpus import token_stream
 from diffquant.data.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
+from diffquant.progress import progress as show_progress
 
 WINDOW_CONVENTIONS = ("disjoint", "chained")
 DEFAULT_SEQ_LEN = 2048  # GPTQ's WikiText-2 window; a model with a shorter context uses its max_seq_len
@@ -204,7 +203,7 @@ def evaluate_stream(
     n_scored = n_bytes = 0
     with (
         torch.no_grad(),
-        tqdm(total=len(plan), desc="ppl", unit="win", file=sys.stderr, disable=not progress) as bar,
+        show_progress(total=len(plan), desc="ppl", unit="win", bar=progress) as bar,
     ):
         for batch in _batches(plan, batch_size):
             ids = torch.stack([stream[start:end] for start, end, _ in batch])

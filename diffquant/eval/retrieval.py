@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from diffquant.data.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.models.taps import model_taps
 from diffquant.profile.profiler import Profile, Profiler, merge_profiles
+from diffquant.progress import progress as show_progress
 
 __all__ = [
     "CITIES",
@@ -490,7 +490,7 @@ def score_samples(
     results: list[SampleScore | None] = [None] * len(samples)
     profiles = []
     with torch.no_grad():
-        for batch in tqdm(batches, desc="retrieval", unit="batch", disable=not progress, leave=False):
+        for batch in show_progress(batches, "retrieval", "batch", bar=progress, leave=False):
             chosen = [samples[i] for i in batch]
             ids = torch.tensor([encoded[i][0] for i in batch], dtype=torch.long, device=device)
             cache = model.new_cache() if has_cache else None

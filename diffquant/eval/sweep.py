@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
@@ -52,6 +51,7 @@ from diffquant.io.artifacts import (
 )
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
+from diffquant.progress import progress as show_progress
 
 NONE_PLAN = "none"
 RESULT_COLUMNS = ("model", "attention", "plan", "task", "metric", "value", "unquantized", "delta")
@@ -356,7 +356,8 @@ def run_sweep(
                 )
         tasks = {t.label: t for t in spec.tasks}
         path = out / f"cells-rank{rank}.jsonl"
-        for cell in tqdm(mine, desc="sweep", unit="cell", disable=not progress or rank != 0):
+        # a bar on request (progress=True), else a line every few seconds on stderr (rank 0 only)
+        for cell in show_progress(mine, "sweep", "cell", bar=progress, enabled=rank == 0):
             start = time.perf_counter()
             with torch.no_grad():
                 model = runner.model(cell)

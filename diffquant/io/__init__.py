@@ -1,192 +1,36 @@
-"""Reading and writing models: native checkpoints now, converters for other layouts beside them."""
+"""Reading and writing models and run artifacts: native checkpoints, converters (Hugging Face, GGUF, unilm),
+quantized checkpoints, fetched checkpoints, run folders.
+
+The package imports nothing heavy itself (PEP 562 lazy attributes): ``diffquant --help`` and the argument
+parsers import ``diffquant.io.fetch`` / ``diffquant.io.artifacts`` without loading torch.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-import torch
+_LAZY = {
+    "check_model_spec": "diffquant.io.load",
+    "init_model": "diffquant.io.load",
+    "load_model": "diffquant.io.load",
+    "peek_config": "diffquant.io.load",
+    "peek_tokenizer": "diffquant.io.load",
+    "resolve_fetch": "diffquant.io.load",
+    "save_quantized": "diffquant.io.load",
+    "KNOWN_SCHEMES": "diffquant.io.load",
+    "load_checkpoint": "diffquant.io.checkpoint",
+    "read_config": "diffquant.io.checkpoint",
+    "save_checkpoint": "diffquant.io.checkpoint",
+}
 
-from diffquant.errors import DiffquantError
-from diffquant.io.checkpoint import load_checkpoint, read_config, save_checkpoint
-from diffquant.models.transformer import DecoderLM
-
-__all__ = ["init_model", "load_checkpoint", "load_model", "read_config", "save_checkpoint", "save_quantized"]
-
-
-def save_quantized(*args, **kwargs):
-    """See :func:`diffquant.io.quantized.save_quantized` (imported lazily: it needs diffquant.quant)."""
-    from diffquant.io.quantized import save_quantized as _save
-
-    return _save(*args, **kwargs)
-
-
-KNOWN_SCHEMES = ("hf", "unilm", "gguf")
+__all__ = sorted(_LAZY)
 
 
-def load_model(
-    spec: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    tokenizer: str | Path | None = None,
-) -> DecoderLM:
-    """Load a model from a specifier: a native checkpoint folder (quantized or not), ``zoo:NAME`` (the
-    models shipped with diffquant), ``init:KIND:PRESET[:SEED]`` (a randomly initialised model),
-    ``hf:PATH`` (a local Hugging Face llama / diffllama folder), ``gguf:FILE`` (a llama GGUF file),
-    ``fetch:NAME`` (a real checkpoint downloaded into the cache on first use, e.g. ``fetch:smollm2``) or
-    ``unilm:PATH`` (a unilm-layout decoder).
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
 
-    The model comes with the tokenizer it reads as ``model.tokenizer`` (None where the checkpoint names
-    none; :func:`diffquant.data.model_tokenizer` then decides); ``tokenizer`` ('byte', a tokenizer.json or
-    its folder) replaces it, after checking that its ids fit the embedding.
-    """
-    model = _load(spec, device, dtype)
-    if not hasattr(model, "tokenizer"):
-        model.tokenizer = None
-    if tokenizer is not None:
-        from diffquant.data.tokenizer import model_tokenizer
-
-        model.tokenizer = model_tokenizer(model, str(spec), override=tokenizer)
-    return model
-
-
-def resolve_fetch(spec: str | Path) -> str:
-    """``fetch:NAME`` -> ``gguf:PATH`` of the cached (downloaded on first use) file; other specs unchanged."""
-    text = str(spec)
-    if not text.startswith("fetch:"):
-        return text
-    from diffquant.io.fetch import FETCHABLE
-
-    name = text[len("fetch:") :]
-    if name not in FETCHABLE:
-        raise DiffquantError(
-            f"model specifier {text!r}: unknown name {name!r}; expected one of {', '.join(FETCHABLE)}"
-        )
-    return f"gguf:{FETCHABLE[name]()}"
-
-
-def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> DecoderLM:
-    text = resolve_fetch(spec)
-    scheme = text.split(":", 1)[0]
-    if scheme == "init":
-        return init_model(text, device=device, dtype=dtype)
-    if scheme == "zoo":
-        from diffquant.zoo import zoo_path
-
-        return load_checkpoint(zoo_path(text[4:]), device=device, dtype=dtype or torch.float32)
-    if ":" in text and scheme in KNOWN_SCHEMES:
-        from diffquant.io.convert_cli import load_converted
-
-        return load_converted(text, device=device, dtype=dtype)
-    from diffquant.io.quantized import is_quantized, load_quantized
-
-    if is_quantized(text):
-        return load_quantized(text, device=device, dtype=dtype)
-    return load_checkpoint(text, device=device, dtype=dtype)
-
-
-def init_model(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DecoderLM:
-    """``init:KIND:PRESET[:SEED]``: a seeded random model, the same as ``diffquant init`` writes."""
-    from diffquant.models import ATTENTION_KINDS, PRESETS, preset_config
-
-    parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[1] not in ATTENTION_KINDS or parts[2] not in PRESETS:
-        raise DiffquantError(
-            f"model specifier {spec!r}: expected init:KIND:PRESET[:SEED] with KIND one of "
-            f"{', '.join(ATTENTION_KINDS)} and PRESET one of {', '.join(PRESETS)}"
-        )
-    try:
-        seed = int(parts[3]) if len(parts) == 4 else 0
-    except ValueError:
-        raise DiffquantError(f"model specifier {spec!r}: seed {parts[3]!r} is not an integer") from None
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = DecoderLM(preset_config(parts[2], parts[1]))
-    finally:
-        torch.random.set_rng_state(generator_state)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.to(device).eval()
-
-
-def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
-    """The tokenizer a model specifier brings, read without loading its weights (None: none recorded, so
-    the byte tokenizer if the model has the byte vocabulary). Lets a run pick its default text and cut
-    windows before any model is in memory."""
-    from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer
-
-    if override is not None:
-        return load_tokenizer(override)
-    text = resolve_fetch(spec)
-    scheme, _, rest = text.partition(":")
-    if scheme in ("init", "zoo"):
-        return ByteTokenizer()
-    if scheme == "hf" and rest:
-        from diffquant.io.convert_hf import _folder_tokenizer
-
-        return _folder_tokenizer(Path(rest)) if Path(rest).is_dir() else None
-    if scheme == "gguf" and rest:
-        from diffquant.io.convert_gguf import read_gguf_tokenizer
-
-        return read_gguf_tokenizer(rest)
-    if scheme == "unilm" and rest:
-        return None
-    from diffquant.io.checkpoint import read_tokenizer
-
-    return read_tokenizer(text)
-
-
-def peek_config(spec: str | Path):
-    """The ModelConfig a model specifier names, read from its config alone (no weights, no model built):
-    what a run checks before its first write (sequence lengths, vocabulary, tokenizer fit)."""
-    from diffquant.models import PRESETS, preset_config
-
-    text = resolve_fetch(spec)
-    scheme, _, rest = text.partition(":")
-    if scheme == "init":
-        parts = text.split(":")
-        if len(parts) in (3, 4) and parts[2] in PRESETS:
-            return preset_config(parts[2], parts[1])
-        return init_model(text, device="meta").config  # the one-line error of init_model
-    if scheme == "zoo":
-        from diffquant.zoo import zoo_path
-
-        return read_config(zoo_path(rest))
-    if scheme == "hf" and rest:
-        from diffquant.io.artifacts import read_json
-        from diffquant.io.convert_hf import CONFIG_FILE, _folder, config_from_hf
-
-        return config_from_hf(read_json(_folder(rest) / CONFIG_FILE), str(Path(rest) / CONFIG_FILE))
-    if scheme == "unilm" and rest:
-        from diffquant.io.artifacts import read_json
-        from diffquant.io.convert_hf import CONFIG_FILE, _folder
-        from diffquant.io.convert_unilm import config_from_unilm
-
-        return config_from_unilm(read_json(_folder(rest) / CONFIG_FILE), str(Path(rest) / CONFIG_FILE))
-    if scheme == "gguf" and rest:
-        from diffquant.io.convert_gguf import config_from_gguf, read_gguf
-
-        return config_from_gguf(read_gguf(Path(rest)), rest)
-    return read_config(text)
-
-
-def check_model_spec(spec: str | Path, name: str, tokenizer: str | Path | None = None, seq_lens=()):
-    """Fail early, in one line, for a model a run cannot use: unreadable config, no tokenizer that fits,
-    or a window longer than its context. Returns (config, tokenizer)."""
-    from diffquant.data.tokenizer import ByteTokenizer, check_fits
-
-    config = peek_config(spec)
-    tok = peek_tokenizer(spec, tokenizer)
-    if tok is None:
-        if config.vocab_size != ByteTokenizer.vocab_size:
-            from diffquant.data.tokenizer import model_tokenizer
-
-            model_tokenizer(type("Shell", (), {"config": config})(), name)  # raises the one-line error
-        tok = ByteTokenizer()
-    check_fits(tok, config.vocab_size, name)
-    for what, length in seq_lens:
-        if length is not None and length > config.max_seq_len:
-            raise DiffquantError(
-                f"{what} {length} exceeds the max_seq_len {config.max_seq_len} of {name} ({spec})"
-            )
-    return config, tok
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'diffquant.io' has no attribute {name!r}")

@@ -280,8 +280,24 @@ class Attention(nn.Module):
             causal = t > 1
         elif t > 1:
             mask = _valid_mask(t, s, pos0, v.device)[0, 0]
+        # SDPA's fast kernels (flash on CPU and CUDA) need one head width for Q, K and V; DIFF V1's value
+        # heads are 2d wide against d-wide Q/K, which would send it to the slow math kernel. Zero-padding the
+        # narrower side to the common width is exact: the extra channels add 0 to every Q.K^T dot product
+        # (the scale is passed explicitly, so it stays 1/sqrt(d)) and padded V channels are sliced off.
+        # Same cost as the DIFF paper's split-V flash variant ([softmax(QK^T) V1, softmax(QK^T) V2]) in
+        # one call instead of two per component, and one softmax.
+        dv = v.shape[-1]
+        width = max(components[0][0].shape[-1], dv)
+        v = _pad_width(v, width)
         outs = [
-            F.scaled_dot_product_attention(qc, kc, v, attn_mask=mask, is_causal=causal, scale=self.scale)
+            F.scaled_dot_product_attention(
+                _pad_width(qc, width),
+                _pad_width(kc, width),
+                v,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scale,
+            )[..., :dv]
             for qc, kc in components
         ]
         if lam is None:
@@ -323,6 +339,11 @@ def _flash_ready(attn: Attention, x: torch.Tensor) -> bool:
     from diffquant.kernels.dispatch import flash_ready
 
     return flash_ready(attn, x)
+
+
+def _pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with its last dimension zero-padded to ``width`` (unchanged when already that wide)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def _valid_mask(t: int, s: int, pos0: int, device: torch.device) -> torch.Tensor:

@@ -481,8 +481,11 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
 
         context = quanto_calibration()
     device = next(model.parameters()).device
+    from diffquant.progress import progress
+
     with context:
-        for start in range(0, windows.shape[0], batch_size):
+        starts = range(0, windows.shape[0], batch_size)
+        for start in progress(starts, "calibrate", "batch", leave=False):
             model(windows[start : start + batch_size].to(device))
     for q in quantizers:
         q.finish_calibration()
