@@ -520,3 +520,130 @@ def test_histogram_edges_and_counts_exact_at_bin_edges():
     assert signed["pos"] == (pe, pc) and signed["zero"] == 0
     ae, ac = s.histogram("abs")
     assert sum(ac) == 2 * len(j) and ae[0] == ne[0]
+
+
+# ------------------------------------------------------------------- fast paths (bit bins, float32 moments)
+def test_bin_edges_are_64_per_octave_and_quantile_bound():
+    """Edges E_j are float32 numbers within 0.1 % of 2^(j/64); the widest ratio 571/564 gives the bound."""
+    assert stats_mod.R == 2 ** (1 / 64) and stats_mod.N_BINS == 254 * 64
+    assert pytest.approx(math.sqrt(571 / 564) - 1, rel=1e-12) == QUANTILE_REL_ERROR
+    assert QUANTILE_REL_ERROR < 0.00619
+    js = range(stats_mod.I_LO, stats_mod.I_HI + 1)
+    edges = [stats_mod.bin_edges(j)[0] for j in js] + [stats_mod.bin_edges(stats_mod.I_HI)[1]]
+    assert all(float(np.float32(e)) == e for e in edges[:-1]) and edges[-1] == 2.0**128
+    ratios = [b / a for a, b in zip(edges, edges[1:], strict=False)]
+    assert max(ratios) == 571 / 564 and min(ratios) == 540 / 535
+    for j, e in zip(js, edges, strict=False):
+        assert abs(math.log2(e) * 64 - j) < 0.1  # figures recover j as round(log(E_j) / LN_R)
+        assert round(math.log(e) / stats_mod.LN_R) == j
+
+
+def test_quantiles_within_bound_wide_range():
+    rng = np.random.default_rng(21)
+    x = torch.from_numpy(rng.lognormal(0.0, 6.0, size=(4, 100, 64)) * rng.choice([-1, 1], (4, 100, 64)))
+    x = x.to(torch.float32)
+    s = SiteStats("layers.0.resid", "resid")
+    s.update(x)
+    a = np.sort(np.abs(x.numpy().astype(np.float64)).reshape(-1))
+    for q in np.linspace(0, 1, 101):
+        exact = exact_rank_value(a, float(q))
+        assert abs(s.quantile(float(q)) - exact) <= QUANTILE_REL_ERROR * exact * (1 + 1e-12)
+
+
+def test_float64_bins_match_float32_and_resolve_below_edges():
+    j = torch.arange(-8000, 8100, 97)
+    edges = torch.tensor([stats_mod.bin_edges(int(i))[0] for i in j], dtype=torch.float64)
+    below = torch.nextafter(edges, torch.zeros_like(edges))  # not a float32 number: exact in float64 only
+    huge = torch.tensor([1e300, -1e300, 1e-300, 2.0**128], dtype=torch.float64)
+    s = SiteStats("resid", "resid")
+    s.update(torch.cat([edges, -below, huge]).reshape(1, 1, -1))
+    top = stats_mod.I_HI
+    assert s._neg == {**{int(i) - 1: 1 for i in j}, top: 1} and s.zero_count == 1
+    assert s._pos == {**{int(i): 1 for i in j}, top: s._pos[top]} and s._pos[top] == 2
+    f32 = SiteStats("resid", "resid")
+    f32.update(edges.to(torch.float32).reshape(1, 1, -1))
+    g64 = SiteStats("resid", "resid")
+    g64.update(edges.reshape(1, 1, -1))
+    assert f32.to_dict()["hist"] == g64.to_dict()["hist"]
+
+
+def test_thresholds_exact_at_6_and_100():
+    v = torch.tensor([6.0, -6.0, 100.0, -100.0], dtype=torch.float32)
+    lo = torch.nextafter(v, torch.zeros_like(v))
+    hi = torch.nextafter(v, v * 2)
+    s = SiteStats("layers.0.resid", "resid", topk=3)
+    s.update(torch.cat([v, lo, hi]).reshape(1, 3, 4))
+    # >= 6: 6, -6, 100, -100 (x3 versions) minus the two just below 6 -> 10; > 100: the two just above 100
+    assert s.count_abs_ge_6 == 10 and s.count_abs_gt_100 == 2
+    assert [e["value"] for e in s._massive] == [float(hi[2]), float(hi[3])]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+def test_float32_moments_match_float64_with_outliers(offset):
+    """Row-wise float32 centred passes merged in float64 agree with numpy float64 to 1e-6 relative, with
+    24,000-magnitude outliers, a large common offset, masks, NaN and zero / constant rows."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(6, 128, 576, generator=g) * 0.5 + offset
+    x[:, :, 17] *= 400.0
+    x[0, 3, 5], x[2, 9, 100], x[5, 127, 0] = 24000.0, -24000.0, 18000.0
+    x[1, 4] = 0.0
+    x[1, 5] = 3.25
+    x[3, 7, 9] = math.nan
+    s = SiteStats("layers.3.resid", "resid", topk=50)
+    s.update(x, tokens=tokens_for(6, 128, 22))
+    ref = brute(x, "resid", "layers.3.resid", tokens=tokens_for(6, 128, 22), positions=np.arange(128))
+    check_against(s, ref)
+
+
+def test_tiny_and_huge_scales_fall_back_exactly():
+    """Rows whose float32 powers would underflow / overflow are redone in float64."""
+    g = torch.Generator().manual_seed(23)
+    for scale in (1e-18, 1e-30, 1e9, 1e15):
+        x = torch.randn(2, 8, 64, generator=g) * scale
+        s = SiteStats("layers.0.resid", "resid")
+        s.update(x)
+        check_against(s, brute(x, "resid", "layers.0.resid", positions=np.arange(8)))
+
+
+def test_blocked_passes_equal_one_block(monkeypatch):
+    """Tiny blocks (rows, histogram, extremes split into many blocks) give the same state as one block."""
+    site, kind, x, valid, tokens, so, po = _logits_chunk()
+    one = SiteStats(site, kind, topk=30)
+    one.update(x, valid=valid, tokens=tokens, sample_offset=so, pos_offset=po)
+    monkeypatch.setattr(stats_mod, "_BLOCK", 5)
+    many = SiteStats(site, kind, topk=30)
+    many.update(x, valid=valid, tokens=tokens, sample_offset=so, pos_offset=po)
+    assert_state_equal(many.to_dict(), one.to_dict(), rel=0.0)
+    check_against(many, brute(x, kind, site, valid, tokens, so, _positions(kind, x, valid, po)))
+
+
+def test_large_map_chunks_merge_equals_one_pass():
+    """A causal map split into query chunks (each with its own mask) merges into the one-pass state."""
+    g = torch.Generator().manual_seed(24)
+    t = 96
+    x = torch.randn(2, 3, t, t, generator=g) * 4.0
+    x[1, 2, 50, 10] = 500.0
+    x[0, 1, 70, 3] = math.inf
+    one = _stats_of("layers.1.attn.logits", "logits", x, valid=_valid_mask(t, t, 0, "cpu"), topk=40)
+    parts = [
+        _stats_of(
+            "layers.1.attn.logits",
+            "logits",
+            x[:, :, q0 : q0 + 32],
+            valid=_valid_mask(32, t, q0, "cpu"),
+            topk=40,
+        )
+        for q0 in range(0, t, 32)
+    ]
+    merged = SiteStats.merged(parts, site="layers.1.attn.logits")
+    assert_state_equal(merged.to_dict(), one.to_dict())
+    ref = brute(x, "logits", "layers.1.attn.logits", _valid_mask(t, t, 0, "cpu"), positions=np.arange(t))
+    check_against(one, ref)
+
+
+def test_state_version_refused():
+    d = _stats_of("layers.0.resid", "resid", torch.randn(1, 4, 8)).to_dict()
+    assert d["version"] == stats_mod.STATE_VERSION == 2
+    old = dict(d, version=1, hist=dict(d["hist"], base=1.02))
+    with pytest.raises(ValueError, match="unsupported statistics state"):
+        SiteStats.from_dict(old)

@@ -21,18 +21,29 @@ follows a published definition:
 
 Approximations (everything else is exact):
 
-* Histogram: bins [r^j, r^(j+1)) with r = 1.02 for j = I_LO .. I_HI (edges r^j rounded to float32, so that
-  binning is exact for float32 and float64 inputs alike), which covers every normal float32 magnitude
-  (2^-126 .. 2^128). A value with |x| below the smallest edge r^I_LO ~ 1.16e-38 (zeros and most subnormals)
-  goes in a zero bin and is reported as 0; float64 magnitudes beyond float32's range clamp into the top bin.
+* Histogram: 64 bins per octave, binned by the float32 bit pattern. Bin j = 64 e + k (k = 0 .. 63) is
+  [E_j, E_(j+1)) with E_j = 2^e * M_k / 512, M_k = round(512 * 2^(k/64)) (M_64 = 1024): the geometric edges
+  r^j, r = 2^(1/64) ~ 1.0109, rounded to 9 mantissa bits, so every edge is a float32 number and E_j is within
+  0.1 % of r^j. A float32 magnitude's exponent and top 9 mantissa bits (one shift of its bit pattern) name a
+  "fine" interval that lies inside exactly one bin, so binning is exact: one bincount over the bit codes, then
+  a fixed table folds fine intervals into bins. Float64 inputs are binned from their own bits the same way
+  (exact too). Bins j = I_LO .. I_HI (2^-126 .. 2^128) cover every normal float32 magnitude; a value with
+  |x| < 2^-126 (zeros, subnormals) goes in the zero bin and is reported as 0; float64 magnitudes >= 2^128
+  clamp into the top bin. The widest bin has E_(j+1) / E_j = 571/564 = 1.01241 (the narrowest 540/535 = 1.00935).
   :meth:`SiteStats.quantile` finds the bin holding the exact rank and returns its geometric midpoint
-  r^(j+1/2), so the relative error of a non-zero quantile is at most sqrt(1.02) - 1 = 0.995 % < 1 %
-  (``QUANTILE_REL_ERROR``, 0.99506 % with the rounded edges).
+  sqrt(E_j E_(j+1)), so the relative error of a non-zero quantile is at most sqrt(571/564) - 1 = 0.6187 %
+  (``QUANTILE_REL_ERROR``; it was 0.995 % with the earlier r = 1.02 bins, STATE_VERSION 1).
 * Beyond-6-sigma count: mean and std are only known at the end of the stream, so the count is read from the
   signed histogram in :meth:`SiteStats.summary`: a whole bin counts when its geometric midpoint (taken with the
-  bin's sign) lies beyond mean +/- 6 std. Each value is within a factor sqrt(1.02) of its bin's midpoint, so
-  the threshold is resolved to within 2 %: the count lies between the exact counts of |x - mean| > 6.12 std and
-  |x - mean| > 5.88 std whenever |mean| < 5.8 std (true of activations; else std is tiny next to the values).
+  bin's sign) lies beyond mean +/- 6 std. Each value is within a factor 1 + QUANTILE_REL_ERROR of its bin's
+  midpoint, so the threshold is resolved to within 0.62 %: the count lies between the exact counts of
+  |x - mean| > 6.04 std and |x - mean| > 5.96 std whenever |mean| < 5.9 std (true of activations; else std is
+  tiny next to the values).
+* Moments are accumulated from float32 passes for float32 / bf16 / fp16 inputs (see
+  :func:`_row_moments`): each row of the last dim is summed in float64 (exact row means), centred in float32
+  at its rounded mean, its central power sums taken in float32, and rows are combined in float64 with the
+  exact shift formulas. Rows whose float32 sums could over- or underflow are redone in float64. The
+  result agrees with a float64 two-pass computation to ~1e-7 relative (tested to 1e-6).
 
 ``valid`` masks (attention-map chunks) exclude entries from everything; NaN / +Inf / -Inf are counted
 separately and excluded from all other statistics.
@@ -50,85 +61,129 @@ import torch
 from diffquant.profile.sites import Layout, layer_of, layout_of, query_positions
 
 # ------------------------------------------------------------------------------------------ histogram bins
-R = 1.02
+BINS_PER_OCTAVE = 64
+R = 2.0 ** (1.0 / BINS_PER_OCTAVE)  # nominal bin ratio; the edges are r^j rounded to FINE_BITS mantissa bits
 LN_R = math.log(R)
-I_LO = math.floor(-126 * math.log(2) / LN_R)  # r^I_LO <= 2^-126 (smallest normal float32) < r^(I_LO+1)
-I_HI = math.floor(128 * math.log(2) / LN_R)  # r^(I_HI+1) > 2^128 > largest float32
+FINE_BITS = 9  # mantissa bits of a fine interval: 512 per octave, each inside one bin
+I_LO = -126 * BINS_PER_OCTAVE  # E_(I_LO) = 2^-126, the smallest normal float32
+I_HI = 128 * BINS_PER_OCTAVE - 1  # E_(I_HI + 1) = 2^128 > largest float32
 N_BINS = I_HI - I_LO + 1  # per sign; plus one zero bin
 INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022)
 MASSIVE_FLOOR = 100.0  # Sun et al. 2024: massive activations have |x| > 100 ...
 MASSIVE_RATIO = 1000.0  # ... and |x| > ~1000 x the median magnitude
 SIGMAS = 6.0  # Bondarenko et al. 2023: outliers lie beyond 6 standard deviations
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: 64 bins per octave (bit-pattern binning); 1: r = 1.02 bins
 
-# _POW[j - I_LO] = r^j for j = I_LO .. I_HI + 1, rounded to float32 (except the last, beyond float32's range):
-# the bin edges. They *define* the bins: a value's bin is found with the float log, then corrected by exact
-# comparisons against these edges. Rounding them to float32 keeps those comparisons exact in float32 (no
-# float64 promotion of 10^7-element tensors) and in float64 alike; it moves each edge by < 1.2e-7 relative,
-# which leaves the quantile error bound at sqrt(1.02) - 1 to 7 significant digits.
-_POW = torch.exp(torch.arange(I_LO, I_HI + 2, dtype=torch.float64) * LN_R)
-_POW[:N_BINS] = _POW[:N_BINS].to(torch.float32).to(torch.float64)
-# Bound on the relative error of a non-zero quantile: sqrt of the widest bin ratio, minus 1 (0.995 %).
-QUANTILE_REL_ERROR = float(torch.sqrt(_POW[1:] / _POW[:-1]).max()) - 1
-_EDGE_CACHE: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+# In-octave edge mantissas M_k = round(2^FINE_BITS * 2^(k/64)), k = 0 .. 64 (M_64 = 2 * 2^FINE_BITS): E_(64e+k)
+# = 2^e * M_k / 2^FINE_BITS, exact float32 numbers on the fine grid.
+_FINE = 1 << FINE_BITS
+_M = [round(_FINE * 2.0 ** (k / BINS_PER_OCTAVE)) for k in range(BINS_PER_OCTAVE)] + [2 * _FINE]
+_EDGES = [
+    math.ldexp(_M[(j - I_LO) % BINS_PER_OCTAVE], (j - I_LO) // BINS_PER_OCTAVE - 126 - FINE_BITS)
+    for j in range(I_LO, I_HI + 1)
+] + [2.0**128]
+# Bound on the relative error of a non-zero quantile: sqrt of the widest bin ratio, minus 1 (0.6187 %).
+QUANTILE_REL_ERROR = max(math.sqrt(_M[k + 1] / _M[k]) for k in range(BINS_PER_OCTAVE)) - 1
+
+_MAG_CODES = 1 << (8 + FINE_BITS)  # fine code of a magnitude: 8 exponent bits, FINE_BITS mantissa bits
+_SHIFT32 = 23 - FINE_BITS
+_SLOTS = N_BINS + 1  # dense per-sign histogram: slot 0 = zero bin, slot 1 + j - I_LO = bin j
+
+
+def _fold_table() -> torch.Tensor:
+    """Dense slot (sign * _SLOTS + slot) of every signed fine code (sign bit, exponent, FINE_BITS mantissa)."""
+    k_of_m = torch.searchsorted(
+        torch.tensor(_M[:BINS_PER_OCTAVE]), torch.arange(_FINE, 2 * _FINE), right=True
+    ).sub_(1)  # bin within the octave of each fine mantissa
+    exp = torch.arange(256).unsqueeze(1)
+    slot = 1 + (exp - 127) * BINS_PER_OCTAVE + k_of_m.unsqueeze(0) - I_LO
+    slot[0] = 0  # exponent field 0: zeros and subnormals
+    slot[255] = N_BINS  # Inf / NaN never get here (excluded); clamp anyway
+    slot = slot.reshape(-1)
+    neg = torch.where(slot == 0, 0, slot + _SLOTS)  # negative zero -> the one zero bin
+    return torch.cat([slot, neg])
+
+
+_FOLD = _fold_table()
+_CODE_6 = int(torch.tensor(INT8_THRESHOLD, dtype=torch.float32).view(torch.int32)) >> _SHIFT32
+_CODE_100 = int(torch.tensor(MASSIVE_FLOOR, dtype=torch.float32).view(torch.int32)) >> _SHIFT32
 
 _COORDS = ("pos", "head", "channel", "key")  # location keys that are layout coordinates
 _SCAN_CHUNK = 1 << 20
 _SUBSET_MIN = 1 << 16
-
-
-def _edges(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lower, upper) edge of slot k = 0 .. N_BINS: slot 0 is the zero bin, slot k >= 1 is bin I_LO + k - 1.
-
-    The top slot's upper edge is +inf so float64 magnitudes beyond float32's range clamp into it. Exact in
-    float32 and float64 (the edges are float32 numbers).
-    """
-    key = (device, dtype)
-    if key not in _EDGE_CACHE:
-        zero = torch.zeros(1, dtype=torch.float64)
-        inf = torch.full((1,), math.inf, dtype=torch.float64)
-        lower = torch.cat([zero, _POW[:N_BINS]])
-        upper = torch.cat([_POW[:N_BINS], inf])
-        _EDGE_CACHE[key] = (lower.to(device, dtype), upper.to(device, dtype))
-    return _EDGE_CACHE[key]
+_BLOCK = 1 << 18  # elements per block of the blocked passes
 
 
 def bin_edges(j: int) -> tuple[float, float]:
-    """The magnitude range [r^j, r^(j+1)) of histogram bin j."""
-    return float(_POW[j - I_LO]), float(_POW[j - I_LO + 1])
+    """The magnitude range [E_j, E_(j+1)) of histogram bin j."""
+    return _EDGES[j - I_LO], _EDGES[j - I_LO + 1]
 
 
 def bin_midpoint(j: int) -> float:
-    """Geometric midpoint r^(j+1/2) of bin j: the value reported for every magnitude in the bin."""
+    """Geometric midpoint sqrt(E_j E_(j+1)) of bin j: the value reported for every magnitude in the bin."""
     lo, hi = bin_edges(j)
     return math.sqrt(lo * hi)
 
 
-def _histogram(vals: torch.Tensor, a: torch.Tensor) -> tuple[int, dict[int, int], dict[int, int]]:
-    """(zero count, {bin: count} of positive values, {bin: count} of negative values) of finite ``vals``
-    (1-D, float32 or float64) with magnitudes ``a``.
+def _fine_codes(vals: torch.Tensor) -> torch.Tensor:
+    """Signed fine code (sign, 8-bit float32 exponent, top FINE_BITS mantissa bits) of each finite value of 1-D
+    ``vals``; float64 values are mapped onto float32's exponent range (below 2^-126 -> exponent 0, at or beyond
+    2^128 -> the top code), so binning is exact for both dtypes."""
+    if vals.dtype == torch.float32:
+        return torch.bitwise_right_shift(vals.view(torch.int32), _SHIFT32).bitwise_and_(2 * _MAG_CODES - 1)
+    bits = vals.view(torch.int64)
+    exp = ((bits >> 52) & 0x7FF) - (1023 - 127)
+    mant = (bits >> (52 - FINE_BITS)) & (_FINE - 1)
+    mag = torch.where(exp <= 0, 0, (exp.clamp_max(254) << FINE_BITS) | mant)
+    mag = torch.where(exp >= 255, (254 << FINE_BITS) | (_FINE - 1), mag)  # top bin
+    return mag | ((bits < 0).to(torch.int64) << (8 + FINE_BITS))
 
-    Vectorised for ~10^7 elements: log / floor gives the bin to within a fraction of a bin (the float32 log is
-    accurate to ~1e-3 bins), one exact comparison step on each side against the edges fixes it, and a single
-    bincount over (sign, slot) codes does the counting (slot N_BINS + 1 is a negative value in the zero bin).
+
+def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """(dense signed bin counts (2 * _SLOTS, int64), #|x| >= 6, #|x| >= 100) of the entries of 1-D ``flat``
+    where ``ok`` (None: all; the counted entries must be finite).
+
+    Per block, one bincount over the fine bit codes (exact: each fine interval lies in one bin, 6 and 100 are
+    fine-interval edges; excluded entries go to a dump code); then the fixed table folds the 2^18 fine counts
+    into bins.
     """
-    lower, upper = _edges(vals.device, vals.dtype)
-    f = torch.log(a).div_(LN_R).floor_().clamp_(I_LO - 1, I_HI)  # log(0) = -inf clamps to the zero slot
-    k = f.to(torch.int64).sub_(I_LO - 1)
-    k.sub_((a < lower[k]).to(torch.int64))
-    k.add_((a >= upper[k]).to(torch.int64))
-    k.add_((vals < 0).to(torch.int64), alpha=N_BINS + 1)
-    counts = torch.bincount(k, minlength=2 * (N_BINS + 1))
-    nonzero = counts.nonzero().squeeze(1)
-    zero, pos, neg = 0, {}, {}
-    for slot, n in zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True):
-        if slot == 0 or slot == N_BINS + 1:
-            zero += n
-        elif slot <= N_BINS:
-            pos[I_LO + slot - 1] = n
-        else:
-            neg[I_LO + slot - N_BINS - 2] = n
-    return zero, pos, neg
+    dump = 2 * _MAG_CODES
+    fine = None
+    for i in range(0, flat.numel(), 4 * _BLOCK):
+        codes = _fine_codes(flat[i : i + 4 * _BLOCK])
+        if ok is not None:
+            codes.masked_fill_(~ok[i : i + 4 * _BLOCK], dump)
+        part = torch.bincount(codes, minlength=dump + 1)
+        fine = part if fine is None else fine.add_(part)
+    assert fine is not None
+    fine = fine[:dump]
+    dense = torch.zeros(2 * _SLOTS, dtype=torch.int64).index_add_(0, _FOLD, fine)
+    fine = fine.view(2, _MAG_CODES)
+    ge6, ge100 = torch.stack([fine[:, _CODE_6:].sum(), fine[:, _CODE_100:].sum()]).tolist()
+    return dense, ge6, ge100
+
+
+def _masked_extremes(flat: torch.Tensor, ok: torch.Tensor) -> tuple[float, float, int]:
+    """(min, max, count) of the entries of 1-D ``flat`` where ``ok``, blockwise; NaN propagates, and with no
+    entry min = inf, max = -inf."""
+    out = []
+    for i in range(0, flat.numel(), _BLOCK):
+        blk, keep = flat[i : i + _BLOCK], ok[i : i + _BLOCK]
+        drop = ~keep
+        out.append(
+            torch.stack(
+                [
+                    blk.masked_fill(drop, math.inf).amin().to(torch.float64),
+                    blk.masked_fill(drop, -math.inf).amax().to(torch.float64),
+                    keep.sum().to(torch.float64),
+                ]
+            )
+        )
+    if not out:
+        return math.inf, -math.inf, 0
+    t = torch.stack(out)
+    lo, hi, n = torch.stack([t[:, 0].min(), t[:, 1].max(), t[:, 2].sum()]).tolist()
+    return lo, hi, int(n)
 
 
 def _add_counts(into: dict[int, int], other: dict[int, int]) -> None:
@@ -164,31 +219,96 @@ def _combine_moments(a: Moments, b: Moments) -> Moments:
     return n, mean, m2, m3, m4
 
 
-def _chunk_moments(v64: torch.Tensor | None, vals: torch.Tensor) -> Moments:
-    """Two-pass float64 central moments of one chunk (the chunk is in memory, so no streaming error).
+_TINY_S2 = 2.0**-50  # rows with mean squared deviation below this are redone in float64 (float32 underflow)
 
-    ``v64``: ``vals`` already in float64 (or None to convert here).
+
+def _row_moments(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """:func:`_row_moments_block` over blocks of about _BLOCK elements (whole rows), so that the float32 /
+    float64 temporaries stay small (large fresh allocations cost more than the arithmetic on CPU)."""
+    step = max(1, _BLOCK // max(rows.shape[1], 1))
+    if rows.shape[0] <= step:
+        return _row_moments_block(rows, ok)
+    parts = [
+        _row_moments_block(rows[i : i + step], None if ok is None else ok[i : i + step])
+        for i in range(0, rows.shape[0], step)
+    ]
+    return tuple(torch.cat(cols) for cols in zip(*parts, strict=True))
+
+
+def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Per-row (n, sum, M2, M3, M4) in float64 (central sums about each row's own mean) of the entries of 2-D
+    ``rows`` where ``ok`` (None: all).
+
+    The row sums are float64 (exact means); for float32 rows the deviations d = x - c from the float32-rounded
+    mean c and the power sums S_k = sum d^k are float32 (x - c is exact to half an ulp of d, the sums are
+    pairwise), then shifted to the exact mean in float64: with delta = mean - c,
+    M2 = S2 - n delta^2, M3 = S3 - 3 delta S2 + 2 n delta^3, M4 = S4 - 4 delta S3 + 6 delta^2 S2 - 3 n delta^4.
+    Rows whose float32 sums are not finite or whose mean square deviation is below 2^-50 (underflow), or zero,
+    are redone in float64 (constant rows then give M2 == 0 exactly).
     """
-    n = vals.numel()
-    if n == 0:
-        return 0, 0.0, 0.0, 0.0, 0.0
-    v = vals.to(torch.float64) if v64 is None else v64
-    mean = v.sum() / n
-    d = v - mean
+    width = rows.shape[1]
+    if ok is None:
+        n = torch.full((rows.shape[0],), float(width), dtype=torch.float64)
+        s = rows.sum(-1, dtype=torch.float64)
+    else:
+        n = ok.sum(-1, dtype=torch.float64)
+        s = torch.where(ok, rows, 0.0).sum(-1, dtype=torch.float64)
+    mean = torch.where(n > 0, s / n.clamp_min(1.0), 0.0)
+    c = mean.to(rows.dtype)
+    d = rows - c.unsqueeze(1)
+    if ok is not None:
+        d.masked_fill_(~ok, 0.0)
     d2 = d * d
-    sums = torch.stack([mean, torch.dot(d, d), torch.dot(d2, d), torch.dot(d2, d2)]).tolist()
-    return n, *sums
+    sums = torch.stack([d2.sum(-1), d.mul_(d2).sum(-1), d2.mul_(d2).sum(-1)]).to(torch.float64)
+    del d, d2
+    s2, s3, s4 = sums
+    delta = mean - c.to(torch.float64)
+    m2 = s2 - n * delta**2
+    m3 = s3 - 3.0 * delta * s2 + 2.0 * n * delta**3
+    m4 = s4 - 4.0 * delta * s3 + 6.0 * delta**2 * s2 - 3.0 * n * delta**4
+    if rows.dtype != torch.float64:
+        redo = ~torch.isfinite(s4) | (s2 <= _TINY_S2 * n) | (m2 <= 0)
+        redo &= n > 0
+        idx = redo.nonzero().squeeze(1)
+        if idx.numel():
+            sub = _row_moments_block(rows[idx].to(torch.float64), None if ok is None else ok[idx])
+            for dst, src in zip((m2, m3, m4), sub[2:], strict=True):
+                dst[idx] = src
+    return n, s, m2, m3, m4
 
 
-def _histogram_bar(pos: dict[int, int], neg: dict[int, int], k: int) -> tuple[float | None, int]:
+def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> Moments:
+    """Central moments of the union of rows from per-row (n, sum, M2, M3, M4): shift each row's sums from
+    its mean to the overall mean (delta = row mean - mean; Sum (e + delta)^k with Sum e = 0), in float64."""
+    total = float(n.sum())
+    if total == 0:
+        return 0, 0.0, 0.0, 0.0, 0.0
+    mean = s.sum() / total
+    delta = torch.where(n > 0, s / n.clamp_min(1.0), mean) - mean
+    d2 = delta * delta
+    out = torch.stack(
+        [
+            mean,
+            (m2 + n * d2).sum(),
+            (m3 + 3.0 * delta * m2 + n * d2 * delta).sum(),
+            (m4 + 4.0 * delta * m3 + 6.0 * d2 * m2 + n * d2 * d2).sum(),
+        ]
+    ).tolist()
+    return int(total), *out
+
+
+def _histogram_bar(dense: torch.Tensor, k: int) -> tuple[float | None, int]:
     """(lower edge of the bin holding the k-th largest magnitude, number of magnitudes >= that edge), from one
-    chunk's histogram; (None, 0) when the k-th largest magnitude lies in the zero bin."""
-    seen = 0
-    for j in sorted(set(pos) | set(neg), reverse=True):
-        seen += pos.get(j, 0) + neg.get(j, 0)
-        if seen >= k:
-            return float(_POW[j - I_LO]), seen
-    return None, 0
+    chunk's dense histogram; (None, 0) when the k-th largest magnitude lies in the zero bin (or k < 1)."""
+    if k < 1:
+        return None, 0
+    mag = dense.view(2, _SLOTS).sum(0)
+    from_top = mag[1:].flip(0).cumsum(0)
+    i = int(torch.searchsorted(from_top, k))
+    if i >= N_BINS:
+        return None, 0
+    slot = N_BINS - i  # 1-based slot of bin I_LO + slot - 1
+    return _EDGES[slot - 1], int(from_top[i])
 
 
 # ------------------------------------------------------------------------------------- top-k entries
@@ -285,9 +405,10 @@ class SiteStats:
         self._tk_tokens = 0
         self._tk_skipped = 0  # tokens with a non-finite / invalid channel or zero variance
         self._top: list[dict[str, Any]] = []
-        self._zero = 0  # |x| < r^I_LO
-        self._pos: dict[int, int] = {}
-        self._neg: dict[int, int] = {}
+        self._hist_zero = 0  # |x| < 2^-126
+        self._hist_pos: dict[int, int] = {}
+        self._hist_neg: dict[int, int] = {}
+        self._pending: torch.Tensor | None = None  # dense bin counts of updates not yet folded into the dicts
         self._absmax: torch.Tensor | None = None  # float64, CPU, flattened
         self._absmax_shape: tuple[int, ...] | None = None
         self.count_abs_ge_6 = 0
@@ -322,64 +443,72 @@ class SiteStats:
             x = x.to(torch.float32 if small_float else torch.float64)  # exact for every float dtype
         shape = tuple(x.shape)
         flat = x.reshape(-1)
-        finite = torch.isfinite(x)
-        vmask = None if valid is None else valid.to(device=x.device, dtype=torch.bool).expand(shape)
-        ok = finite if vmask is None else finite & vmask
-        n_ok = int(torch.count_nonzero(ok))
-        all_ok = n_ok == x.numel()
-        if not all_ok:
-            special = [torch.isnan(x), x == math.inf, x == -math.inf]
-            if vmask is not None:
-                special = [m & vmask for m in special]
+        x = flat.view(shape)  # contiguous
+        vflat = None
+        if valid is not None:
+            vflat = valid.to(device=x.device, dtype=torch.bool).expand(shape).reshape(-1)
+        # Fast path: min / max propagate NaN, so finite extremes of the valid entries mean all are finite.
+        ok = vflat  # None: every entry counts
+        if vflat is None:
+            n_ok = flat.numel()
+            lo, hi = torch.stack(list(torch.aminmax(flat))).to(torch.float64).tolist() if n_ok else (0.0, 0.0)
+        else:
+            lo, hi, n_ok = _masked_extremes(flat, vflat)
+        if n_ok and not (math.isfinite(lo) and math.isfinite(hi)):
+            finite = torch.isfinite(flat)
+            ok = finite if vflat is None else finite & vflat
+            special = [torch.isnan(flat), flat == math.inf, flat == -math.inf]
+            if vflat is not None:
+                special = [m & vflat for m in special]
             n_nan, n_pinf, n_ninf = torch.stack([torch.count_nonzero(m) for m in special]).tolist()
             self.nan_count += n_nan
             self.posinf_count += n_pinf
             self.neginf_count += n_ninf
-            if n_nan + n_pinf + n_ninf:
-                self._note_nonfinite(x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset)
-        af = x.abs()  # magnitudes; excluded entries -> -1 (below every real magnitude)
-        if not all_ok:
-            af.masked_fill_(~ok, -1.0)
-        af_flat = af.reshape(-1)
-        self._update_absmax(af, layout)
+            vmask = None if vflat is None else vflat.view(shape)
+            self._note_nonfinite(
+                x, finite.view(shape), vmask, valid, layout, tokens, sample_offset, pos_offset
+            )
+            lo, hi, n_ok = _masked_extremes(flat, ok)
+        af_flat = flat.abs()  # magnitudes; excluded entries -> -1 (below every real magnitude)
+        if ok is not None:
+            af_flat.masked_fill_(~ok, -1.0)
+        self._update_absmax(af_flat.view(shape), layout)
         per_token = bool(layout) and layout[-1] == "channel"
         if n_ok == 0:
             if per_token:  # every token has a non-finite / masked channel (or no channels)
                 self._tk_skipped += math.prod(shape[:-1])
             return
-        vals, a = (flat, af_flat) if all_ok else (flat[ok.reshape(-1)], af_flat[ok.reshape(-1)])
 
         self.count += n_ok
-        lo, hi = torch.aminmax(vals)
-        lo, hi = torch.stack([lo, hi]).to(torch.float64).tolist()
         self.min = lo if self.min is None else min(self.min, lo)
         self.max = hi if self.max is None else max(self.max, hi)
-        ge6, gt100 = torch.stack(
-            [torch.count_nonzero(a >= INT8_THRESHOLD), torch.count_nonzero(a > MASSIVE_FLOOR)]
-        ).tolist()
+        dense, ge6, ge100 = _histogram(flat, ok)
+        self._pending = dense if self._pending is None else self._pending.add_(dense)
         self.count_abs_ge_6 += ge6
-        self.count_abs_gt_100 += gt100
-        x64 = x.to(torch.float64) if all_ok or per_token else None  # shared by both moment passes
-        v64 = x64.reshape(-1) if all_ok and x64 is not None else None
-        self._moments = _combine_moments(self._moments, _chunk_moments(v64, vals))
+
+        width = shape[-1] if shape else 1
+        rows = flat.view(-1, width)
+        row_ok = None if ok is None else ok.view(-1, width)
+        n_r, s_r, m2_r, m3_r, m4_r = _row_moments(rows, row_ok)
+        self._moments = _combine_moments(self._moments, _combine_rows(n_r, s_r, m2_r, m3_r, m4_r))
         if per_token:
-            self._update_token_kurtosis(x, x64, None if all_ok else ok)
-        del x64, v64
-        zero, pos, neg = _histogram(vals, a)
-        self._zero += zero
-        _add_counts(self._pos, pos)
-        _add_counts(self._neg, neg)
+            self._update_token_kurtosis(n_r, m2_r, m4_r, width)
 
         qpos = None
         if valid is not None and "key" in layout:
             qpos = query_positions(valid).tolist()
         where = (flat, shape, layout, qpos, tokens, sample_offset, pos_offset)
-        bar, n_bar = _histogram_bar(pos, neg, self.topk)
+        bar, n_bar = _histogram_bar(dense, self.topk)
         top = self._entries(_select(af_flat, self.topk, -0.5, n_ok, bar, n_bar), *where)
         self._top = _merge_entries(self._top, top, self.topk)
-        if gt100:
-            massive = self._entries(_select(af_flat, self.massive_cap, MASSIVE_FLOOR, gt100), *where)
-            self._massive = _merge_entries(self._massive, massive, self.massive_cap)
+        if ge100:  # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
+            cand = (af_flat > MASSIVE_FLOOR).nonzero().squeeze(1)
+            gt100 = cand.numel()
+            self.count_abs_gt_100 += gt100
+            if gt100:
+                pick = cand[_select(af_flat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
+                massive = self._entries(pick, *where)
+                self._massive = _merge_entries(self._massive, massive, self.massive_cap)
 
     def _note_nonfinite(self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset) -> None:
         """Keep the location of the earliest non-finite entry (by sample, then layout coordinates), so a
@@ -424,28 +553,21 @@ class SiteStats:
         else:
             torch.maximum(self._absmax, amax, out=self._absmax)
 
-    def _update_token_kurtosis(self, x: torch.Tensor, x64: torch.Tensor, ok: torch.Tensor | None) -> None:
-        """Bondarenko et al. 2023: Pearson kurtosis of each token's vector over channels, summed over tokens.
+    def _update_token_kurtosis(self, n: torch.Tensor, m2: torch.Tensor, m4: torch.Tensor, width: int) -> None:
+        """Bondarenko et al. 2023: Pearson kurtosis of each token's vector over channels, summed over tokens,
+        from the per-row central sums of :func:`_row_moments`.
 
-        A token is skipped when a channel is non-finite / masked or all its channels are equal (exactly:
-        max == min, so float rounding of the mean cannot fake a non-zero variance). ``ok`` None = all valid.
+        A token is skipped when a channel is non-finite / masked (n < width) or all its channels are equal
+        (M2 == 0: exact, a constant row is centred at its exact value).
         """
-        c = x.shape[-1]
-        n_rows = x.numel() // c  # called with at least one finite value, so c > 0
-        lo, hi = torch.aminmax(x.reshape(-1, c), dim=-1)
-        keep = hi > lo  # False for NaN rows too
-        if ok is not None:
-            keep &= ok.reshape(-1, c).all(-1)
-        rows = x64.reshape(-1, c)
-        d = rows - rows.mean(-1, keepdim=True)
-        d2 = d.mul_(d)
-        m2 = d2.sum(-1)
-        m4 = torch.bmm(d2.unsqueeze(1), d2.unsqueeze(2)).reshape(-1)  # row-wise dot: sum of d^4
-        kurt = m4 * c / (m2 * m2)  # (m4 / c) / (m2 / c)^2
-        total, n = torch.stack([torch.where(keep, kurt, 0.0).sum(), keep.sum(dtype=torch.float64)]).tolist()
+        keep = (n == width) & (m2 > 0)
+        kurt = m4 * width / (m2 * m2)  # (m4 / c) / (m2 / c)^2
+        total, kept = torch.stack(
+            [torch.where(keep, kurt, 0.0).sum(), keep.sum(dtype=torch.float64)]
+        ).tolist()
         self._tk_sum += total
-        self._tk_tokens += int(n)
-        self._tk_skipped += n_rows - int(n)
+        self._tk_tokens += int(kept)
+        self._tk_skipped += n.numel() - int(kept)
 
     def _entries(
         self,
@@ -526,7 +648,7 @@ class SiteStats:
         self._tk_tokens += other._tk_tokens
         self._tk_skipped += other._tk_skipped
         self._top = _merge_entries(self._top, copy.deepcopy(other._top), self.topk)
-        self._zero += other._zero
+        self._hist_zero = self._zero + other._zero  # the properties fold pending counts first
         _add_counts(self._pos, other._pos)
         _add_counts(self._neg, other._neg)
         self.count_abs_ge_6 += other.count_abs_ge_6
@@ -571,6 +693,8 @@ class SiteStats:
             "top": copy.deepcopy(self._top),
             "hist": {
                 "base": R,
+                "bins_per_octave": BINS_PER_OCTAVE,
+                "fine_bits": FINE_BITS,
                 "zero": self._zero,
                 "pos": {str(j): self._pos[j] for j in sorted(self._pos)},
                 "neg": {str(j): self._neg[j] for j in sorted(self._neg)},
@@ -585,7 +709,12 @@ class SiteStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SiteStats:
         """Inverse of :meth:`to_dict` (also after a JSON round trip)."""
-        if d.get("version") != STATE_VERSION or d.get("hist", {}).get("base") != R:
+        hist = d.get("hist", {})
+        if (
+            d.get("version") != STATE_VERSION
+            or hist.get("base") != R
+            or (hist.get("bins_per_octave"), hist.get("fine_bits")) != (BINS_PER_OCTAVE, FINE_BITS)
+        ):
             raise ValueError(
                 f"site {d.get('site')!r}: unsupported statistics state (version / histogram base)"
             )
@@ -600,15 +729,48 @@ class SiteStats:
         tk = d["token_kurtosis"]
         s._tk_sum, s._tk_tokens, s._tk_skipped = tk["sum"], tk["tokens"], tk["skipped"]
         s._top = copy.deepcopy(d["top"])
-        s._zero = d["hist"]["zero"]
-        s._pos = {int(j): n for j, n in d["hist"]["pos"].items()}
-        s._neg = {int(j): n for j, n in d["hist"]["neg"].items()}
+        s._hist_zero = d["hist"]["zero"]
+        s._hist_pos = {int(j): n for j, n in d["hist"]["pos"].items()}
+        s._hist_neg = {int(j): n for j, n in d["hist"]["neg"].items()}
         if d["channel_absmax"] is not None:
             s._absmax = torch.tensor(d["channel_absmax"], dtype=torch.float64)
             s._absmax_shape = tuple(d["channel_absmax_shape"])
         s.count_abs_ge_6, s.count_abs_gt_100 = d["count_abs_ge_6"], d["count_abs_gt_100"]
         s._massive = copy.deepcopy(d["massive"])
         return s
+
+    # ------------------------------------------------------------------------------- histogram state
+    def _flush(self) -> None:
+        """Fold the dense counts of recent updates into the sparse {bin: count} dicts (done lazily, so an
+        update adds one dense tensor instead of building dicts)."""
+        if self._pending is None:
+            return
+        dense, self._pending = self._pending, None
+        nz = dense.nonzero().squeeze(1)
+        for slot, n in zip(nz.tolist(), dense[nz].tolist(), strict=True):
+            if slot == 0:
+                self._hist_zero += n
+            elif slot < _SLOTS:
+                j = I_LO + slot - 1
+                self._hist_pos[j] = self._hist_pos.get(j, 0) + n
+            else:
+                j = I_LO + slot - _SLOTS - 1
+                self._hist_neg[j] = self._hist_neg.get(j, 0) + n
+
+    @property
+    def _zero(self) -> int:
+        self._flush()
+        return self._hist_zero
+
+    @property
+    def _pos(self) -> dict[int, int]:
+        self._flush()
+        return self._hist_pos
+
+    @property
+    def _neg(self) -> dict[int, int]:
+        self._flush()
+        return self._hist_neg
 
     # ---------------------------------------------------------------------------- derived numbers
     @property
@@ -664,7 +826,7 @@ class SiteStats:
         if not bins:
             return [], []
         lo, hi = min(bins), max(bins)
-        edges = [float(e) for e in _POW[lo - I_LO : hi - I_LO + 2]]
+        edges = _EDGES[lo - I_LO : hi - I_LO + 2]
         return edges, [bins.get(j, 0) for j in range(lo, hi + 1)]
 
     def signed_histogram(self) -> dict[str, Any]:
