@@ -442,3 +442,24 @@ def _assert_close_loose(a, b):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     else:
         assert a == b
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats])
+def test_finite_fast_path_matches_general_path(cls, monkeypatch):
+    from diffquant.profile import attention_metrics
+
+    torch.manual_seed(0)
+    valid = torch.ones(5, 7, dtype=torch.bool).tril(2)[None, None]
+    maps = [torch.softmax(torch.randn(2, 3, 5, 7).masked_fill(~valid, -math.inf), -1)]
+    bad = maps[0].clone()
+    bad[0, 1, 2, 0], bad[1, 2, 4, 1] = math.nan, math.inf
+    maps.append(bad)
+    maps.append(torch.full((2, 3, 5, 7), 3e38))  # finite, but p log p overflows: the general path
+    out = []
+    for fast in (True, False):
+        monkeypatch.setattr(attention_metrics, "FAST", fast)
+        acc = cls(3)
+        for m in maps:
+            acc.update(m, valid)
+        out.append(json.dumps(acc.to_dict()))
+    assert out[0] == out[1]

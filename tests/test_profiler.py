@@ -237,3 +237,81 @@ def test_locations_under_cached_decoding_name_the_right_tokens():
         loc = entry["loc"]
         assert loc["token"] == ids[loc["sample"], loc["pos"]].item()
     assert profile.meta["tokens"] == ids.numel() and profile.meta["samples"] == 2
+
+
+def _plain_and_fast(monkeypatch, run):
+    """``run()``'s result with the speed-ups on, and with them off (the general path)."""
+    from diffquant.profile import attention_metrics, profiler
+
+    fast = run()
+    monkeypatch.setattr(profiler, "FAST", False)
+    monkeypatch.setattr(attention_metrics, "FAST", False)
+    plain = run()
+    return fast, plain
+
+
+def test_speedups_leave_every_statistic_unchanged(kind, monkeypatch):
+    """Shared-tensor reuse (q/k/v and gate/up inputs, mlp.act = down's input), one snapshot copy, the map
+    metrics' finite fast paths: the profile's JSON is the one the general path writes, byte for byte."""
+    model = tiny_model(kind)
+    ids = _windows(n=6, t=40, seed=3)
+
+    def run():
+        with torch.no_grad(), Profiler(model, sites="*", topk=5, massive_cap=3) as prof:
+            model(ids[:3])
+            snapshot = prof.result()
+            model(ids[3:])
+        return json.dumps([snapshot.to_dict(), prof.result(note=1).to_dict()], sort_keys=True)
+
+    fast, plain = _plain_and_fast(monkeypatch, run)
+    assert fast == plain
+    merged = json.loads(fast)[1]
+    # each site still names itself in its locations
+    for name, site in merged["sites"].items():
+        assert all(e["loc"]["site"] == name for e in site["top"] + site["massive"])
+
+
+def test_speedups_profile_model_and_merge_unchanged(monkeypatch):
+    from diffquant.profile.profiler import merge_profiles
+
+    model = tiny_model("diff_v2")
+    ids = _windows(n=6, t=24, seed=5)
+
+    def run():
+        a = profile_model(model, ids[:4], batch_size=2, sites="*", topk=4)
+        b = profile_model(model, ids[4:], batch_size=2, sites="*", topk=4)
+        before = json.dumps(a.to_dict(), sort_keys=True)
+        merged = merge_profiles([a, b])
+        assert json.dumps(a.to_dict(), sort_keys=True) == before  # inputs untouched
+        return json.dumps(merged.to_dict(), sort_keys=True)
+
+    fast, plain = _plain_and_fast(monkeypatch, run)
+    assert fast == plain
+
+
+def test_shared_tensor_taps_see_their_own_site(monkeypatch):
+    """q/k/v_proj inputs are one tensor: their statistics agree except for the site named in locations."""
+    model = tiny_model("baseline")
+    with torch.no_grad(), Profiler(model, sites="kind:linear_in", topk=3) as prof:
+        model(_windows())
+    sites = prof.result().sites
+    q, k = sites["layers.0.attn.q_proj.input"].to_dict(), sites["layers.0.attn.k_proj.input"].to_dict()
+    assert [e["loc"]["site"] for e in k["top"]] == ["layers.0.attn.k_proj.input"] * 3
+    for entry in k["top"]:
+        entry["loc"]["site"] = "layers.0.attn.q_proj.input"
+    k["site"] = q["site"]
+    assert q == k
+
+
+def test_attention_metrics_follow_the_selection():
+    model = tiny_model("diff_v2")
+    ids = _windows()
+    with torch.no_grad(), Profiler(model, sites=["kind:logits", "kind:resid"]) as prof:
+        model(ids)
+    assert prof.result().attention == {}
+    with torch.no_grad(), Profiler(model, sites="layers.1.attn.probs1") as prof:
+        model(ids)
+    assert set(prof.result().attention) == {"layers.1.attn.probs1"}
+    with torch.no_grad(), Profiler(model, sites="kind:logits", attention=True) as prof:
+        model(ids)
+    assert "layers.0.attn.diff_map" in prof.result().attention  # asked for: every map site

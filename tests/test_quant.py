@@ -613,3 +613,23 @@ def test_backend_round_trip_identical_logits(tmp_path, backend):
         assert torch.equal(again(ids), model(ids))
     assert again.layers[0].attn.q_proj.input is not None  # taps survive the swap
     assert "layers.0.attn.q_proj.input" in again.sites()
+
+
+def test_masked_absmax_and_int_rounding_match_the_reference():
+    from diffquant.quant.formats import get_format
+    from diffquant.quant.schemes import apply_scale, masked_absmax
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8) * 5
+    x[0, 1, 2], x[1, 0, 0], x[1, 2, 7] = math.nan, math.inf, -math.inf
+    valid = torch.rand(1, 3, 8) > 0.3
+    for v in (None, valid):
+        mag = x.abs()
+        keep = torch.isfinite(mag) if v is None else torch.isfinite(mag) & v
+        ref = torch.where(keep, mag, 0.0).amax(dim=(1, 2), keepdim=True)
+        assert torch.equal(masked_absmax(x, (1, 2), v), ref)
+    element = get_format("int8")
+    scale = masked_absmax(x, (2,)) / element.max_value
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    got, ref = apply_scale(x, scale, element), element.round(x / scale) * scale
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())

@@ -44,10 +44,10 @@ KIND_TITLES = {
 INT8_THRESHOLD = 6.0  # LLM.int8 outlier threshold (Dettmers et al. 2022)
 SIGMAS = 6.0  # outliers beyond 6 standard deviations (Bondarenko et al. 2023)
 MASSIVE_FLOOR = 100.0  # massive activations exceed 100 (Sun et al. 2024)
-# The profile's 2 %-wide log bins are far too fine to read at a few thousand tokens: plot groups of
-# HIST_GROUP neighbouring bins (1.02^6 = x1.126, ~20 bins per decade). Groups are aligned on the global
-# bin index, so every model and site is rebinned onto the same grid.
-HIST_GROUP = 6
+# The profile's log bins (64 per octave, ~1.1 % wide) are far too fine to read at a few thousand tokens:
+# plot groups of HIST_GROUP neighbouring bins (2^(11/64) = x1.126, ~19 bins per decade). Groups are aligned
+# on the global bin index, so every model and site is rebinned onto the same grid.
+HIST_GROUP = 11
 MAP_PERCENTILE = 99.0  # colour limit of attention maps, as a percentile of |entry| (see _show_map)
 _LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 2)))
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -125,6 +125,13 @@ def _pooled(profile: Profile, kind: str, layer: int | None = None) -> Pool | Non
     for stats in _sites_of(profile, kind, layer):
         pool.add(stats)
     return pool if pool.count else None
+
+
+def _hist_bar_width() -> float:
+    """How wide (as a ratio) one plotted histogram bar is: HIST_GROUP profile bins."""
+    from diffquant.profile.stats import R
+
+    return R**HIST_GROUP
 
 
 def _rebinned(pool: Pool, group: int = HIST_GROUP) -> tuple[list[float], list[float]]:
@@ -231,7 +238,7 @@ def fig_histograms(
             ax = fig.add_subplot()
             _draw_hist_panel(ax, pooled, colors)
             ax.set_xlabel("|x|  (activation magnitude, log scale)")
-            ax.set_ylabel(f"count per bin (bins ×{1.02**HIST_GROUP:.3f} wide)")
+            ax.set_ylabel(f"count per bin (bins ×{_hist_bar_width():.3f} wide)")
             ax.set_title(f"|x| histogram of {title} [{kind}], all layers pooled")
             model_handles = [line for line in ax.get_lines() if line.get_label() in pooled]
             handles = model_handles + _marker_legend_handles()

@@ -274,7 +274,7 @@ def render_run(
                 f"hist-{kind}",
                 fig,
                 f"Histogram of |x| of {F.KIND_TITLES[kind]} ({kind}), every such site pooled per model "
-                f"({token_text}); log-log, bins x{1.02**F.HIST_GROUP:.3f} wide. Dashed: each model's "
+                f"({token_text}); log-log, bins x{F._hist_bar_width():.3f} wide. Dashed: each model's "
                 f"largest |x|; dash-dot: |mean| + 6 std; dotted black: |x| = 6 (LLM.int8 threshold).",
             )
     if "hist-layers" in families:

@@ -8,6 +8,7 @@ which computes the same output (to float rounding) while materialising the maps 
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,15 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.taps import MAP_KINDS, Tap, model_taps, select_taps
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
+from diffquant.profile.sites import KIND_LAYOUTS, layer_of, layout_of
 from diffquant.profile.stats import SiteStats
 
+# Speed-ups that leave every statistic unchanged (one snapshot copy, one statistics pass per distinct tensor,
+# attention metrics only for the selected map sites, fast paths of the map metrics). Tests turn this off to
+# compare a profile with the plain path's.
+FAST = True
+# Kinds whose taps may see a tensor another tap sees too (q/k/v, maps and lambda are always their own).
+_SHARING_KINDS = ("linear_in", "mlp_act", "attn_out", "resid", "head_out")
 PROFILE_FORMAT = "diffquant-profile"
 PROFILE_VERSION = 1
 _METRIC_TYPES: dict[str, Any] = {
@@ -93,6 +101,33 @@ class Profile:
         return cls.from_dict(read_json(path, "profile"), source=str(path))
 
 
+def _clone(obj: Any) -> Any:
+    """A deep copy of statistics state (plain Python data and tensors), several times faster than
+    ``copy.deepcopy`` or a to_dict / from_dict round trip."""
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _relabelled(stats: SiteStats, site: str) -> SiteStats:
+    """A copy of ``stats`` (one forward's statistics of a tensor) as seen at ``site``: same numbers, the
+    entries' locations naming ``site`` and its layer."""
+    d = stats.to_dict()
+    d["site"] = site
+    layer = layer_of(site)
+    entries = [*d["top"], *d["massive"]]
+    if d.get("first_nonfinite") is not None:
+        entries.append(d["first_nonfinite"])
+    for entry in entries:
+        entry["loc"]["site"] = site
+        entry["loc"]["layer"] = layer
+    return SiteStats.from_dict(d)
+
+
+def _share_scope(name: str) -> str:
+    """Taps that may see one tensor (q/k/v_proj inputs, gate/up inputs, mlp.act and down's input): the
+    module that owns the tap's module (``layers.0.attn`` for ``layers.0.attn.q_proj.input``)."""
+    return name.removesuffix(".input").rpartition(".")[0]
+
+
 class Profiler:
     """Collect statistics at the selected sites of ``model`` while it runs.
 
@@ -124,8 +159,13 @@ class Profiler:
         self.model = model
         self.taps: dict[str, Tap] = select_taps(model, sites)
         self.topk = topk
+        # None: metrics for the selected map / lambda sites (their maps are materialised anyway); True: for
+        # every map site of the model, selected or not.
+        self._metric_sites: set[str] | None = None
         if attention is None:
             attention = any(t.kind in MAP_KINDS for t in self.taps.values())
+            if FAST:
+                self._metric_sites = set(self.taps)
         self.attention_enabled = attention
         self.sample_offset = sample_offset
         self.spans: list[tuple[int, int, int] | None] | None = None
@@ -141,6 +181,21 @@ class Profiler:
             for name, tap in self.taps.items()
         }
         self._attention: dict[str, tuple[str, Any]] = {}
+        self.massive_cap = massive_cap
+        # Taps that may share a tensor: per scope (see _share_scope) and layout, the selected sites; a forward's
+        # statistics of a tensor are computed once and copied to every site that sees it.
+        self._groups: dict[str, tuple[str, int]] = {}  # site -> (group key, group size)
+        if FAST:
+            members: dict[str, list[str]] = {}
+            for name, tap in self.taps.items():
+                if tap.kind in _SHARING_KINDS:
+                    members.setdefault(f"{_share_scope(name)}|{KIND_LAYOUTS[tap.kind]}", []).append(name)
+            for key, names in members.items():
+                if len(names) > 1:
+                    for name in names:
+                        self._groups[name] = (key, len(names))
+        self._shared: dict[str, list[tuple[tuple, torch.Tensor, SiteStats | None]]] = {}
+        self._fired: dict[str, int] = {}
 
     # --------------------------------------------------------------------------------- context
     def __enter__(self) -> Profiler:
@@ -181,14 +236,23 @@ class Profiler:
             self._last_batch = input_ids.shape[0]
             self.samples_seen += input_ids.shape[0]
         self.tokens_seen += input_ids.shape[0] * (input_ids.shape[1] - self._pos_offset)
+        self._shared.clear()
+        self._fired.clear()
 
     def _after_forward(self, module, args, output):
         self.spans = None
+        self._shared.clear()
+        self._fired.clear()
 
     def _site_hook(self, stats: SiteStats):
+        group = self._groups.get(stats.site)
+
         def hook(module, args, output):
             valid = args[1] if len(args) > 1 else None
             with torch.no_grad():
+                if group is not None and valid is None:
+                    self._shared_update(stats, output.detach(), *group)
+                    return
                 stats.update(
                     output.detach(),
                     valid=valid,
@@ -199,8 +263,37 @@ class Profiler:
 
         return hook
 
+    def _shared_update(self, stats: SiteStats, x: torch.Tensor, group: str, size: int) -> None:
+        """Update ``stats`` with ``x``, computing a tensor's statistics once per forward for the taps of a
+        group that see the same tensor (q/k/v inputs): the first computes them into a fresh SiteStats, merged
+        into its own; the others merge a copy relabelled with their site. Merging one forward's statistics
+        into a site equals updating it with the tensor, exactly (counts, top-k, moments: the fresh state's
+        moments are the chunk's own)."""
+        fired = self._fired.get(group, 0) + 1
+        self._fired[group] = fired
+        seen = self._shared.setdefault(group, [])
+        layout = layout_of(stats.kind, x)
+        inference = x.is_inference()  # no version counter: ask for the very same tensor object instead
+        version = None if inference else x._version
+        key = (x.data_ptr(), x.shape, x.stride(), version, x.dtype, x.device, layout, self.sample_offset)
+        found = next((e for e in seen if e[0] == key and (not inference or e[1] is x)), None)
+        kwargs = {"tokens": self._tokens, "sample_offset": self.sample_offset, "pos_offset": self._pos_offset}
+        if found is not None and found[2] is not None:
+            stats.merge(_relabelled(found[2], stats.site))
+        elif found is None and fired < size:  # others of the group may still see this tensor
+            fresh = SiteStats(stats.site, stats.kind, topk=self.topk, massive_cap=self.massive_cap)
+            fresh.update(x, **kwargs)
+            stats.merge(fresh)
+            seen.append((key, x, fresh))  # holding x keeps its memory from being reused within the forward
+        else:
+            stats.update(x, **kwargs)
+        if fired >= size:  # every tap of the group has fired: release its tensors
+            self._shared.pop(group, None)
+
     def _attach_attention_metrics(self) -> None:
         for name, tap in model_taps(self.model).items():
+            if self._metric_sites is not None and name not in self._metric_sites:
+                continue
             heads = None
             if tap.kind in ("probs", "diff_map"):
                 heads = self.model.config.n_heads if hasattr(self.model, "config") else None
@@ -232,19 +325,47 @@ class Profiler:
     # ---------------------------------------------------------------------------------- result
     def result(self, **meta: Any) -> Profile:
         """The statistics so far as a Profile (a snapshot: the profiler can keep running)."""
-        sites = {name: SiteStats.from_dict(s.to_dict()) for name, s in self._stats.items()}
-        attention = {
-            name: (kind, type(acc).from_dict(acc.to_dict())) for name, (kind, acc) in self._attention.items()
-        }
+        if FAST:
+            sites, attention = _clone((self._stats, self._attention))
+        else:
+            sites = {name: SiteStats.from_dict(s.to_dict()) for name, s in self._stats.items()}
+            attention = {
+                name: (kind, type(acc).from_dict(acc.to_dict()))
+                for name, (kind, acc) in self._attention.items()
+            }
+        return self._profile(sites, attention, meta)
+
+    def take(self, **meta: Any) -> Profile:
+        """The statistics as a Profile without copying them: the profiler's hooks are removed and it must
+        not be used again (for callers that are done with it, e.g. :func:`profile_model`)."""
+        if not FAST:
+            return self.result(**meta)
+        self.remove()
+        sites, attention = self._stats, self._attention
+        self._stats, self._attention = {}, {}
+        return self._profile(sites, attention, meta)
+
+    def _profile(self, sites: dict[str, SiteStats], attention: dict[str, Any], meta: dict) -> Profile:
         info = {"tokens": self.tokens_seen, "samples": self.samples_seen, "topk": self.topk, **meta}
         return Profile(sites=sites, attention=attention, meta=info)
 
 
-def merge_profiles(profiles: Iterable[Profile]) -> Profile:
+def merge_profiles(profiles: Iterable[Profile], *, consume: bool = False) -> Profile:
+    """One profile with the statistics of all ``profiles`` (same model, disjoint data), exactly.
+
+    The inputs are left untouched (the first is copied), unless ``consume``: then the first one is merged into
+    in place and returned (for callers that own the inputs).
+    """
     profiles = list(profiles)
     if not profiles:
         raise DiffquantError("no profiles to merge")
-    merged = Profile.from_dict(profiles[0].to_dict())
+    if consume and FAST:
+        merged = profiles[0]
+    elif FAST:
+        merged = Profile(*_clone((profiles[0].sites, profiles[0].attention)), meta=dict(profiles[0].meta))
+    else:
+        merged = Profile.from_dict(profiles[0].to_dict())
+        merged.meta = dict(merged.meta)  # from_dict keeps the input's meta dict: do not add into it
     for other in profiles[1:]:
         merged.merge(other)
     return merged

@@ -36,11 +36,13 @@ def profile_model(
         for start in tqdm(mine, desc=desc, unit="batch", disable=not progress or rank != 0, leave=False):
             prof.start_samples_at(start)
             model(windows[start : start + batch_size])
-        local = prof.result()
+    local = prof.take()  # the profiler is done: its statistics are handed over, not copied
+    if world == 1:
+        return local
     parts = gather_to_rank0(local.to_dict())
     if parts is None:
         return None
-    return merge_profiles(Profile.from_dict(p) for p in parts)
+    return merge_profiles((Profile.from_dict(p) for p in parts), consume=True)
 
 
 def check_profile(

@@ -38,11 +38,33 @@ class FakeQuant(nn.Module):
         self.kind = kind
         self.register_buffer("scale", None)
         self.register_buffer("zero_point", None)
-        self.nan_count = 0
+        self._nan_host = 0
+        self._nan_device: torch.Tensor | None = None  # NaNs counted on the input's device, read lazily
         self.calibrating = False
         self._amax: torch.Tensor | None = None
         self._hist: torch.Tensor | None = None
         self._weight_cache: tuple[tuple, torch.Tensor] | None = None
+
+    @property
+    def nan_count(self) -> int:
+        """NaN inputs seen so far (counted on the device without a host sync per call; read here)."""
+        if self._nan_device is not None:
+            self._nan_host += int(self._nan_device)
+            self._nan_device = None
+        return self._nan_host
+
+    @nan_count.setter
+    def nan_count(self, value: int) -> None:
+        self._nan_host, self._nan_device = int(value), None
+
+    def _count_nans(self, x: torch.Tensor) -> None:
+        nans = torch.isnan(x.detach()).sum()
+        if self._nan_device is None or self._nan_device.device != nans.device:
+            if self._nan_device is not None:
+                self._nan_host += int(self._nan_device)
+            self._nan_device = nans
+        else:
+            self._nan_device = self._nan_device + nans
 
     @property
     def row_local(self) -> bool:
@@ -58,8 +80,7 @@ class FakeQuant(nn.Module):
     # --------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_floating_point():
-            nans = int(torch.isnan(x).sum())
-            self.nan_count += nans
+            self._count_nans(x)
         if self.calibrating:
             self._observe(x, valid)
             return x

@@ -236,11 +236,12 @@ def static_dims(layout: tuple[str, ...], granularity: str, weight: bool = False)
 
 def masked_absmax(x: torch.Tensor, dims: tuple[int, ...], valid: torch.Tensor | None = None) -> torch.Tensor:
     """absmax over ``dims`` (keepdim) ignoring NaN, +-Inf and entries where ``valid`` is False."""
-    mag = x.detach().abs().float()
-    keep = torch.isfinite(mag)
+    mag = x.detach().abs().float()  # a fresh tensor (abs allocates), so it may be edited in place
+    # |x| >= 0, so zeroing NaN and +inf equals keeping the finite entries (where(isfinite(mag), mag, 0)), in
+    # one pass instead of three
+    mag.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     if valid is not None:
-        keep = keep & valid
-    mag = torch.where(keep, mag, torch.zeros((), dtype=mag.dtype, device=mag.device))
+        mag.masked_fill_(~valid.to(device=mag.device, dtype=torch.bool).expand_as(mag), 0.0)
     return mag.amax(dim=dims, keepdim=True) if dims else mag
 
 
@@ -285,6 +286,10 @@ def apply_scale(
     """Fake-quantize x with a given (broadcastable) scale: round(x / s [+ z]) to the codebook, then back."""
     xf = x.float()
     if zero_point is None:
+        if element.kind == "int" and element.step == 1.0 and scale.dtype == torch.float32:
+            # element.round's integer path (round half to even, clamp), computed in place: same numbers
+            q = torch.div(xf, scale)
+            return q.round_().clamp_(element.min_value, element.max_value).mul_(scale)
         return element.round(xf / scale) * scale
     return (element.round(xf / scale + zero_point) - zero_point) * scale
 
