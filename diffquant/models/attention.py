@@ -1,7 +1,7 @@
 """Baseline, DIFF V1 and DIFF V2 causal self-attention with taps at every probe point.
 
-Semantics follow ../shared/reference/diff-attention.md (DIFF paper arXiv 2410.05258 with the unilm flash
-variants as reference; the DIFF V2 post of 2026-01-20). All three kinds reduce to one core: one or two
+Semantics follow the DIFF paper (arXiv 2410.05258), with the unilm flash variants as reference, and the
+DIFF V2 post of 2026-01-20. All three kinds reduce to one core: one or two
 softmax maps per output head, combined as ``A1 - lambda * A2`` for DIFF, applied to a value head.
 
 Two execution paths compute that core:
