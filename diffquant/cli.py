@@ -345,7 +345,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def _unique_name(spec: str, taken: dict) -> str:
-    from pathlib import Path
 
     text = str(spec)
     scheme, _, rest = text.partition(":")
@@ -354,7 +353,9 @@ def _unique_name(spec: str, taken: dict) -> str:
     elif scheme in ("zoo", "fetch"):  # zoo:NAME, fetch:NAME -> NAME
         base = rest
     else:  # a folder or file, with or without hf: / gguf: / unilm: -> its name (a file without suffix)
-        path = Path((rest if scheme in ("hf", "gguf", "unilm") and rest else text).rstrip("/"))
+        from diffquant.io.artifacts import spec_path
+
+        path = spec_path(text.rstrip("/"))
         base = (path.stem if path.suffix == ".gguf" else path.name) or "model"
     name, i = base, 2
     while name in taken:
@@ -379,9 +380,9 @@ def _refuse_overwriting_input(spec: str, out: str) -> None:
     """--force replaces the output folder; it must never be the model being read (or hold it)."""
     from pathlib import Path
 
-    text = str(spec)
-    scheme, _, rest = text.partition(":")
-    source = Path(rest if scheme in ("hf", "gguf", "unilm") and rest else text).expanduser().resolve()
+    from diffquant.io.artifacts import spec_path
+
+    source = spec_path(spec).expanduser().resolve()
     target = Path(out).expanduser().resolve()
     if source == target or target in source.parents:
         raise DiffquantError(f"{out}: is the model being read ({spec}); write the output elsewhere")

@@ -385,11 +385,16 @@ def model_tokenizer(
     vocabulary); a model with exactly the byte vocabulary (259 ids) reads bytes. Anything else would be
     fed byte ids that mean other tokens to it, so it is an error rather than a silently wrong number.
     """
-    vocab = int(model.config.vocab_size)
     if override is not None:
         tokenizer = override if isinstance(override, Tokenizer) else load_tokenizer(override)
     else:
         tokenizer = getattr(model, "tokenizer", None)
+    return resolve_tokenizer(tokenizer, int(model.config.vocab_size), name)
+
+
+def resolve_tokenizer(tokenizer: Tokenizer | None, vocab: int, name: str = "model") -> Tokenizer:
+    """``tokenizer``, or the byte tokenizer for a model of exactly the byte vocabulary when it is None,
+    checked against an embedding of ``vocab`` rows (see :func:`model_tokenizer`)."""
     if tokenizer is None:
         if vocab != ByteTokenizer.vocab_size:
             raise DiffquantError(

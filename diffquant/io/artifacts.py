@@ -86,6 +86,17 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+FILE_SCHEMES = ("hf", "unilm", "gguf")  # specifiers whose rest is a path: hf:FOLDER, unilm:FOLDER, gguf:FILE
+
+
+def spec_path(spec: str | Path) -> Path:
+    """The file or folder a model specifier reads (``hf:X`` -> X, a bare folder -> itself); not meaningful
+    for ``init:`` / ``zoo:`` / ``fetch:``, which callers handle first."""
+    text = str(spec)
+    scheme, _, rest = text.partition(":")
+    return Path(rest if scheme in FILE_SCHEMES and rest else text)
+
+
 def checkpoint_sha256(spec: str | Path) -> str | None:
     """sha256 of the weights a model specifier names: a folder's model.safetensors, a GGUF file, a zoo
     model's shipped model.safetensors; None for ``init:`` models (seeded, versioned with the package) and
@@ -104,9 +115,7 @@ def checkpoint_sha256(spec: str | Path) -> str | None:
 
         weights = zoo_path(text[len("zoo:") :]) / "model.safetensors"
         return sha256_file(weights) if weights.is_file() else None
-    text = resolve_fetch(spec)
-    scheme, _, rest = text.partition(":")
-    path = Path(rest if scheme in ("hf", "unilm", "gguf") and rest else text)
+    path = spec_path(resolve_fetch(spec))
     if path.is_file():
         return sha256_file(path)
     weights = path / "model.safetensors"
@@ -173,7 +182,7 @@ def model_content_sha256(spec: str | Path) -> str:
 
         path = zoo_path(rest)
     else:
-        path = Path(rest if scheme in ("hf", "unilm", "gguf") and rest else text)
+        path = spec_path(text)
     if path.is_file():
         return _digest({path.name: sha256_file(path)})
     if not path.is_dir():

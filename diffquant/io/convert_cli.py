@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import FILE_SCHEMES
 
 if TYPE_CHECKING:
     import torch
 
     from diffquant.models.transformer import DecoderLM
 
-CONVERTER_SCHEMES = ("hf", "unilm", "gguf")
+CONVERTER_SCHEMES = FILE_SCHEMES
 EXPORT_FORMATS = ("hf",)
 
 

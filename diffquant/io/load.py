@@ -9,6 +9,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.io.checkpoint import load_checkpoint, read_config
+from diffquant.io.convert_cli import CONVERTER_SCHEMES
 from diffquant.models.transformer import DecoderLM
 
 
@@ -19,7 +20,7 @@ def save_quantized(*args, **kwargs):
     return _save(*args, **kwargs)
 
 
-KNOWN_SCHEMES = ("hf", "unilm", "gguf")
+KNOWN_SCHEMES = CONVERTER_SCHEMES  # the specifiers a converter reads
 
 
 def load_model(
@@ -172,17 +173,10 @@ def peek_config(spec: str | Path):
 def check_model_spec(spec: str | Path, name: str, tokenizer: str | Path | None = None, seq_lens=()):
     """Fail early, in one line, for a model a run cannot use: unreadable config, no tokenizer that fits,
     or a window longer than its context. Returns (config, tokenizer)."""
-    from diffquant.data.tokenizer import ByteTokenizer, check_fits
+    from diffquant.data.tokenizer import resolve_tokenizer
 
     config = peek_config(spec)
-    tok = peek_tokenizer(spec, tokenizer)
-    if tok is None:
-        if config.vocab_size != ByteTokenizer.vocab_size:
-            from diffquant.data.tokenizer import model_tokenizer
-
-            model_tokenizer(type("Shell", (), {"config": config})(), name)  # raises the one-line error
-        tok = ByteTokenizer()
-    check_fits(tok, config.vocab_size, name)
+    tok = resolve_tokenizer(peek_tokenizer(spec, tokenizer), config.vocab_size, name)
     for what, length in seq_lens:
         if length is not None and length > config.max_seq_len:
             raise DiffquantError(
