@@ -313,6 +313,11 @@ class Attention(nn.Module):
             chunk = t  # a scale shared across query rows (per tensor / head) must see the whole map
         valid_all = _valid_mask(t, s, pos0, v.device)
         names = [""] if len(components) == 1 else ["1", "2"]
+        # Observing only (no output wanted): stop after the last map someone watches (logits-only profiles
+        # skip the softmax and the difference map).
+        need_probs = need_output or any(
+            tap.active for tap in self._map_taps() if tap.kind in ("probs", "diff_map")
+        )
         dtype = compute_dtype(v.dtype)
         vf = v.to(dtype)
         pieces = []
@@ -323,8 +328,11 @@ class Attention(nn.Module):
             for (qc, kc), suffix in zip(components, names, strict=True):
                 logits = torch.matmul(qc[:, :, t0:t1].to(dtype), kc.to(dtype).transpose(-1, -2)) * self.scale
                 logits = getattr(self, "logits" + suffix)(logits, valid)
-                p = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
-                probs.append(getattr(self, "probs" + suffix)(p, valid))
+                if need_probs:
+                    p = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+                    probs.append(getattr(self, "probs" + suffix)(p, valid))
+            if not need_probs:
+                continue
             if lam is None:
                 attn_map = probs[0]
             else:

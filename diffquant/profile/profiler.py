@@ -20,7 +20,7 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.taps import MAP_KINDS, Tap, model_taps, select_taps
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
-from diffquant.profile.sites import KIND_LAYOUTS, layer_of, layout_of
+from diffquant.profile.sites import KIND_LAYOUTS, layout_of
 from diffquant.profile.stats import SiteStats
 
 # Speed-ups that leave every statistic unchanged (one snapshot copy, one statistics pass per distinct tensor,
@@ -105,21 +105,6 @@ def _clone(obj: Any) -> Any:
     """A deep copy of statistics state (plain Python data and tensors), several times faster than
     ``copy.deepcopy`` or a to_dict / from_dict round trip."""
     return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _relabelled(stats: SiteStats, site: str) -> SiteStats:
-    """A copy of ``stats`` (one forward's statistics of a tensor) as seen at ``site``: same numbers, the
-    entries' locations naming ``site`` and its layer."""
-    d = stats.to_dict()
-    d["site"] = site
-    layer = layer_of(site)
-    entries = [*d["top"], *d["massive"]]
-    if d.get("first_nonfinite") is not None:
-        entries.append(d["first_nonfinite"])
-    for entry in entries:
-        entry["loc"]["site"] = site
-        entry["loc"]["layer"] = layer
-    return SiteStats.from_dict(d)
 
 
 def _share_scope(name: str) -> str:
@@ -266,7 +251,7 @@ class Profiler:
     def _shared_update(self, stats: SiteStats, x: torch.Tensor, group: str, size: int) -> None:
         """Update ``stats`` with ``x``, computing a tensor's statistics once per forward for the taps of a
         group that see the same tensor (q/k/v inputs): the first computes them into a fresh SiteStats, merged
-        into its own; the others merge a copy relabelled with their site. Merging one forward's statistics
+        into its own; the others merge it relabelled with their site. Merging one forward's statistics
         into a site equals updating it with the tensor, exactly (counts, top-k, moments: the fresh state's
         moments are the chunk's own)."""
         fired = self._fired.get(group, 0) + 1
@@ -279,7 +264,7 @@ class Profiler:
         found = next((e for e in seen if e[0] == key and (not inference or e[1] is x)), None)
         kwargs = {"tokens": self._tokens, "sample_offset": self.sample_offset, "pos_offset": self._pos_offset}
         if found is not None and found[2] is not None:
-            stats.merge(_relabelled(found[2], stats.site))
+            stats.merge(found[2], relabel=True)
         elif found is None and fired < size:  # others of the group may still see this tensor
             fresh = SiteStats(stats.site, stats.kind, topk=self.topk, massive_cap=self.massive_cap)
             fresh.update(x, **kwargs)
