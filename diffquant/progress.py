@@ -90,7 +90,11 @@ class PeriodicProgress(_Silent):
         self.n += n
         now = self.clock()
         if now - self.last >= self.interval:
-            self._write(self.line(now))
+            if self.total is not None and self.n >= self.total:  # the last step: its line is the final one
+                self._write(self.line(now, final=True))
+                self.closed = True
+            else:
+                self._write(self.line(now))
             self.last = now
 
     def __iter__(self) -> Iterator[Any]:

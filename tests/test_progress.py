@@ -72,8 +72,7 @@ def test_iterable_and_slow_steps():
     assert out.getvalue().splitlines() == [
         "sweep: 1/3 cell, 30 s/cell, ETA 60 s",
         "sweep: 2/3 cell, 30 s/cell, ETA 30 s",
-        "sweep: 3/3 cell, 30 s/cell, ETA 0 s",
-        "sweep: 3/3 cell, 30 s/cell, done in 90 s",
+        "sweep: 3/3 cell, 30 s/cell, done in 90 s",  # the last step's line is the final one (no "ETA 0 s")
     ]
 
 

@@ -633,3 +633,49 @@ def test_masked_absmax_and_int_rounding_match_the_reference():
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     got, ref = apply_scale(x, scale, element), element.round(x / scale) * scale
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"format": "int8", "granularity": "token"},
+        {"format": "int8", "granularity": "tensor"},
+        {"format": "int4", "granularity": "channel"},
+        {"format": "int4", "granularity": "head"},
+        {"format": "int8", "granularity": "token", "scale_format": "e8m0"},
+        {"format": "int8", "granularity": "tensor", "scale_format": "fp8_e4m3"},
+        {"format": "fp8_e4m3", "granularity": "token"},
+        {"format": "fp4_e2m1", "granularity": "tensor"},
+    ],
+)
+@pytest.mark.parametrize("kind", ["q", "resid", "weight"])
+def test_fake_quant_fast_path_is_bit_identical(monkeypatch, spec, kind):
+    """The CPU fast path (one min/max pass, no scrub, no clamp) gives the general path's numbers bit for bit,
+    also at ties (x / s = k + 0.5), huge values that saturate an FP8 scale, zeros and bf16 inputs; NaN / Inf
+    inputs fall back to the general path and are counted."""
+    from diffquant.quant import fake
+
+    if kind == "weight" and spec["granularity"] not in ("tensor", "channel"):
+        return
+    if kind != "q" and spec["granularity"] == "head":
+        return
+    g = torch.Generator().manual_seed(31)
+    shape = {"q": (2, 3, 5, 16), "resid": (2, 5, 16), "weight": (12, 16)}[kind]
+    base = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+    ties = torch.round(torch.randn(shape, generator=g) * 40) / 2  # many halves: round-half-even matters
+    huge = torch.randn(shape, generator=g) * 1e6  # int8 x 448 saturates the E4M3 scale
+    zeros = torch.zeros(shape)
+    bad = base.clone()
+    bad.view(-1)[[3, 17]] = torch.tensor([math.nan, math.inf])
+    scheme = Scheme(**spec)
+    for x in (base, ties, huge, zeros, base.to(torch.bfloat16), bad):
+        fast_q = FakeQuant(scheme, "s", kind)
+        got = fast_q(x)
+        monkeypatch.setattr(fake, "FAST", False)
+        slow_q = FakeQuant(scheme, "s", kind)
+        want = slow_q(x)
+        monkeypatch.setattr(fake, "FAST", True)
+        assert got.dtype == want.dtype
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+        assert fast_q.nan_count == slow_q.nan_count == int(x.isnan().sum())

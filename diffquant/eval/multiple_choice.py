@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import _check_int, _model_device, gather_logprobs
 from diffquant.io.artifacts import jsonl_records
+from diffquant.progress import progress as show_progress
 
 TARGET_DELIMITER = " "
 
@@ -177,7 +176,7 @@ def mc_logliks(
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))  # stable: ties keep order
     result = [[0.0] * len(item.endings) for item in items]
     device = _model_device(model)
-    with torch.no_grad(), tqdm(total=len(requests), desc="mc", file=sys.stderr, disable=not progress) as bar:
+    with torch.no_grad(), show_progress(total=len(requests), desc="mc", unit="req", bar=progress) as bar:
         for b in range(0, len(order), batch_size):
             batch = [requests[r] for r in order[b : b + batch_size]]
             width = max(len(inp) for _, _, inp, _, _ in batch)

@@ -38,6 +38,7 @@ from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
 from diffquant.models.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_problem
 from diffquant.models.transformer import DecoderLM
+from diffquant.progress import progress as show_progress
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -616,7 +617,8 @@ def assemble(
     if dtype is None:
         dtype = _DTYPE_BY_TAG[source.dtype_tag(key_map["embed.weight"])]
     state: dict[str, torch.Tensor] = {}
-    for native, src in key_map.items():
+    # Reading (and for GGUF dequantizing) a large checkpoint takes a while: periodic lines after 5 s.
+    for native, src in show_progress(list(key_map.items()), "load", "tensor"):
         tensor = source.get(src)
         if native in transforms:
             tensor = transforms[native](tensor)

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from diffquant.distributed import gather_to_rank0, rank_and_world
 from diffquant.models.transformer import DecoderLM
 from diffquant.profile.profiler import Profile, Profiler, merge_profiles
+from diffquant.progress import progress as show_progress
 
 
 def profile_model(
@@ -33,7 +33,8 @@ def profile_model(
     starts = list(range(0, windows.shape[0], batch_size))
     mine = [s for i, s in enumerate(starts) if i % world == rank]
     with torch.no_grad(), Profiler(model, sites=sites, topk=topk, attention=attention) as prof:
-        for start in tqdm(mine, desc=desc, unit="batch", disable=not progress or rank != 0, leave=False):
+        # A bar when asked (progress=True), else periodic lines once a run takes a while (off with --quiet).
+        for start in show_progress(mine, desc, "batch", bar=progress or None, enabled=rank == 0, leave=False):
             prof.start_samples_at(start)
             model(windows[start : start + batch_size])
     local = prof.take()  # the profiler is done: its statistics are handed over, not copied

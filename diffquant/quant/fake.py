@@ -18,11 +18,15 @@ from diffquant.quant.schemes import (
     apply_scale,
     masked_absmax,
     quantize_dynamic,
+    quantize_dynamic_finite,
     scale_from_absmax,
     static_dims,
 )
 
 WEIGHT_LAYOUT = ("out", "in")
+# Fast path of dynamic symmetric schemes on CPU (quantize_dynamic_finite: same numbers); tests turn it off to
+# compare with the general path.
+FAST = True
 # Log2-spaced calibration histogram: 64 bins per octave over [2^-40, 2^40) (relative bin width 1.1 %).
 _HIST_LO, _HIST_HI, _HIST_PER_OCTAVE = -40, 40, 64
 _HIST_BINS = (_HIST_HI - _HIST_LO) * _HIST_PER_OCTAVE
@@ -79,13 +83,20 @@ class FakeQuant(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_floating_point():
-            self._count_nans(x)
-        if self.calibrating:
-            self._observe(x, valid)
-            return x
         try:
-            y = self.quantize(x, valid)
+            y = None
+            if FAST and valid is None and not self.calibrating:
+                # all-finite CPU tensors with a symmetric dynamic scale: fewer passes, same numbers, 0 NaNs
+                y = quantize_dynamic_finite(x, self.scheme, self._layout(x), weight=self.kind == "weight")
+            if y is not None:
+                y = y.to(x.dtype)
+            else:
+                if x.is_floating_point():
+                    self._count_nans(x)
+                if self.calibrating:
+                    self._observe(x, valid)
+                    return x
+                y = self.quantize(x, valid)
         except DiffquantError as err:
             raise DiffquantError(str(err) if self.site in str(err) else f"{self.site}: {err}") from None
         if x.requires_grad:

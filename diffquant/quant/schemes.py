@@ -374,6 +374,57 @@ def quantize_dynamic(
     return _quantize_view(x, dims, element, scheme, valid)
 
 
+def quantize_dynamic_finite(
+    x: torch.Tensor, scheme: Scheme, layout: tuple[str, ...], weight: bool = False
+) -> torch.Tensor | None:
+    """The CPU fast path of :func:`quantize_dynamic` for symmetric absmax scales without a mask (the common
+    activation case, e.g. w8a8's int8 per token): the same numbers, bit for bit, in about half the passes;
+    None when it does not apply (another scheme, a GPU tensor, a non-finite value: then the caller takes the
+    general path, which counts and skips NaN / Inf).
+
+    One min/max pass gives the absmax and shows that every value is finite (NaN and Inf propagate into it), so
+    the NaN count (0), the NaN / Inf scrub and the abs copy of the general path are skipped. With fp32 scales,
+    |x| <= amax implies |x / s| <= qmax up to one rounding of the division, below qmax + 0.5, so the integer
+    clamp cannot change a value and is skipped too. It syncs with the host (the finiteness check), which is
+    free on CPU; GPU tensors keep the sync-free general path.
+    """
+    if (
+        x.device.type != "cpu"
+        or not x.is_floating_point()
+        or scheme.is_static
+        or scheme.is_block_format
+        or scheme.asymmetric
+        or scheme.scale is not None
+        or scheme.group_size is not None
+        or scheme.smooth
+        or x.numel() == 0
+    ):
+        return None
+    xf = x.detach().float()
+    dims = reduce_dims(layout, scheme.granularity, weight=weight)
+    if len(dims) == xf.dim():
+        lo, hi = torch.aminmax(xf)
+        shape = (1,) * xf.dim()
+        lo, hi = lo.reshape(shape), hi.reshape(shape)
+    elif len(dims) == 1:
+        lo, hi = torch.aminmax(xf, dim=dims[0], keepdim=True)
+    elif dims:
+        lo, hi = xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
+    else:
+        lo, hi = xf, xf
+    amax = torch.maximum(hi, -lo)
+    if not bool(torch.isfinite(amax).all()):
+        return None
+    element = scheme.element
+    scale = scale_from_absmax(amax, element, scheme)
+    if element.kind == "int" and element.step == 1.0 and scale.dtype == torch.float32:
+        q = torch.div(xf, scale).round_()
+        if scheme.scale_format != "fp32":  # a saturated scale (above the format's max) needs the clamp
+            q.clamp_(element.min_value, element.max_value)
+        return q.mul_(scale)
+    return element.round(xf / scale) * scale
+
+
 def _quantize_view(
     x: torch.Tensor,
     dims: tuple[int, ...],
