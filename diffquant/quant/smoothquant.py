@@ -1,0 +1,273 @@
+"""SmoothQuant: activation scales and smoothing (Xiao et al. 2023, "SmoothQuant: Accurate and Efficient
+Post-Training Quantization for Large Language Models", arXiv 2211.10438).
+
+Activation scales ("act_scales" in the reference code) are, for every Linear, the abs-max of its input per
+input channel over calibration text: max_{tokens} |X_j|. They come from one profile pass over the
+``linear_in`` taps (the profile's per-site ``channel_absmax``), so they are the very numbers a profile
+reports, and are saved as SmoothQuant's own files are: ``torch.save`` of a dict module name -> fp32 1-D
+tensor (Hugging Face module names for models that came from Hugging Face / GGUF, native names otherwise).
+
+Smoothing migrates quantization difficulty from activations to weights with a per-channel factor
+(Eq. 4 of the paper)::
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
+
+where max|W_j| is taken over the output rows of every Linear that reads X (q/k/v [+ DIFF V2's
+lambda_proj] read the attention norm's output; gate/up read the MLP norm's output). Then
+X' = X diag(s)^-1 and W' = diag(s) W, which leaves X W^T unchanged: the division is folded into the
+preceding RMSNorm's weight (norm.weight_j /= s_j) and the multiplication into the Linear weights'
+input columns (W[:, j] *= s_j). As in the reference ``smooth_ln_fcs``, s is clamped to >= 1e-5 and
+max|W_j| to >= 1e-5; channels that never fire (max|X_j| = 0) keep s_j = 1. o_proj / down (inputs not
+produced by a norm) and the LM head (tied to the embedding in many models) are not smoothed, as in the
+paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diffquant.errors import DiffquantError
+from diffquant.models.attention import Linear, RMSNorm
+from diffquant.models.taps import model_taps
+
+NAMINGS = ("hf", "native")
+# Specifiers of models that came from Hugging Face / llama.cpp: their act-scales use HF module names.
+HF_SPEC_PREFIXES = ("hf:", "gguf:", "fetch:")
+DEFAULT_ALPHA = 0.5
+_CLAMP = 1e-5  # SmoothQuant's clamp of the factors and of the weight abs-max
+
+
+def default_names(spec: str | Path) -> str:
+    """'hf' for a model specifier that reads a Hugging Face folder or a GGUF file (hf:, gguf:, fetch:),
+    else 'native'."""
+    return "hf" if str(spec).startswith(HF_SPEC_PREFIXES) else "native"
+
+
+def linear_modules(model: nn.Module) -> dict[str, Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+# ------------------------------------------------------------------------------------------- act-scales
+def act_scales(profile, model: nn.Module, names: str = "native") -> dict[str, torch.Tensor]:
+    """SmoothQuant act_scales of every Linear of ``model`` (LM head included) from ``profile``'s
+    ``linear_in`` statistics: module name -> fp32 (in_features,) per-input-channel abs-max.
+
+    ``names``: 'native' (``layers.0.attn.q_proj``) or 'hf' (``model.layers.0.self_attn.q_proj``, the
+    names of the Hugging Face llama / diffllama module, see :func:`hf_module_names`).
+    """
+    if names not in NAMINGS:
+        raise DiffquantError(f"act-scales names: {names!r}; expected one of {', '.join(NAMINGS)}")
+    mapping = hf_module_names(model) if names == "hf" else None
+    out: dict[str, torch.Tensor] = {}
+    for name, linear in linear_modules(model).items():
+        site = f"{name}.input"
+        stats = profile.sites.get(site)
+        if stats is None:
+            raise DiffquantError(f"profile has no statistics for site {site} (profile with sites kind:linear_in)")
+        summary = stats.summary()
+        amax, shape = summary["channel_absmax"], summary["channel_absmax_shape"]
+        if amax is None or shape != [linear.in_features]:
+            raise DiffquantError(
+                f"{site}: channel abs-max of shape {shape}, expected [{linear.in_features}] (did data reach it?)"
+            )
+        # float64 abs-max of fp32 / bf16 / fp16 values: the cast to fp32 is exact for those model dtypes.
+        value = torch.tensor(amax, dtype=torch.float64).to(torch.float32)
+        out[mapping[name] if mapping is not None else name] = value
+    return out
+
+
+def hf_module_names(model: nn.Module) -> dict[str, str]:
+    """Native Linear name -> Hugging Face module name (the keys of :func:`convert_hf.hf_key_map` without
+    ``.weight``; ``lm_head`` also when tied to the embedding)."""
+    from diffquant.io.convert_hf import hf_key_map
+
+    config = model.config
+    if config.attention == "diff_v1" and config.v1_norm_affine:
+        raise DiffquantError(
+            "act-scales names 'hf': this DIFF V1 model has a per-head norm weight, which export folds into "
+            "o_proj, so the diffllama o_proj inputs differ from these; use names 'native'"
+        )
+    keys = hf_key_map(config)
+    mapping = {"lm_head": "lm_head"}
+    for native, hf in keys.items():
+        if native.endswith(".weight"):
+            mapping[native.removesuffix(".weight")] = hf.removesuffix(".weight")
+    out = {}
+    for name in linear_modules(model):
+        if name not in mapping:
+            raise DiffquantError(
+                f"act-scales names 'hf': {name} has no Hugging Face name (attention {config.attention} has "
+                "no HF format); use names 'native'"
+            )
+        out[name] = mapping[name]
+    return out
+
+
+@contextmanager
+def float_model(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with its fake-quantizers (taps and weights) detached for the duration: the float model a
+    quantization plan was applied to. Backend layers cannot be detached and are refused."""
+    from diffquant.quant.plan import BackendLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, BackendLinear):
+            raise DiffquantError(
+                f"{name}: a {module.backend} layer; act-scales need the float model (give the base checkpoint)"
+            )
+    taps = [(tap, tap.quantizer) for tap in model_taps(model).values() if tap.quantizer is not None]
+    weights = [(lin, lin.weight_quantizer) for lin in linear_modules(model).values() if lin.weight_quantizer]
+    try:
+        for tap, _ in taps:
+            tap.quantizer = None
+        for lin, _ in weights:
+            lin.weight_quantizer = None
+        yield model
+    finally:
+        for tap, quantizer in taps:
+            tap.quantizer = quantizer
+        for lin, quantizer in weights:
+            lin.weight_quantizer = quantizer
+
+
+@torch.no_grad()
+def collect_act_scales(
+    model: nn.Module,
+    windows: torch.Tensor,
+    batch_size: int = 8,
+    names: str = "native",
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Run ``model`` (its float weights: fake-quantizers detached) over ``windows`` (N, L) under a
+    Profiler of the ``kind:linear_in`` sites and return :func:`act_scales`.
+
+    One process, whatever the torchrun world: a calibration pass belongs to one sweep cell, which runs on
+    one rank (``profile_model`` would split the windows over ranks that are not there).
+    """
+    from diffquant.profile.profiler import Profiler
+    from diffquant.progress import progress as show_progress
+
+    if batch_size < 1:
+        raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    with float_model(model), Profiler(model, sites=["kind:linear_in"], topk=1, attention=False) as prof:
+        starts = range(0, windows.shape[0], batch_size)
+        for start in show_progress(starts, "act-scales", "batch", bar=progress or None, leave=False):
+            prof.start_samples_at(start)
+            model(windows[start : start + batch_size].to(device))
+        profile = prof.take()
+    return act_scales(profile, model, names=names)
+
+
+# ------------------------------------------------------------------------------------------- smoothing
+def smoothing_groups(model: nn.Module) -> list[tuple[str, RMSNorm, dict[str, nn.Module]]]:
+    """(norm name, norm, {Linear name: module}) per RMSNorm whose output only Linears read: per block,
+    the attention norm -> q/k/v (+ lambda_proj, DIFF V2: sigmoid(lambda_proj(x)) reads the same x) and the
+    MLP norm -> gate/up."""
+    groups = []
+    for i, block in enumerate(model.layers):
+        attn = [n for n in ("q_proj", "k_proj", "v_proj", "lambda_proj") if hasattr(block.attn, n)]
+        groups.append(
+            (
+                f"layers.{i}.attn_norm",
+                block.attn_norm,
+                {f"layers.{i}.attn.{n}": getattr(block.attn, n) for n in attn},
+            )
+        )
+        groups.append(
+            (
+                f"layers.{i}.mlp_norm",
+                block.mlp_norm,
+                {f"layers.{i}.mlp.{n}": getattr(block.mlp, n) for n in ("gate", "up")},
+            )
+        )
+    return groups
+
+
+def _check_group(norm_name: str, norm: nn.Module, linears: dict[str, nn.Module], owners: dict) -> None:
+    if not isinstance(norm, RMSNorm) or norm.weight is None:
+        raise DiffquantError(f"{norm_name}: no norm weight to fold the smoothing into (affine=False)")
+    shared = [n for n in owners.get(norm.weight.data_ptr(), []) if n != f"{norm_name}.weight"]
+    if shared:
+        raise DiffquantError(f"{norm_name}: cannot smooth: its weight is shared with {shared[0]}")
+    for name, linear in linears.items():
+        if not isinstance(linear, Linear):
+            raise DiffquantError(
+                f"{norm_name}: cannot smooth into {name}: a {type(linear).__name__}, not a float Linear"
+            )
+        if linear.in_features != norm.weight.numel():
+            raise DiffquantError(
+                f"{norm_name}: {name} reads {linear.in_features} channels, the norm has {norm.weight.numel()}"
+            )
+        shared = [n for n in owners.get(linear.weight.data_ptr(), []) if n != f"{name}.weight"]
+        if shared:
+            raise DiffquantError(
+                f"{norm_name}: cannot smooth into {name}: its weight is shared with {shared[0]}"
+            )
+
+
+def smoothing_factors(
+    scales: torch.Tensor, weights: list[torch.Tensor], alpha: float = DEFAULT_ALPHA
+) -> torch.Tensor:
+    """SmoothQuant's s (float64): s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) (Eq. 4), max|W_j| over the
+    rows of every weight reading channel j, clamped to >= 1e-5; s_j = 1 where max|X_j| = 0."""
+    amax = scales.to(torch.float64)
+    wmax = torch.stack([w.detach().abs().to(torch.float64).amax(dim=0).cpu() for w in weights]).amax(0)
+    wmax = wmax.clamp(min=_CLAMP)
+    s = (amax.pow(alpha) / wmax.pow(1.0 - alpha)).clamp(min=_CLAMP)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+@torch.no_grad()
+def smooth_model(
+    model: nn.Module, scales: dict[str, torch.Tensor], alpha: float = DEFAULT_ALPHA
+) -> dict[str, torch.Tensor]:
+    """Smooth ``model`` in place with act-scales ``scales`` (keyed by native Linear name, see
+    :func:`collect_act_scales`); returns the factors s (fp32) by norm name.
+
+    For each norm of :func:`smoothing_groups`: norm.weight /= s and W[:, j] *= s_j for each Linear it
+    feeds, computed in float64 and cast back, so the float model's output is unchanged up to rounding.
+    Everything is checked before anything changes: a norm without a weight, a weight shared with another
+    module (tied: scaling one would scale the other), a missing or misshapen scale, a non-finite factor.
+    """
+    if not (0.0 <= alpha <= 1.0):
+        raise DiffquantError(f"smooth alpha: expected a number in [0, 1], got {alpha!r}")
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(p.data_ptr(), []).append(name)
+    plans = []
+    for norm_name, norm, linears in smoothing_groups(model):
+        _check_group(norm_name, norm, linears, owners)
+        acts = []
+        for name, linear in linears.items():
+            if name not in scales:
+                raise DiffquantError(
+                    f"{norm_name}: act-scales have no entry for {name} (smoothing needs native module names)"
+                )
+            value = torch.as_tensor(scales[name])
+            if tuple(value.shape) != (linear.in_features,):
+                raise DiffquantError(
+                    f"{norm_name}: act-scale of {name} has shape {tuple(value.shape)}, "
+                    f"expected ({linear.in_features},)"
+                )
+            acts.append(value.detach().to("cpu", torch.float64))
+        amax = torch.stack(acts).amax(0)  # one input, so equal; the max if a caller's scales differ
+        s = smoothing_factors(amax, [lin.weight for lin in linears.values()], alpha)
+        if not torch.isfinite(s).all():
+            raise DiffquantError(f"{norm_name}: non-finite smoothing factor (act-scales with inf or NaN?)")
+        plans.append((norm_name, norm, linears, s))
+    factors = {}
+    for norm_name, norm, linears, s in plans:
+        w = norm.weight
+        w.copy_((w.to(torch.float64) / s.to(w.device)).to(w.dtype))
+        for linear in linears.values():
+            lw = linear.weight
+            lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))
+            if linear.weight_quantizer is not None:  # its cache holds the old weight: quantize afresh
+                linear.weight_quantizer._weight_cache = None
+        factors[norm_name] = s.to(torch.float32)
+    return factors
