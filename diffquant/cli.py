@@ -424,6 +424,28 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+# Every form a model can be named by, for every command's help (diffquant.io.load_model reads them all).
+MODEL_FORMS = (
+    "a native checkpoint folder (quantized or not), zoo:NAME, init:KIND:PRESET[:SEED], hf:FOLDER (a Hugging "
+    "Face llama / diffllama folder), gguf:FILE, unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
+)
+
+
+def _task_help() -> str:
+    """The --task help: every task type with its keys, from the task table itself (so it cannot drift)."""
+    from diffquant.eval.tasks import REQUIRED, TASK_PARAMS
+
+    types = "; ".join(
+        f"{name} ({', '.join(k + ('' if v is not REQUIRED else ' [required]') for k, v in params.items())})"
+        for name, params in TASK_PARAMS.items()
+    )
+    return (
+        "a task TYPE or TYPE:key=value,key=value (repeatable), e.g. ppl:data=wikitext2:test,seq_len=1024; "
+        f"types and their keys: {types}. Text tasks default seq_len to the context the model was trained at "
+        "(from its card) or min(max_seq_len, 2048)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffquant",
@@ -440,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="show a checkpoint's config, parameter counts and probe sites")
     info.add_argument(
         "checkpoint",
-        help="a checkpoint folder, zoo:NAME, init:KIND:PRESET, hf:PATH, gguf:FILE or unilm:PATH",
+        help=f"the model: {MODEL_FORMS}",
     )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_model_options(info)
@@ -464,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints",
         nargs="+",
         metavar="CHECKPOINT",
-        help="checkpoint folders, zoo:NAME, init:..., hf:PATH, gguf:FILE or unilm:PATH",
+        help=f"one or more models, each {MODEL_FORMS}",
     )
     prof.add_argument(
         "--data",
@@ -489,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fake-quantize sites and weights, or swap Linears for optimum-quanto / bitsandbytes "
         "layers; calibrate static scales; report the error per site against the unquantized model.",
     )
-    quant.add_argument("checkpoint", help="an unquantized model: a folder, zoo:NAME, hf:PATH, gguf:FILE, ...")
+    quant.add_argument("checkpoint", help=f"the unquantized model: {MODEL_FORMS}")
     quant.add_argument(
         "--plan", required=True, help="a preset name (list them with `diffquant presets`) or a YAML plan file"
     )
@@ -518,14 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
         "models",
         nargs="+",
         metavar="MODEL",
-        help="checkpoint folders, zoo:NAME, init:KIND:PRESET[:SEED], hf:PATH, gguf:FILE or unilm:PATH",
+        help=f"one or more models, each {MODEL_FORMS}",
     )
     ev.add_argument(
         "--task",
         action="append",
         required=True,
-        help="bpb | ppl | retrieval | mc:path=FILE.jsonl, with options TYPE:key=value,... (repeatable), "
-        "e.g. ppl:data=wikitext2:test,seq_len=1024,tokens=8192",
+        help=_task_help(),
     )
     ev.add_argument("--plan", nargs="+", default=["none"], help="plans: none, preset names or YAML files")
     ev.add_argument(
@@ -559,7 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--format", nargs="+", default=["png"], choices=("png", "svg", "pdf"))
     plot.add_argument("--dpi", type=int, default=150)
     plot.add_argument(
-        "--layer", type=int, default=None, help="layer of the attention-map figure (default: last)"
+        "--layer",
+        type=int,
+        default=None,
+        help="layer of the attention-map figure (default: the middle layer that every model's profile has)",
     )
     plot.add_argument("--head", type=int, default=0, help="head of the attention-map figure")
     plot.set_defaults(func=_cmd_plot)
@@ -591,9 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a model as a Hugging Face folder (baseline -> llama, diff_v1 -> diffllama)"
     )
-    export.add_argument(
-        "model", metavar="MODEL", help="native folder, zoo:NAME, init:..., hf:PATH, gguf:FILE or unilm:PATH"
-    )
+    export.add_argument("model", metavar="MODEL", help=f"the model: {MODEL_FORMS}")
     export.add_argument(
         "--to", required=True, choices=("hf", "native"), help="target format: a HF folder or a native one"
     )
@@ -603,8 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_cmd_export)
 
     from diffquant.io.fetch import add_fetch_parser
+    from diffquant.quant.act_scales_cli import add_parser as add_act_scales_parser
 
     add_fetch_parser(sub)
+    add_act_scales_parser(sub)
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)

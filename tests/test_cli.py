@@ -16,6 +16,57 @@ def test_help_lists_commands():
     assert "info" in proc.stdout and "init" in proc.stdout
 
 
+MODEL_FORM_PREFIXES = ("zoo:", "init:", "hf:", "gguf:", "unilm:", "fetch:", "folder")
+
+
+@pytest.mark.parametrize("command", ["info", "profile", "quantize", "eval", "export"])
+def test_help_names_every_model_form(capsys, command):
+    """Every command that takes a model names every form load_model reads, so a newcomer with a Hugging
+    Face folder or a GGUF file learns the prefix from --help."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for form in MODEL_FORM_PREFIXES:
+        assert form in text, (command, form)
+
+
+def test_eval_help_lists_every_task_and_key(capsys):
+    from diffquant.eval.tasks import TASK_PARAMS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for task, params in TASK_PARAMS.items():
+        assert f"{task} (" in text
+        for key in params:
+            assert key in text, (task, key)
+
+
+def test_version(capsys):
+    from diffquant import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"diffquant {__version__}"
+
+
+def test_info_on_a_hugging_face_folder_says_to_add_hf(tmp_path, capsys):
+    assert main(["export", "zoo:baseline", "--to", "hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"load it as hf:{tmp_path / 'hf'}" in err
+    assert main(["info", f"hf:{tmp_path / 'hf'}"]) == 0
+
+
+def test_eval_warns_past_the_trained_context(tmp_path, capsys):
+    """One warning line on stderr when a text task's window exceeds the model card's training context."""
+    args = ["eval", "zoo:baseline", "--task", "bpb:data=stdlib:validation,tokens=1024,seq_len=512"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "diffquant: warning: seq_len 512 exceeds the context this model was trained at (256" in err
+
+
 @pytest.mark.parametrize("kind", ["baseline", "diff_v1", "diff_v2"])
 def test_init_then_info(tmp_path, capsys, kind):
     out = tmp_path / kind

@@ -210,3 +210,27 @@ def test_bad_settings_raise_one_line_errors(tmp_path):
         evaluate_bpb(tiny_model("baseline"), source, max_tokens=100)
     with pytest.raises(DiffquantError, match="no such file"):
         evaluate_bpb(model, str(tmp_path / "missing"), max_tokens=100)
+
+
+def test_default_seq_len_is_the_trained_context_and_reproduces_the_card(caplog):
+    """A zoo model trained at 256 tokens (max_seq_len 512): the default window is 256, and the default bpb
+    task reproduces the validation number on its card exactly (same text, tokens and windows); a longer
+    window is allowed but warned about, since it measures extrapolation."""
+    import logging
+
+    from diffquant.eval.tasks import parse_task, run_task
+    from diffquant.io import load_model
+    from diffquant.zoo import card
+
+    model = load_model("zoo:diff_v2")
+    assert model.trained_seq_len == card("diff_v2")["seq_len"] == 256 < model.config.max_seq_len
+    with caplog.at_level(logging.WARNING, logger="diffquant"):
+        got = run_task(model, parse_task("bpb:data=stdlib:validation"), batch_size=8)
+    assert got["seq_len"] == 256 and not caplog.records
+    assert got["bits_per_byte"] == card("diff_v2")["val_bpb"]
+    with caplog.at_level(logging.WARNING, logger="diffquant"):
+        longer = run_task(
+            model, parse_task("bpb:data=stdlib:validation,tokens=2048,seq_len=512"), batch_size=8
+        )
+    assert longer["seq_len"] == 512
+    assert any("trained at (256" in r.getMessage() for r in caplog.records)

@@ -30,6 +30,7 @@ tokens scored:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from diffquant.errors import DiffquantError
 from diffquant.progress import progress as show_progress
 
 WINDOW_CONVENTIONS = ("disjoint", "chained")
+log = logging.getLogger("diffquant")
 DEFAULT_SEQ_LEN = 2048  # GPTQ's WikiText-2 window; a model with a shorter context uses its max_seq_len
 
 
@@ -149,10 +151,19 @@ def _check_settings(
 ) -> int:
     """Validate the settings before any data is read; the effective seq_len."""
     max_seq_len = model.config.max_seq_len
-    seq_len = min(max_seq_len, DEFAULT_SEQ_LEN) if seq_len is None else seq_len
+    trained = getattr(model, "trained_seq_len", None)  # from a training card, when the model has one
+    if seq_len is None:
+        seq_len = min(max_seq_len, DEFAULT_SEQ_LEN, trained or max_seq_len)
     _check_int("seq_len", seq_len, 2)
     if seq_len > max_seq_len:
         raise DiffquantError(f"seq_len {seq_len} exceeds the model's max_seq_len {max_seq_len}")
+    if trained is not None and seq_len > trained:
+        log.warning(
+            "seq_len %d exceeds the context this model was trained at (%d, from its card): the numbers "
+            "measure length extrapolation",
+            seq_len,
+            trained,
+        )
     if windows is not None and windows not in WINDOW_CONVENTIONS:
         raise DiffquantError(f"windows {windows!r}: expected one of {', '.join(WINDOW_CONVENTIONS)}")
     if stride is not None:
