@@ -297,7 +297,8 @@ def absmax_scale(amax: torch.Tensor | float, fmt: ElementFormat | str) -> torch.
     """
     fmt = get_format(fmt)
     amax = torch.as_tensor(amax, dtype=torch.float32)
-    return torch.where(amax == 0, torch.ones_like(amax), amax / fmt.max_value)
+    scale = amax / fmt.max_value
+    return torch.where(scale > 0, scale, torch.ones_like(scale))  # 0 or underflowed (subnormal amax): 1
 
 
 def minmax_scale_zero_point(
@@ -308,12 +309,15 @@ def minmax_scale_zero_point(
     The range is widened to include 0 so that zero is exactly representable (code == zero point), the usual
     convention (PyTorch observers, ONNX). scale = (xmax - xmin) / (2^b - 1), 1 for an empty range;
     zero_point = round(-xmin / scale) clamped to the codes, returned as an integer-valued float32 tensor.
+    A range too small for float32 to divide by 2^b - 1 (span / (2^b - 1) underflows) also gets scale 1.
     """
     qmax = float((1 << _check_bits(bits)) - 1)
     lo = torch.as_tensor(xmin, dtype=torch.float32).clamp(max=0)
     hi = torch.as_tensor(xmax, dtype=torch.float32).clamp(min=0)
-    span = hi - lo
-    scale = torch.where(span > 0, span / qmax, torch.ones_like(span))
+    scale = (hi - lo) / qmax
+    # An empty range, or one so small (subnormal) that span / qmax underflows to 0, gets scale 1: its values
+    # quantize to 0 either way, and a 0 scale would make the zero point -lo / 0 = NaN.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero_point = torch.round(-lo / scale).clamp(0, qmax)
     return scale, zero_point
 
