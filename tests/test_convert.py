@@ -185,12 +185,7 @@ def test_load_model_routes_converters(hf_folders):
     from diffquant.io import load_model
 
     _, single, _ = hf_folders["llama-gqa"]
-    try:
-        model = load_model(f"hf:{single}")
-    except DiffquantError as err:
-        if "not supported by this version" in str(err):
-            pytest.skip("hf:/unilm: specifiers are not wired into diffquant.io.load_model yet")
-        raise
+    model = load_model(f"hf:{single}")
     assert model.config.attention == "baseline"
 
 

@@ -4,8 +4,8 @@ The kernels run under Triton's CPU interpreter (tests/conftest.py sets TRITON_IN
 Triton); ``@pytest.mark.gpu`` tests run the compiled kernels on CUDA with real bf16 / int8 / fp8 operands
 (run them with ``TRITON_INTERPRET=0 pytest -m gpu``).
 
-Inputs are fresh random draws on every run; the seed is printed in every assertion message and can be pinned
-with DIFFQUANT_TEST_SEED. Two input distributions: N(0, 1) and the FlashAttention-3 FP8 accuracy test's
+Inputs are random draws from a fixed seed per test case (derived from its id, printed in every assertion
+message); DIFFQUANT_TEST_SEED replaces it to explore other draws. Two input distributions: N(0, 1) and the FlashAttention-3 FP8 accuracy test's
 N(0, 1) + N(0, 100) * Bernoulli(0.001) (outliers of std 10 on 0.1 % of the entries).
 
 Tolerances, in relative L1 = sum|o - r| / sum|r| (thu-ml's attention accuracy metric). Formats enter through
@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
+import zlib
 from typing import NamedTuple
 
 import pytest
@@ -95,8 +95,11 @@ NO_QUANT = CoreQuant()
 
 # ------------------------------------------------------------------------------------------ inputs
 @pytest.fixture
-def seed() -> int:
-    value = int(os.environ.get("DIFFQUANT_TEST_SEED", time.time_ns() % 2**31))
+def seed(request) -> int:
+    """A fixed seed per test case (from its id), so a 3-sigma tolerance cannot fail at random; set
+    DIFFQUANT_TEST_SEED to explore other draws."""
+    default = zlib.crc32(request.node.nodeid.encode()) % 2**31
+    value = int(os.environ.get("DIFFQUANT_TEST_SEED", default))
     torch.manual_seed(value)
     return value
 
