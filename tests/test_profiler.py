@@ -83,6 +83,17 @@ def test_site_stats_match_an_independent_capture(kind):
     ]
     median = pooled.sort().values[(pooled.numel() + 1) // 2 - 1].item()
     assert row["median"] == pytest.approx(median, rel=0.01)
+    # hidden states = every layer output (resid taps), not the MLP activations also captured here
+    hidden = torch.cat([torch.cat(v).reshape(-1) for k, v in captured.items() if k.endswith(".resid")]).abs()
+    assert sum(k.endswith(".resid") for k in captured) == model.config.n_layers
+    row = table5(profile)["hidden states"]
+    top = hidden.sort(descending=True).values
+    assert [row["top1"], row["top2"], row["top3"], row["top10"], row["top100"]] == [
+        top[i].item() for i in (0, 1, 2, 9, 99)
+    ]
+    median = hidden.sort().values[(hidden.numel() + 1) // 2 - 1].item()
+    assert row["median"] == pytest.approx(median, rel=0.0062)
+    assert row["top1_at"]["site"].endswith(".resid")
 
 
 def test_batching_does_not_change_the_profile():
