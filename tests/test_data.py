@@ -101,8 +101,15 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
     assert changed != first
     (root / "b.txt").rename(root / "b2.txt")
     assert fingerprint(str(root)) != changed  # the name is part of it
-    (root / "z.bin").write_bytes(b"ignored anyway")
-    assert fingerprint(str(root)) == fingerprint(str(root))
+    renamed = fingerprint(str(root))
+    (root / "z.bin").write_bytes(b"\x00\x01 not text")  # a folder source reads text files only
+    assert fingerprint(str(root)) == renamed
+    # and the hash is the documented one: length-prefixed (name, content) of every document, in order
+    h = hashlib.sha256(b"diffquant-corpus-v1\0")
+    for doc in iter_documents(str(root)):
+        for part in (doc.name.encode(), doc.text.encode()):
+            h.update(len(part).to_bytes(8, "little") + part)
+    assert renamed == h.hexdigest()
 
 
 # -------------------------------------------------------------------------------------------- errors

@@ -143,7 +143,7 @@ def test_nan_propagates_and_is_counted():
 
 
 # ------------------------------------------------------------------------ the paper's mechanism
-def _quantized_logits(plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized_logits(plan_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits of layer 0 after quantization, with one logit planted at 1000 before the quantizer."""
     model = tiny_model("baseline", seed=1)
     apply_plan(model, preset(plan_name))
@@ -160,12 +160,18 @@ def _quantized_logits(plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     tap.register_forward_hook(lambda m, a, out: seen.update(out=out, valid=a[1], raw=a[0]))
     with torch.no_grad():
         model(_windows(1, 16))
-    return seen["out"], seen["valid"].expand_as(seen["out"])
+    return seen["out"], seen["valid"].expand_as(seen["out"]), seen["raw"]
 
 
 def test_per_tensor_int4_zeroes_small_logits_per_row_keeps_them():
-    per_tensor, valid = _quantized_logits("attn-logits-int4")
-    per_row, _ = _quantized_logits("attn-logits-int4-row")
+    per_tensor, valid, raw = _quantized_logits("attn-logits-int4")
+    per_row, _, _ = _quantized_logits("attn-logits-int4-row")
+    # Exactly the int4 absmax of each row's visible (causal) logits: masked entries (real dot products with
+    # future keys, often larger) must not enter the scales.
+    amax = torch.where(valid, raw.abs(), 0.0).amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 7, torch.ones_like(amax))
+    want = torch.round(raw / scale).clamp(-7, 7) * scale
+    assert torch.equal(per_row[valid], want[valid])
     small = valid.clone()
     small[0, 0, 10, 3] = False
     # scale = 1000 / 7 ~ 143: every ordinary logit (|x| << 71) rounds to zero in that sample
