@@ -253,6 +253,45 @@ def test_attention_matches_reference(kind: str, n_rep: int, seq_len: int, path: 
     torch.testing.assert_close(run_module(attn, x), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("prefill", [0, 3])
+@pytest.mark.parametrize("n_rep", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_decoding_matches_reference(kind: str, n_rep: int, prefill: int) -> None:
+    """The KV-cache path (a prefill of ``prefill`` tokens, then one token at a time) against the reference
+    on the whole sequence: position t sees keys 0..t either way."""
+    from diffquant.models.attention import LayerKV
+
+    seq_len = 9
+    cfg = make_config(kind, n_rep)
+    attn = build_attention(cfg, seed=500 + 10 * n_rep + prefill)
+    x = torch.randn(BATCH, seq_len, E)
+    cache = LayerKV()
+    steps = ([(0, prefill)] if prefill else []) + [(t, t + 1) for t in range(prefill, seq_len)]
+    with torch.no_grad():
+        out = torch.cat([attn(x[:, a:b], cache) for a, b in steps], dim=1)
+    assert cache.length == seq_len
+    torch.testing.assert_close(out.double(), REFERENCES[kind](attn, x, cfg), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq_len", [7, 40])
+@pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])  # the Triton kernel serves the DIFF kinds only
+def test_triton_kernel_matches_reference(kind: str, seq_len: int, monkeypatch) -> None:
+    """The Triton kernel (CPU interpreter) without quantization against the reference: forced on with an
+    all-fp32 core, the layer output equals the independent computation."""
+    pytest.importorskip("triton")
+    from diffquant.kernels import dispatch
+    from diffquant.kernels.reference import CoreQuant
+
+    cfg = make_config(kind, 2, head_dim=16)  # the kernel's tl.dot needs head widths of 16 or more
+    attn = build_attention(cfg, seed=900 + seq_len)
+    monkeypatch.setattr(dispatch, "kernel_core", lambda layer: CoreQuant())
+    attn.kernel = "triton"
+    x = torch.randn(BATCH, seq_len, E)
+    out = run_module(attn, x)
+    assert attn.last_path == "triton"
+    torch.testing.assert_close(out, REFERENCES[kind](attn, x, cfg), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("n_rep", [1, 2])
 def test_diff_v2_pairs_are_interleaved(n_rep: int) -> None:
     cfg = make_config("diff_v2", n_rep)
