@@ -13,9 +13,12 @@ A plan is a list of rules and an optional real backend::
       weights: qint8
       activations: qint8
       modules: ["layers.*"]
+    smooth: {alpha: 0.5}                  # optional: SmoothQuant smoothing before calibration (fake-quant only)
 
 ``apply_plan`` inserts FakeQuant modules at the matching taps and weights (weights are quantized once and
-cached), and swaps matching Linears for the backend's layers, keeping their input taps.
+cached), and swaps matching Linears for the backend's layers, keeping their input taps. ``calibrate``
+smooths first when the plan says so (act-scales on the calibration windows, see
+:mod:`diffquant.quant.smoothquant`), then observes static scales.
 """
 
 from __future__ import annotations
@@ -82,17 +85,30 @@ class BackendSpec:
 
 
 @dataclass
+class SmoothSpec:
+    """SmoothQuant smoothing (Xiao et al. 2023): migration strength ``alpha`` in [0, 1]."""
+
+    alpha: float = 0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alpha": self.alpha}
+
+
+@dataclass
 class QuantPlan:
     name: str = "custom"
     description: str = ""
     rules: list[Rule] = field(default_factory=list)
     backend: BackendSpec | None = None
+    smooth: SmoothSpec | None = None
 
     # -------------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
         if self.description:
             out["description"] = self.description
+        if self.smooth is not None:  # only when set: plans without it keep their dict (and sweep cell keys)
+            out["smooth"] = self.smooth.to_dict()
         out["rules"] = [r.to_dict() for r in self.rules]
         if self.backend is not None:
             out["backend"] = self.backend.to_dict()
@@ -100,7 +116,7 @@ class QuantPlan:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> QuantPlan:
-        data = _mapping(data, source, {"name", "description", "rules", "backend"})
+        data = _mapping(data, source, {"name", "description", "rules", "backend", "smooth"})
         rules = []
         raw_rules = data.get("rules", [])
         if not isinstance(raw_rules, list):
@@ -120,7 +136,15 @@ class QuantPlan:
             backend = _backend(data["backend"], f"{source}: backend")
         if not rules and backend is None:
             raise DiffquantError(f"{source}: a plan needs at least one rule or a backend")
-        return cls(str(data.get("name", "custom")), str(data.get("description", "")), rules, backend)
+        smooth = None
+        if data.get("smooth") is not None:
+            smooth = _smooth(data["smooth"], f"{source}: smooth")
+            if backend is not None:
+                raise DiffquantError(
+                    f"{source}: smooth: works with fake-quant rules only; the backend {backend.name} converts "
+                    "its Linears when the plan is applied, before calibration could smooth them"
+                )
+        return cls(str(data.get("name", "custom")), str(data.get("description", "")), rules, backend, smooth)
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
@@ -139,10 +163,16 @@ class QuantPlan:
 
     @property
     def uses_static(self) -> bool:
-        return any(r.scheme.is_static for r in self.rules) or (
-            self.backend is not None
-            and self.backend.name == "quanto"
-            and self.backend.activations is not None
+        """True when applying the plan needs a calibration pass (:func:`calibrate`): static scales, quanto
+        activations, or SmoothQuant smoothing (which needs act-scales of calibration text)."""
+        return (
+            self.smooth is not None
+            or any(r.scheme.is_static for r in self.rules)
+            or (
+                self.backend is not None
+                and self.backend.name == "quanto"
+                and self.backend.activations is not None
+            )
         )
 
 
@@ -162,6 +192,17 @@ def _patterns(raw: dict[str, Any], key: str, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise DiffquantError(f"{where}.{key}: expected a pattern or a list of patterns, got {value!r}")
     return value
+
+
+def _smooth(raw: Any, where: str) -> SmoothSpec:
+    raw = _mapping(raw, where, {"alpha"})
+    alpha = raw.get("alpha", 0.5)
+    # No coercion, as for the backend options: a string, a boolean or a NaN is refused, not read as a number.
+    if not is_number(alpha) or not math.isfinite(alpha) or not 0.0 <= alpha <= 1.0:
+        raise DiffquantError(
+            f"{where}.alpha: expected a number in [0, 1], got {alpha!r} ({type_name(alpha)})"
+        )
+    return SmoothSpec(alpha=float(alpha))
 
 
 def _backend(raw: Any, where: str) -> BackendSpec:
@@ -265,6 +306,17 @@ _PRESET_DATA.update(
         "w8a8-tensor": {
             "description": "int8 weights per output channel, int8 Linear inputs per tensor (static absmax "
             "from calibration: SmoothQuant's per-tensor static setting, without smoothing)",
+            "rules": [
+                _rule("int8:channel", weights=_LINEARS),
+                _rule(
+                    {"format": "int8", "granularity": "tensor", "calibration": "absmax"}, sites=_LINEAR_INPUTS
+                ),
+            ],
+        },
+        "w8a8-smoothquant": {
+            "description": "SmoothQuant (Xiao et al. 2023): smoothing alpha 0.5 from calibration act-scales, "
+            "then w8a8-tensor (int8 weights per output channel, int8 Linear inputs per tensor, static absmax)",
+            "smooth": {"alpha": 0.5},
             "rules": [
                 _rule("int8:channel", weights=_LINEARS),
                 _rule(
@@ -467,12 +519,28 @@ def fake_quantizers(model: nn.Module) -> dict[str, FakeQuant]:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> int:
-    """Run calibration batches: static FakeQuant scales and quanto activation scales. Returns tokens seen."""
+    """Run calibration batches: SmoothQuant smoothing (when the plan has ``smooth``), then static FakeQuant
+    scales and quanto activation scales. Returns tokens seen (0: nothing to calibrate).
+
+    Smoothing comes first and on the float model: act-scales of the Linear inputs with every fake-quantizer
+    detached (:func:`diffquant.quant.smoothquant.collect_act_scales`), then the norm weights and Linear
+    weights are rewritten in place (the weight quantizers quantize the smoothed weights; their caches are
+    dropped), and only then are the static scales observed, on the smoothed activations. The model is
+    smoothed once: a second ``calibrate`` recalibrates the static scales only.
+    """
     plan: QuantPlan | None = getattr(model, "quant_plan", None)
     quantizers = [q for q in fake_quantizers(model).values() if q.scheme.is_static]
     uses_quanto = plan is not None and plan.backend is not None and plan.backend.activations is not None
-    if not quantizers and not uses_quanto:
+    smooth = plan.smooth if plan is not None else None
+    if not quantizers and not uses_quanto and smooth is None:
         return 0
+    if smooth is not None and getattr(model, "smooth_factors", None) is None:
+        from diffquant.quant.smoothquant import collect_act_scales, smooth_model
+
+        scales = collect_act_scales(model, windows, batch_size=batch_size)
+        model.smooth_factors = smooth_model(model, scales, alpha=smooth.alpha)
+    if not quantizers and not uses_quanto:  # smoothing only: nothing static to observe
+        return windows.numel()
     for q in quantizers:
         q.start_calibration()
     context = nullcontext()

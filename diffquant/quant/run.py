@@ -70,6 +70,12 @@ def quantize_checkpoint(
         held_out = calib  # a tiny source: report on the calibration text itself (said below)
     with torch.no_grad():
         calibrated = calibrate(model, calib, batch_size=batch_size)
+        if getattr(model, "smooth_factors", None) is not None:
+            from diffquant.quant.smoothquant import apply_smoothing
+
+            # The same float model, smoothed alike, so each site compares X / s with X / s (the logits
+            # are the same either way): an unsmoothed reference would count the smoothing as error.
+            apply_smoothing(reference, model.smooth_factors)
         report = compare_models(reference, model, held_out, batch_size=batch_size)
     meta = {
         "base": str(checkpoint),

@@ -34,6 +34,7 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear, RMSNorm
 from diffquant.models.taps import model_taps
+from diffquant.quant.plan import BackendLinear, linear_modules
 
 NAMINGS = ("hf", "native")
 # Specifiers of models that came from Hugging Face / llama.cpp: their act-scales use HF module names.
@@ -46,10 +47,6 @@ def default_names(spec: str | Path) -> str:
     """'hf' for a model specifier that reads a Hugging Face folder or a GGUF file (hf:, gguf:, fetch:),
     else 'native'."""
     return "hf" if str(spec).startswith(HF_SPEC_PREFIXES) else "native"
-
-
-def linear_modules(model: nn.Module) -> dict[str, Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
 # ------------------------------------------------------------------------------------------- act-scales
@@ -68,7 +65,9 @@ def act_scales(profile, model: nn.Module, names: str = "native") -> dict[str, to
         site = f"{name}.input"
         stats = profile.sites.get(site)
         if stats is None:
-            raise DiffquantError(f"profile has no statistics for site {site} (profile with sites kind:linear_in)")
+            raise DiffquantError(
+                f"profile has no statistics for site {site} (profile with sites kind:linear_in)"
+            )
         summary = stats.summary()
         amax, shape = summary["channel_absmax"], summary["channel_absmax_shape"]
         if amax is None or shape != [linear.in_features]:
@@ -112,15 +111,17 @@ def hf_module_names(model: nn.Module) -> dict[str, str]:
 def float_model(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` with its fake-quantizers (taps and weights) detached for the duration: the float model a
     quantization plan was applied to. Backend layers cannot be detached and are refused."""
-    from diffquant.quant.plan import BackendLinear
-
     for name, module in model.named_modules():
         if isinstance(module, BackendLinear):
             raise DiffquantError(
                 f"{name}: a {module.backend} layer; act-scales need the float model (give the base checkpoint)"
             )
     taps = [(tap, tap.quantizer) for tap in model_taps(model).values() if tap.quantizer is not None]
-    weights = [(lin, lin.weight_quantizer) for lin in linear_modules(model).values() if lin.weight_quantizer]
+    weights = [
+        (lin, lin.weight_quantizer)
+        for lin in linear_modules(model).values()
+        if lin.weight_quantizer is not None
+    ]
     try:
         for tap, _ in taps:
             tap.quantizer = None
@@ -153,6 +154,10 @@ def collect_act_scales(
 
     if batch_size < 1:
         raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
+    if names not in NAMINGS:
+        raise DiffquantError(f"act-scales names: {names!r}; expected one of {', '.join(NAMINGS)}")
+    if names == "hf":
+        hf_module_names(model)  # a model without HF names is refused before the pass, not after
     device = next(model.parameters()).device
     with float_model(model), Profiler(model, sites=["kind:linear_in"], topk=1, attention=False) as prof:
         starts = range(0, windows.shape[0], batch_size)
@@ -227,7 +232,7 @@ def smooth_model(
     model: nn.Module, scales: dict[str, torch.Tensor], alpha: float = DEFAULT_ALPHA
 ) -> dict[str, torch.Tensor]:
     """Smooth ``model`` in place with act-scales ``scales`` (keyed by native Linear name, see
-    :func:`collect_act_scales`); returns the factors s (fp32) by norm name.
+    :func:`collect_act_scales`); returns the factors s (float64, on the CPU) by norm name.
 
     For each norm of :func:`smoothing_groups`: norm.weight /= s and W[:, j] *= s_j for each Linear it
     feeds, computed in float64 and cast back, so the float model's output is unchanged up to rounding.
@@ -236,12 +241,8 @@ def smooth_model(
     """
     if not (0.0 <= alpha <= 1.0):
         raise DiffquantError(f"smooth alpha: expected a number in [0, 1], got {alpha!r}")
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(p.data_ptr(), []).append(name)
-    plans = []
-    for norm_name, norm, linears in smoothing_groups(model):
-        _check_group(norm_name, norm, linears, owners)
+    factors = {}
+    for norm_name, _, linears in _checked_groups(model):
         acts = []
         for name, linear in linears.items():
             if name not in scales:
@@ -259,9 +260,30 @@ def smooth_model(
         s = smoothing_factors(amax, [lin.weight for lin in linears.values()], alpha)
         if not torch.isfinite(s).all():
             raise DiffquantError(f"{norm_name}: non-finite smoothing factor (act-scales with inf or NaN?)")
-        plans.append((norm_name, norm, linears, s))
-    factors = {}
-    for norm_name, norm, linears, s in plans:
+        factors[norm_name] = s
+    apply_smoothing(model, factors)
+    return factors
+
+
+@torch.no_grad()
+def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor]) -> None:
+    """Divide each norm's weight by its factors s and multiply the input columns of the Linears it feeds
+    (float64, cast back). ``factors``: by norm name, as :func:`smooth_model` returns them (applying them to
+    an equal copy of the model reproduces the smoothed one exactly)."""
+    groups = _checked_groups(model)
+    for norm_name, norm, _ in groups:
+        if norm_name not in factors:
+            raise DiffquantError(f"{norm_name}: no smoothing factors for it (factors of another model?)")
+        shape = tuple(torch.as_tensor(factors[norm_name]).shape)
+        if shape != (norm.weight.numel(),):
+            raise DiffquantError(
+                f"{norm_name}: smoothing factors of shape {shape}, expected ({norm.weight.numel()},)"
+            )
+    extra = sorted(set(factors) - {norm_name for norm_name, _, _ in groups})
+    if extra:
+        raise DiffquantError(f"{extra[0]}: smoothing factors for a norm this model does not smooth")
+    for norm_name, norm, linears in groups:
+        s = torch.as_tensor(factors[norm_name]).to(torch.float64)
         w = norm.weight
         w.copy_((w.to(torch.float64) / s.to(w.device)).to(w.dtype))
         for linear in linears.values():
@@ -269,5 +291,13 @@ def smooth_model(
             lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))
             if linear.weight_quantizer is not None:  # its cache holds the old weight: quantize afresh
                 linear.weight_quantizer._weight_cache = None
-        factors[norm_name] = s.to(torch.float32)
-    return factors
+
+
+def _checked_groups(model: nn.Module) -> list[tuple[str, RMSNorm, dict[str, nn.Module]]]:
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(p.data_ptr(), []).append(name)
+    groups = smoothing_groups(model)
+    for norm_name, norm, linears in groups:
+        _check_group(norm_name, norm, linears, owners)
+    return groups
