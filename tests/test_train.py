@@ -85,7 +85,10 @@ def test_resume_is_bit_identical(tmp_path, kind):
 
 
 def test_card_measures_the_exported_weights(tmp_path):
-    out = train(_cfg(tmp_path, "c", kind="baseline", save_dtype="bfloat16"), log=lambda m: None)
+    held_out = tmp_path / "held_out.txt"  # other text than the training data, so the two bpb differ
+    held_out.write_text("".join(f"class C{i}:\n    x = {i} ** 2\n" for i in range(200)))
+    kw = dict(kind="baseline", save_dtype="bfloat16", eval_data=str(held_out))
+    out = train(_cfg(tmp_path, "c", **kw), log=lambda m: None)
     from diffquant.io.artifacts import sha256_file
 
     card = json.loads((out / "final" / "card.json").read_text())
@@ -97,7 +100,8 @@ def test_card_measures_the_exported_weights(tmp_path):
     from diffquant.io import load_checkpoint
 
     shipped = load_checkpoint(out / "final", dtype=torch.float32)
-    cfg = _cfg(tmp_path, "c")
+    cfg = _cfg(tmp_path, "c", **kw)
+    assert card["val_bpb"] != card["train_bpb"]
     for field_, data in (("val_bpb", cfg.eval_data), ("train_bpb", cfg.data)):
         got = evaluate_bpb(shipped, data, max_tokens=cfg.eval_tokens, seq_len=cfg.seq_len)["bits_per_byte"]
         assert card[field_] == pytest.approx(got, rel=1e-9), field_
