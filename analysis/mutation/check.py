@@ -1,0 +1,319 @@
+"""Mutation check: plant plausible bugs one at a time and see whether the tests that guard them fail.
+
+Each mutant is (module, exact text, replacement, the tests that should catch it). The committed tree is
+exported (``git archive HEAD``) into a temporary folder; for every mutant one file there is edited, the
+listed tests run against that copy (``PYTHONPATH`` puts it ahead of the installed package, checked), and
+the file is restored. A mutant is *killed* when the tests fail, *survived* when they pass; a mutant whose
+text is no longer in the source is reported as *stale* (fix the list, not the code). Prints a table and
+writes results.json beside this file.
+
+    python analysis/mutation/check.py [--only SUBSTRING] [--jobs 1]
+
+The mutants are the ones the tests-that-bite issue listed (each had survived once) plus the numerical core:
+DIFF attention, rounding, scales, statistics, merges, perplexity, resume, smoothing. Set
+OMP_WAIT_POLICY=PASSIVE on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+M = Mutant
+MUTANTS = [
+    # --- calibration (issue: percentile replaced by absmax, worst MSE clip, wrong percentile tail)
+    M(
+        "percentile clip -> absmax",
+        "diffquant/quant/fake.py",
+        "            amax = _percentile_clip(self._hist, self.scheme.percentile).to(amax.dtype).reshape(amax.shape)",
+        "            pass",
+        ("tests/test_quant.py::test_percentile_clip_is_the_exact_quantile_within_one_bin",),
+    ),
+    M(
+        "MSE search picks the worst clip",
+        "diffquant/quant/fake.py",
+        "torch.argmin(err)",
+        "torch.argmax(err)",
+        ("tests/test_quant.py::test_mse_clip_is_near_the_brute_force_optimum_on_the_data",),
+    ),
+    M(
+        "percentile from the wrong tail",
+        "diffquant/quant/fake.py",
+        "rank = torch.ceil(total * percentile / 100.0)",
+        "rank = torch.ceil(total * (100.0 - percentile) / 100.0)",
+        ("tests/test_quant.py::test_percentile_clip_is_the_exact_quantile_within_one_bin",),
+    ),
+    # --- presets at model level (issue: contents of fp8 / w4a16 / mxfp4 / nvfp4, NVFP4 / E8M0 scales)
+    M(
+        "fp8 preset weights per tensor",
+        "diffquant/quant/plan.py",
+        '_rule("fp8_e4m3:channel", weights=_LINEARS)',
+        '_rule("fp8_e4m3:tensor", weights=_LINEARS)',
+        ("tests/test_presets_reference.py",),
+    ),
+    M(
+        "w4a16 groups of 64",
+        "diffquant/quant/plan.py",
+        '"rules": [_rule("int4:group(32)", weights=_LINEARS)],',
+        '"rules": [_rule("int4:group(64)", weights=_LINEARS)],',
+        ("tests/test_presets_reference.py",),
+    ),
+    M(
+        "mxfp4 preset activations in mxfp6",
+        "diffquant/quant/plan.py",
+        '_rule("mxfp4", sites=_LINEAR_INPUTS)',
+        '_rule("mxfp6_e2m3", sites=_LINEAR_INPUTS)',
+        ("tests/test_presets_reference.py",),
+    ),
+    M(
+        "nvfp4 preset activations in mxfp4",
+        "diffquant/quant/plan.py",
+        '_rule("nvfp4", sites=_LINEAR_INPUTS)',
+        '_rule("mxfp4", sites=_LINEAR_INPUTS)',
+        ("tests/test_presets_reference.py",),
+    ),
+    M(
+        "NVFP4 block scale rounded up",
+        "diffquant/quant/formats.py",
+        "scales = _E4M3.round(amax / (elem.max_value * s_t))",
+        "scales = e4m3_round_up(amax / (elem.max_value * s_t))",
+        ("tests/test_presets_reference.py", "tests/test_formats.py"),
+    ),
+    M(
+        "E8M0 shared exponent one too high",
+        "diffquant/quant/formats.py",
+        "k = (_floor_log2(amax) - elem.emax)",
+        "k = (_floor_log2(amax) - elem.emax + 1)",
+        ("tests/test_presets_reference.py", "tests/test_formats.py"),
+    ),
+    M(
+        "asymmetric scale: underflow not caught",
+        "diffquant/quant/formats.py",
+        "scale = torch.where(scale > 0, scale, torch.ones_like(scale))\n    zero_point",
+        "scale = torch.where(hi - lo > 0, scale, torch.ones_like(scale))\n    zero_point",
+        ("tests/test_formats.py",),
+    ),
+    M(
+        "integer rounding floors",
+        "diffquant/quant/schemes.py",
+        "return q.round_().clamp_(element.min_value, element.max_value).mul_(scale)",
+        "return q.floor_().clamp_(element.min_value, element.max_value).mul_(scale)",
+        ("tests/test_quant.py", "tests/test_presets_reference.py"),
+    ),
+    M(
+        "causal mask ignored in dynamic scales",
+        "diffquant/quant/schemes.py",
+        "        mag.masked_fill_(~valid.to(device=mag.device, dtype=torch.bool).expand_as(mag), 0.0)",
+        "        pass",
+        ("tests/test_quant.py::test_per_tensor_int4_zeroes_small_logits_per_row_keeps_them",),
+    ),
+    M(
+        "fast path drops the clamp of saturated scales",
+        "diffquant/quant/schemes.py",
+        'if scheme.scale_format != "fp32":  # a saturated scale',
+        "if False:  # a saturated scale",
+        ("tests/test_quant.py::test_fake_quant_fast_path_is_bit_identical",),
+    ),
+    # --- attention
+    M(
+        "DIFF V1 lambda: + instead of -",
+        "diffquant/models/attention.py",
+        "return lam1 - lam2 + self.lambda_init",
+        "return lam1 + lam2 + self.lambda_init",
+        ("tests/test_attention_reference.py",),
+    ),
+    M(
+        "DIFF V1 lambda_init schedule",
+        "diffquant/models/config.py",
+        "return 0.8 - 0.6 * math.exp(-0.3 * depth)",
+        "return 0.8 - 0.6 * math.exp(-0.3 * (depth + 1))",
+        ("tests/test_attention_reference.py",),
+    ),
+    M(
+        "RoPE positions ignore the cache",
+        "diffquant/models/attention.py",
+        "positions = torch.arange(pos0, pos0 + t, device=x.device)",
+        "positions = torch.arange(0, t, device=x.device)",
+        ("tests/test_attention_reference.py",),
+    ),
+    M(
+        "Triton kernel: lambda sign",
+        "diffquant/kernels/dispatch.py",
+        "q, k, v, lam.squeeze(-1), quant=core",
+        "q, k, v, -lam.squeeze(-1), quant=core",
+        ("tests/test_attention_reference.py::test_triton_kernel_matches_reference",),
+    ),
+    # --- statistics
+    M(
+        "top-k merge keeps arrival order",
+        "diffquant/profile/stats.py",
+        "return sorted(a + b, key=_entry_key)[:cap]",
+        "return (a + b)[:cap]",
+        ("tests/test_stats.py",),
+    ),
+    M(
+        "moments merge: M2 without the mean shift",
+        "diffquant/profile/stats.py",
+        "m2 = m2a + m2b + d * d * fa * fb / fn",
+        "m2 = m2a + m2b",
+        ("tests/test_stats.py",),
+    ),
+    M(
+        "gathered map index not mapped back",
+        "diffquant/profile/stats.py",
+        "* (t * s) + visible[ci % width]",
+        "* (t * s) + ci % width",
+        ("tests/test_stats.py",),
+    ),
+    M(
+        "Table 5 hidden states from the MLP activations",
+        "diffquant/profile/tables.py",
+        '"hidden states": "resid"',
+        '"hidden states": "mlp_act"',
+        ("tests/test_profiler.py",),
+    ),
+    # --- evaluation, data, training, resume
+    M(
+        "bits per byte divides by tokens",
+        "diffquant/eval/perplexity.py",
+        '"bits_per_byte": nats / math.log(2) / n_bytes,',
+        '"bits_per_byte": nats / math.log(2) / n_tokens,',
+        ("tests/test_perplexity.py",),
+    ),
+    M(
+        "default seq_len ignores the trained context",
+        "diffquant/eval/perplexity.py",
+        "seq_len = min(max_seq_len, DEFAULT_SEQ_LEN, trained or max_seq_len)",
+        "seq_len = min(max_seq_len, DEFAULT_SEQ_LEN)",
+        ("tests/test_perplexity.py",),
+    ),
+    M(
+        "fingerprint without document names",
+        "diffquant/data/corpus.py",
+        "        h.update(name)\n",
+        "",
+        ("tests/test_data.py",),
+    ),
+    M(
+        "card val bpb measured on the training data",
+        "diffquant/train/trainer.py",
+        'val = _val_bpb(shipped, cfg, streams["eval_data"])',
+        'val = _val_bpb(shipped, cfg, streams["data"])',
+        ("tests/test_train.py::test_card_measures_the_exported_weights",),
+    ),
+    M(
+        "sweep resume ignores the content key",
+        "diffquant/eval/sweep.py",
+        'if key in idents and record.get("ident") == idents[key][0]:',
+        "if key in idents:",
+        ("tests/test_sweep.py",),
+    ),
+    # --- smoothing
+    M(
+        "smoothing divides the weight columns",
+        "diffquant/quant/smoothquant.py",
+        "lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))",
+        "lw.copy_((lw.to(torch.float64) / s.to(lw.device)[None, :]).to(lw.dtype))",
+        ("tests/test_smoothquant.py",),
+    ),
+    M(
+        "smoothing exponents swapped",
+        "diffquant/quant/smoothquant.py",
+        "s = (amax.pow(alpha) / wmax.pow(1.0 - alpha))",
+        "s = (amax.pow(1.0 - alpha) / wmax.pow(alpha))",
+        ("tests/test_smoothquant.py",),
+    ),
+]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    chosen = [m for m in MUTANTS if not args.only or args.only in m.name]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="diffquant-mutants-") as tmp:
+        copy = Path(tmp) / "repo"
+        copy.mkdir()
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x"], cwd=copy, input=archive, check=True)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(copy),
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        }
+        where = subprocess.run(
+            [sys.executable, "-c", "import diffquant; print(diffquant.__file__)"],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"the copy is not what Python imports ({where}); cannot run mutants")
+        for mutant in chosen:
+            path = copy / mutant.path
+            original = path.read_text()
+            old, new = mutant.old, mutant.new
+            if original.count(old) != 1:
+                results.append({"mutant": mutant.name, "status": "stale", "seconds": 0.0})
+                print(f"{'stale':<9} {mutant.name}", flush=True)
+                continue
+            path.write_text(original.replace(old, new, 1))
+            start = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+                cwd=copy,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            seconds = time.perf_counter() - start
+            path.write_text(original)
+            status = "killed" if proc.returncode != 0 else "survived"
+            results.append({"mutant": mutant.name, "status": status, "seconds": round(seconds, 1)})
+            print(f"{status:<9} {mutant.name} ({seconds:.0f} s)", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", default=None, help="run the mutants whose name contains this")
+    args = parser.parse_args()
+    results = run(args)
+    killed = sum(r["status"] == "killed" for r in results)
+    scored = sum(r["status"] in ("killed", "survived") for r in results)
+    stale = sum(r["status"] == "stale" for r in results)
+    print(f"killed {killed}/{scored} ({100 * killed / max(scored, 1):.0f} %), stale {stale}")
+    if not args.only:
+        out = Path(__file__).with_name("results.json")
+        out.write_text(
+            json.dumps({"killed": killed, "scored": scored, "stale": stale, "mutants": results}, indent=1)
+            + "\n"
+        )
+        print(f"wrote {out}")
+    if killed < scored or stale:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
