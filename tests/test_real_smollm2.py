@@ -61,3 +61,35 @@ def test_profile_finds_the_massive_activation(smollm2):
     print(f"\nSmolLM2 hidden states: top1 {row['top1']:.1f} at {row['top1_at']}, median {row['median']:.3f}")
     assert row["top1"] > 10_000 and row["median"] < 10
     assert row["top1_at"]["pos"] == 0
+
+
+def test_lmeval_adapter_equals_hflm(smollm2, tmp_path):
+    """The lm-eval adapter on the real model equals lm-eval's own HFLM (transformers' GGUF loader) on
+    local LAMBADA-format passages cut from WikiText-2 and on WikiText-2 articles (rolling windows)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("transformers")
+    import json
+
+    from lm_eval.models.huggingface import HFLM
+
+    from diffquant.data.corpus import WIKITEXT2_DIR
+    from diffquant.eval.lmeval import run_lmeval
+
+    path, model = smollm2
+    raw = WIKITEXT2_DIR / "wiki.test.raw"
+    paragraphs = [line.strip() for line in raw.read_text().splitlines() if len(line.split()) > 80]
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("".join(json.dumps({"text": " ".join(p.split()[:60])}) + "\n" for p in paragraphs[:6]))
+    pages = tmp_path / "wikitext.jsonl"  # short "articles" (three paragraphs each), so one window each
+    pages.write_text("".join(json.dumps({"page": "\n".join(paragraphs[i : i + 3])}) + "\n" for i in (6, 9)))
+    files = {"lambada_local": lambada, "wikitext_local": pages}
+    kw = dict(data_files=files, limit=2, bootstrap_iters=0)
+    ours = run_lmeval(model, list(files), batch_size=2, **kw)
+    reference = HFLM(pretrained=str(path.parent), gguf_file=path.name, batch_size=2, device="cpu")
+    theirs = run_lmeval(reference, list(files), **kw)
+    print(f"\nSmolLM2 lm-eval: ours {ours}\n  HFLM {theirs}")
+    for task, metrics in theirs.items():
+        assert ours[task]["n_samples"] == metrics["n_samples"] == 2
+        for name, want in metrics.items():
+            if name != "n_samples" and not name.endswith("_stderr"):
+                assert ours[task][name] == pytest.approx(want, rel=1e-4), (task, name)
