@@ -29,8 +29,8 @@ from diffquant.plots import (
     model_colors,
     render_run,
 )
-from diffquant.plots.figures import plan_point
-from diffquant.plots.style import KIND_FAMILIES, save_figure
+from diffquant.plots.figures import HIST_LOG_RATIO, HIST_LOW_QUANTILE, Pool, hist_xlimits, plan_point
+from diffquant.plots.style import KIND_FAMILIES, MAX_WIDTH_IN, MIN_FONT_PT, save_figure
 
 MODELS = ("baseline", "diff_v1", "diff_v2")
 DPI = 40  # small images keep the suite fast; pixel size is checked against figsize * dpi all the same
@@ -111,6 +111,42 @@ def _labelled(ax, names=MODELS) -> list[str]:
     return [line.get_label() for line in ax.get_lines() if line.get_label() in names]
 
 
+def _assert_readable(fig) -> None:
+    """Readable in the report at 100 % zoom: at most MAX_WIDTH_IN wide, no text below MIN_FONT_PT, and no
+    text (title, label, legend, tick label) reaching past the figure's edge (nothing clipped)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    width, _ = fig.get_size_inches()
+    assert width <= MAX_WIDTH_IN + 1e-9
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert texts
+    for t in texts:
+        assert t.get_fontsize() >= MIN_FONT_PT, (t.get_text(), t.get_fontsize())
+    # what is drawn: each axes with its ticks, labels, title and legend; figure legends and titles
+    drawn = [(ax.get_title() or "axes", ax.get_tightbbox(renderer)) for ax in fig.axes]
+    drawn += [("figure legend", leg.get_window_extent(renderer)) for leg in fig.legends]
+    drawn += [(t.get_text(), t.get_window_extent(renderer)) for t in fig.texts if t.get_text().strip()]
+    for what, ext in drawn:
+        inside = (
+            ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1 and ext.y0 >= box.y0 - 1 and ext.y1 <= box.y1 + 1
+        )
+        assert inside, f"{what!r} is clipped: {ext} outside {box}"
+
+
+def _pool_top(art, kind: str) -> float:
+    """The largest |x| of any site of ``kind`` in any profile (what a histogram's x range must show)."""
+    return max(
+        s.kth_largest(1)
+        for p in art.profiles.values()
+        for s in p.sites.values()
+        if s.kind == kind and s.count
+    )
+
+
 # ------------------------------------------------------------------------------------------ colours
 def test_model_colors_fixed_per_kind_and_distinct():
     colors = model_colors([("b", "baseline"), ("d1", "diff_v1"), ("d2", "diff_v2")])
@@ -139,9 +175,21 @@ def test_histograms(art, tmp_path, kind):
     for line in ax.get_lines():
         if line.get_label() in MODELS:
             assert line.get_color() == colors[line.get_label()]
-    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    assert ax.get_yscale() == "log"
     xs = [line.get_xdata()[0] for line in ax.get_lines() if len(line.get_xdata()) == 2]  # axvlines
     assert 6.0 in xs  # the LLM.int8 threshold
+    # the x range is where the data is: the largest |x| inside (with a margin), the bulk's start as low end
+    low, high = ax.get_xlim()
+    top = _pool_top(art, kind)
+    assert low < top < high <= 2.5 * 1.3 * max(top, 6.0)
+    assert top * 1.1 < high  # the tail's last bin and the top-1 marker are not on the frame
+    medians = [s.quantile(0.5) for p in art.profiles.values() for s in p.sites.values() if s.kind == kind]
+    # log x only when the data span decades above the median (a pool's median is at least its smallest
+    # site median, so this ratio bounds the pool's from above)
+    spans_decades = high / min(m for m in medians if m > 0) >= HIST_LOG_RATIO
+    assert ax.get_xscale() == "linear" or spans_decades
+    assert (low == 0.0) == (ax.get_xscale() == "linear")
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
 
 
@@ -150,7 +198,47 @@ def test_histograms_per_layer(art, tmp_path):
     assert len(fig.axes) == 2  # two layers
     for ax in fig.axes:
         assert sorted(_labelled(ax)) == sorted(MODELS)
+    limits = {ax.get_xlim() for ax in fig.axes}
+    assert len(limits) == 1  # one x range for every layer
+    (low, high), top = limits.pop(), _pool_top(art, "q")
+    assert low < top < high
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
+
+
+def _pool(bins: dict[int, int], top1: float, mean: float = 0.0, std: float = 0.1) -> Pool:
+    return Pool(count=sum(bins.values()), mean=mean, std=std, top1=top1, bins=bins, sites=1)
+
+
+def test_histogram_x_range_follows_the_data():
+    from diffquant.profile.stats import R
+
+    def index(value: float) -> int:
+        import math
+
+        return math.floor(math.log(value) / math.log(R))
+
+    # median |x| ~1 with a tail to 30: linear from 0, so the tail takes most of the width
+    tail = {index(1e-6): 1, index(1e-2): 5_000, index(1.0): 100_000, index(10.0): 500, index(30.0): 1}
+    low, high, log = hist_xlimits({"a": _pool(tail, 30.0, std=1.0)})
+    assert not log and low == 0.0 and 30.0 < high <= 1.3 * 30.0 * 1.01
+    # massive values (2,000, three decades above the median): log x, from the bulk's low end
+    massive = tail | {index(2000.0): 2}
+    low, high, log = hist_xlimits({"a": _pool(massive, 2000.0, std=1.0)})
+    assert log and 2000.0 < high <= 1.3 * 2000.0 * 1.01
+    assert 1e-6 < low <= 1e-2  # the 1e-6 straggler (one value in 105,503) is left out
+    dropped = sum(c for j, c in massive.items() if R ** (j + 1) <= low)
+    assert dropped <= HIST_LOW_QUANTILE * sum(massive.values())
+    # the model with the largest |x| decides the high end
+    _, high2, _ = hist_xlimits({"a": _pool(tail, 30.0, std=1.0), "b": _pool({index(50.0): 3}, 50.0)})
+    assert high2 > 50.0
+    # a narrow pool (no marker in reach): linear axis from 0 to just past the data
+    narrow = {index(0.2): 10, index(0.5): 100, index(0.9): 5}
+    low, high, log = hist_xlimits({"a": _pool(narrow, 0.95, std=0.01)})
+    assert not log and low == 0.0 and 0.95 < high < 1.5
+    # the LLM.int8 line is brought into view when the data reach within 2.5x of it
+    low, high, _ = hist_xlimits({"a": _pool(narrow | {index(3.0): 1}, 3.0, std=0.01)})
+    assert high > 6.0
 
 
 def test_layerwise(art, tmp_path):
@@ -159,6 +247,7 @@ def test_layerwise(art, tmp_path):
     assert sorted(_labelled(ax)) == sorted(MODELS)  # one legend entry (the top-1 line) per model
     assert len(ax.get_lines()) == 4 * len(MODELS)  # top-1/2/3 and median per model
     assert ax.get_yscale() == "log"
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
 
 
@@ -176,13 +265,14 @@ def test_attention_maps(art, tmp_path):
     # DIFF V2: lambda * A2 uses lambda at each query row; A1 - lambda*A2 equals the model's own diff_map
     maps = art.maps["diff_v2"][0]
     lam, a2 = maps["layers.1.lambda"][0, :48].double(), maps["layers.1.probs2"][0, :48, :48].double()
-    by_title = {ax.get_title().split(" (")[0]: ax.images[0].get_array() for ax in with_images}
+    by_title = {ax.get_title().split("\n")[0]: ax.images[0].get_array() for ax in with_images}
     shown = np.ma.filled(by_title["diff_v2: λ·A2"], 0.0)
     np.testing.assert_allclose(shown, np.tril((lam[:, None] * a2).numpy()), atol=1e-12)
     diff = np.ma.filled(by_title["diff_v2: A1 − λ·A2"], 0.0)
     np.testing.assert_allclose(
         diff, np.tril(maps["layers.1.diff_map"][0, :48, :48].double().numpy()), atol=1e-6
     )
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
     with pytest.raises(DiffquantError, match="head 7"):
         fig_attention_maps(art.maps, layer=0, head=7)
@@ -193,6 +283,10 @@ def test_degradation(art, tmp_path):
     fig = fig_degradation(art.results, art.sweep, colors=colors)
     *curve_axes, bars_ax = fig.axes
     assert len(curve_axes) == len(MODELS)  # one panel per model
+    assert len({ax.get_ylim() for ax in curve_axes}) == 1  # one y scale: a steeper curve is a larger loss
+    values = [r["value"] for r in art.results["rows"] if r["metric"] == "bits_per_byte"]
+    low, high = curve_axes[0].get_ylim()
+    assert low <= min(values) and max(values) <= high
     lines = [ln for ax in curve_axes for ln in ax.get_lines()]
     labels = [ln.get_label() for ln in lines if not ln.get_label().startswith("_")]
     assert sorted(labels) == sorted(f"{m} · {g}" for m in MODELS for g in ("per-tensor", "per-row"))
@@ -204,9 +298,38 @@ def test_degradation(art, tmp_path):
     # w8a8 mixes granularities: it is a bar per model in the second panel
     assert [c.get_label() for c in bars_ax.containers] == list(MODELS)
     assert [t.get_text() for t in bars_ax.get_xticklabels()] == ["w8a8"]
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
     with pytest.raises(DiffquantError, match="no task 'nope'"):
         fig_degradation(art.results, art.sweep, task="nope")
+
+
+def test_degradation_shares_y_and_marks_chance():
+    """Synthetic retrieval results: one y scale for models of very different levels, and the chance line."""
+    from diffquant.quant.plan import preset
+
+    plans = {"none": None, **{p: preset(p).to_dict() for p in ("attn-logits-int8", "attn-logits-int4")}}
+    levels = {"a": 0.9, "b": 0.3}
+    rows = []
+    for model, level in levels.items():
+        for k, plan in enumerate(plans):
+            for metric, value in (("acc_rank", level - 0.1 * k), ("chance_rank", 0.25)):
+                rows.append(
+                    {"model": model, "attention": "baseline", "plan": plan, "task": "retrieval",
+                     "metric": metric, "value": value, "unquantized": level if metric == "acc_rank" else 0.25,
+                     "delta": -0.1 * k if metric == "acc_rank" else 0.0}
+                )  # fmt: skip
+    results = {"primary": {"retrieval": {"metric": "acc_rank", "higher_is_better": True}}, "rows": rows}
+    fig = fig_degradation(results, {"models": {"a": "x", "b": "y"}, "plans": plans}, "retrieval")
+    ax_a, ax_b = fig.axes
+    assert ax_a.get_ylim() == ax_b.get_ylim()
+    low, high = ax_a.get_ylim()
+    assert low <= 0.3 - 0.2 and high >= 0.9  # both models' whole curves in the one range
+    for ax in (ax_a, ax_b):
+        (chance,) = [ln for ln in ax.get_lines() if ln.get_label() == "_chance"]
+        assert list(chance.get_ydata()) == [0.25, 0.25]
+        assert any(t.get_text() == "chance (0.25)" for t in ax.get_legend().get_texts())
+    _assert_readable(fig)
 
 
 def test_plan_point_classifies_plans():
@@ -230,6 +353,7 @@ def test_act_scales(art, tmp_path):
     assert "layers.0.mlp.down.input" in fig.axes[0].get_title()
     width = art.profiles["baseline"].sites["layers.0.mlp.down.input"].summary()["channel_absmax_shape"][0]
     assert len(fig.axes[0].get_lines()[0].get_xdata()) == width
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
     with pytest.raises(DiffquantError, match="no per-channel"):
         fig_act_scales(art.profiles, site="no.such.site")
@@ -245,6 +369,7 @@ def test_lambda(art, tmp_path):
     assert [c.get_label() for c in per_head.containers if c.get_label() in MODELS] == ["diff_v2"]
     heads = art.maps["diff_v2"][0]["layers.0.lambda"].shape[0]
     assert len(per_head.containers[0].lines[0].get_xdata()) == 2 * heads  # layers x heads points
+    _assert_readable(fig)
     _assert_png(fig, tmp_path)
     with pytest.raises(DiffquantError, match="no DIFF model"):
         fig_lambda({"baseline": art.profiles["baseline"]})
@@ -283,7 +408,7 @@ def test_render_run_filter_formats_and_layer(fresh_run):
     files = sorted(p.name for p in (fresh_run / "figures").iterdir())
     assert files == ["figures.json", "lambda.png", "lambda.svg", "maps-L0-H1.png", "maps-L0-H1.svg"]
     assert "<svg" in (fresh_run / "figures" / "lambda.svg").read_text()[:2000]
-    assert imread(fresh_run / "figures" / "lambda.png").shape[:2] == (4 * 60, 12 * 60)  # figsize 12 x 4 in
+    assert imread(fresh_run / "figures" / "lambda.png").shape[:2] == (4 * 60, 11 * 60)  # figsize 11 x 4 in
     with pytest.raises(DiffquantError, match="unknown figure 'histo'"):
         render_run(fresh_run, what=["histo"])
     with pytest.raises(DiffquantError, match="attention maps hold layers"):

@@ -1,6 +1,7 @@
 """The run report: markdown and one self-contained HTML file, from a run folder's artifacts only."""
 
 import base64
+import json
 import re
 import shutil
 import subprocess
@@ -57,7 +58,7 @@ def test_html_is_self_contained_and_lists_everything(run):
     # every image inline as a data URI; no other resource is referenced
     srcs = re.findall(r"src='([^']*)'", doc)
     assert len(srcs) == len(figures) and all(s.startswith("data:image/png;base64,") for s in srcs)
-    assert not re.search(r"(href|src)=['\"](?!data:)", doc)
+    assert not re.search(r"(href|src)=['\"](?!data:|#)", doc)  # in-page anchors only
     inline = {base64.b64decode(s.split(",", 1)[1]) for s in srcs}
     assert inline == {f.read_bytes() for f in figures}
     for caption in (
@@ -79,11 +80,244 @@ def test_cli_report_and_errors(run, tmp_path, capsys):
     assert "expected profile/NAME.json" in capsys.readouterr().err
     with pytest.raises(DiffquantError, match="run folder not found"):
         write_report(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DiffquantError, match="no run artifacts found"):
+        write_report(tmp_path / "empty", figures=[])
+
+
+# ------------------------------------------------------------------------------- synthetic run folders
+# Run folders written by hand (no model runs): each summary sentence is checked against the numbers it
+# rests on, and changes when they change.
+SWEEP_PLANS = ("none", "attn-logits-int8", "attn-logits-int4")
+
+
+def _plans(names=SWEEP_PLANS) -> dict:
+    from diffquant.quant.plan import preset
+
+    return {p: None if p == "none" else preset(p).to_dict() for p in names}
+
+
+def _synthetic_run(root, tasks, table5=None, argv=None, status=None, plans=SWEEP_PLANS):
+    """A run folder from ``tasks``: {label: (task dict, metric, higher_is_better, {model: {plan: {metric:
+    value}}})}; the delta of each metric is against the model's plan ``none``."""
+    run = root / "run"
+    rows, models = [], {}
+    for label, (*_, cells) in tasks.items():
+        for model, by_plan in cells.items():
+            models[model] = "init:baseline:tiny"
+            for plan, metrics in by_plan.items():
+                for name, value in metrics.items():
+                    ref = by_plan.get("none", {}).get(name)
+                    delta = value - ref if isinstance(value, float) and isinstance(ref, float) else None
+                    rows.append(
+                        {"model": model, "attention": "baseline", "plan": plan, "task": label,
+                         "metric": name, "value": value, "unquantized": ref, "delta": delta}
+                    )  # fmt: skip
+    results = {
+        "fingerprint": "f",
+        "complete": True,
+        "primary": {label: {"metric": t[1], "higher_is_better": t[2]} for label, t in tasks.items()},
+        "rows": rows,
+    }
+    spec = {"models": models, "plans": _plans(plans), "tasks": [t[0] for t in tasks.values()]}
+    write_json_atomic(run / "sweep" / "results.json", results)
+    write_json_atomic(run / "sweep" / "sweep.json", {"fingerprint": "f", "spec": spec})
+    if table5 is not None:
+        write_json_atomic(run / "table5.json", {"tokens": 100, "data": "synthetic", "models": table5})
+    record = manifest("run", recipe={"name": "synthetic", "description": "hand-written numbers"})
+    record["argv"] = argv or ["/x/.venv/bin/diffquant", "run", "recipes/synthetic.yaml"]
+    if status is not None:
+        record["status"] = status
+    write_json_atomic(run / "manifest.json", record)
+    return run
+
+
+def _bpb(a: tuple[float, ...], b: tuple[float, ...]):
+    """bpb results of models A and B at none / int8 / int4."""
+    cells = {m: {p: {"bits_per_byte": v} for p, v in zip(SWEEP_PLANS, vals, strict=True)} for m, vals in
+             (("A", a), ("B", b))}  # fmt: skip
+    return {"bpb": ({"type": "bpb"}, "bits_per_byte", False, cells)}
+
+
+def _mc(path, values: dict[str, tuple[float, float]], plans=("none",)):
+    """mc results: {model: (acc_norm, stderr)} at every plan (the same numbers), 100 items."""
+    cells = {
+        m: {p: {"acc_norm": v, "acc_norm_stderr": se, "n": 100} for p in plans}
+        for m, (v, se) in values.items()
+    }
+    return {"mc": ({"type": "mc", "path": str(path)}, "acc_norm", True, cells)}
+
+
+@pytest.fixture()
+def mc_file(tmp_path):
+    path = tmp_path / "items.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"ctx": f"question {i}", "endings": ["a", "b", "c", "d"], "label": i % 4}) + "\n"
+            for i in range(8)
+        )
+    )
+    return path
+
+
+def _summary(run) -> str:
+    md, _ = write_report(run, figures=[])
+    text = md.read_text()
+    return text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+
+
+def test_summary_names_the_model_that_loses_least(tmp_path):
+    run = _synthetic_run(tmp_path, _bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5)))
+    text = _summary(run)
+    assert "unquantized, A is best (1.0000; B 1.1000)" in text
+    assert (
+        "A loses least at attn-logits-int8 (+0.0100; next B +0.0300) and attn-logits-int4 (+0.2000; next B +0.4000)"
+        in text
+    )
+    assert "of the 2 quantized plans, A fares best at 2" in text
+    assert "no run-to-run spread is known for bits_per_byte" in text and "within noise" not in text
+    # swap the models' numbers: the sentences name the other model
+    shutil.rmtree(run)
+    text = _summary(_synthetic_run(tmp_path, _bpb((1.1, 1.13, 1.5), (1.0, 1.01, 1.2))))
+    assert "unquantized, B is best (1.0000; A 1.1000)" in text
+    assert "B loses least at attn-logits-int8 (+0.0100; next A +0.0300)" in text
+    # the winner differs per plan: one clause per winner
+    shutil.rmtree(tmp_path / "run")
+    text = _summary(_synthetic_run(tmp_path, _bpb((1.0, 1.01, 1.5), (1.1, 1.13, 1.3))))
+    assert "A loses least at attn-logits-int8 (+0.0100; next B +0.0300)" in text
+    assert "B loses least at attn-logits-int4 (+0.2000; next A +0.5000)" in text
+
+
+def test_summary_direction_higher_is_better(tmp_path, mc_file):
+    tasks = _mc(mc_file, {"A": (0.80, 0.001), "B": (0.70, 0.001)}, plans=SWEEP_PLANS)
+    # A loses 0.01 at int8, B loses 0.05: with higher-is-better metrics a loss is a drop
+    tasks["mc"][3]["A"]["attn-logits-int8"]["acc_norm"] = 0.79
+    tasks["mc"][3]["B"]["attn-logits-int8"]["acc_norm"] = 0.65
+    text = _summary(_synthetic_run(tmp_path, tasks))
+    assert "**mc** (acc_norm, higher is better): unquantized, A is best (0.8000; B 0.7000)" in text
+    assert "A loses least at attn-logits-int8 (-0.0100; next B -0.0500)" in text
+
+
+def test_summary_flags_results_near_chance(tmp_path, mc_file):
+    # chance = 1/4 (from the items file); A is 0.27 +- 0.03 (within 2 standard errors), B 0.70
+    text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.27, 0.03), "B": (0.70, 0.03)})))
+    assert (
+        f"1 of 2 acc_norm results are within 2 standard errors of chance (0.25, 1 / 4 choices, from {mc_file})"
+        in text
+    )
+    assert "only B at none (0.7000) differs from chance" in text
+    shutil.rmtree(tmp_path / "run")
+    text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.50, 0.03), "B": (0.70, 0.03)})))
+    assert "every acc_norm result is more than 2 standard errors from chance (0.25)" in text
+    assert "within 2 standard errors of chance" not in text
+    # retrieval reports its own chance level; without a stderr the binomial one at chance is used
+    shutil.rmtree(tmp_path / "run")
+    cells = {m: {"none": {"acc_rank": v, "chance_rank": 0.2, "n": 25}} for m, v in (("A", 0.24), ("B", 0.96))}
+    text = _summary(_synthetic_run(tmp_path, {"retrieval": ({"type": "retrieval"}, "acc_rank", True, cells)}))
+    assert (
+        "1 of 2 acc_rank results are within 2 standard errors of chance (0.2, as the task reports it)" in text
+    )
+    assert "only B at none (0.9600) differs from chance" in text
+
+
+def test_summary_flags_differences_within_the_spread(tmp_path, mc_file):
+    # 0.60 vs 0.62 with standard errors 0.05: the difference is noise
+    text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.60, 0.05), "B": (0.62, 0.05)})))
+    assert "unquantized, B is best (0.6200; A 0.6000; within noise)" in text
+    assert "1 of 1 differences between models at the same plan are smaller than 2 standard errors" in text
+    assert "no model is distinguishable from another" in text
+    shutil.rmtree(tmp_path / "run")
+    text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.60, 0.001), "B": (0.62, 0.001)})))
+    assert "unquantized, B is best (0.6200; A 0.6000)" in text and "within noise" not in text
+    assert "0 of 1 differences" in text
+
+
+def _t5_row(top1: float, loc: dict, nan: int = 0) -> dict:
+    return {
+        "top1": top1, "top2": top1 / 2, "top3": top1 / 3, "top10": 1.0, "top100": 0.5, "median": 0.1,
+        "top1_at": loc, "nonfinite": {"nan": nan, "posinf": 0, "neginf": 0, "first": None},
+    }  # fmt: skip
+
+
+def test_summary_outliers_from_table5(tmp_path):
+    where = {"site": "layers.3.resid", "layer": 3, "pos": 7, "channel": 2}
+    t5 = {
+        "A": {"table5": {"hidden states": _t5_row(120.0, where)}},
+        "B": {"table5": {"hidden states": _t5_row(30.0, {"site": "layers.1.resid", "layer": 1, "pos": 0, "channel": 9})}},
+    }  # fmt: skip
+    text = _summary(_synthetic_run(tmp_path, _bpb((1.0, 1.0, 1.0), (1.0, 1.0, 1.0)), table5=t5))
+    assert (
+        "Hidden states (Table 5 view): the top-1 |x| is smallest in B (30.0) and largest in A (120, 4.00x B's; "
+        "at `layers.3.resid`, layer 3, position 7, channel 2)" in text
+    )
+    assert "No NaN or Inf" in text
+    shutil.rmtree(tmp_path / "run")
+    t5["A"]["table5"]["hidden states"]["top1"] = 10.0
+    t5["B"]["table5"]["hidden states"]["nonfinite"]["nan"] = 5
+    text = _summary(_synthetic_run(tmp_path, _bpb((1.0, 1.0, 1.0), (1.0, 1.0, 1.0)), table5=t5))
+    assert "smallest in A (10.0) and largest in B (30.0, 3.00x A's; at `layers.1.resid`" in text
+    assert "B has 5 NaN/Inf values in hidden states" in text and "No NaN or Inf" not in text
+
+
+def test_report_header_grid_and_figure_index(tmp_path):
+    from matplotlib.figure import Figure
+
+    from diffquant.plots.run import FigureRecord
+
+    run = _synthetic_run(
+        tmp_path,
+        _bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5)),
+        argv=["/venv/bin/diffquant", "demo", "--out", "r d"],
+    )
+    fig = Figure(figsize=(2, 1))
+    fig.add_subplot().plot([0, 1], [1, 0])
+    png = run / "figures" / "one.png"
+    png.parent.mkdir()
+    fig.savefig(png)
+    record = FigureRecord("one", (png,), "A line going down.", "hist", "One line")
+    md, page = write_report(run, figures=[record])
+    doc, text = page.read_text(), md.read_text()
+    # the command that ran, from the manifest's argv (quoted as a shell would need it)
+    assert "Command: <code>diffquant demo --out &#x27;r d&#x27;</code>" in doc
+    assert "Command: `diffquant demo --out 'r d'`" in text
+    # the figure index near the top links to the figure
+    assert doc.index("<nav>") < doc.index("id='summary'") < doc.index("<figure id='fig-one'>")
+    assert "<li><a href='#fig-one'>One line</a></li>" in doc and "1. [One line](#fig-one)" in text
+    assert "Figure 1. A line going down." in doc
+    # the quantization results are the CLI's model x plan grid, not a list of rows
+    grid = doc.split("<pre>", 1)[1].split("</pre>", 1)[0]
+    assert grid.splitlines()[0] == "bpb: bits_per_byte (lower is better; change vs unquantized)"
+    assert re.search(r"attn-logits-int4\s+1\.2000 \(\+0\.2000\)\s+1\.5000 \(\+0\.4000\)", grid)
+    assert "<th>plan</th>" not in doc
+    # other ways a run was started
+    for argv, expected in (
+        (["/usr/lib/python3/site-packages/diffquant/__main__.py", "run", "r.yaml"], "diffquant run r.yaml"),
+        (["/usr/bin/pytest", "-x"], "stage `run` called from Python (process `pytest -x`)"),
+    ):
+        shutil.rmtree(run)
+        run = _synthetic_run(tmp_path, _bpb((1.0, 1.0, 1.0), (1.0, 1.0, 1.0)), argv=argv)
+        md, _ = write_report(run, figures=[])
+        assert f"Command: `{expected}`" in md.read_text()
+
+
+def test_numbers_in_one_format_per_column():
+    from diffquant.report import format_column
+
+    assert format_column([47.89, 56.09, 17.89]) == ["47.9", "56.1", "17.9"]
+    assert format_column([2.969, 0.8828, 0.6518]) == ["2.969", "0.883", "0.652"]
+    assert format_column([1234.5, 20.25, None]) == ["1,234.5", "20.2", "-"]
+    assert format_column([1e-6, 3.0, 2e3]) == ["1.000e-06", "3.000e+00", "2.000e+03"]
+    assert format_column([0, 12, 1200]) == ["0", "12", "1,200"]
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium is not installed")
-def test_report_renders_headless(run, tmp_path):
-    _, page = write_report(run)
+def test_report_renders_headless(tmp_path, mc_file):
+    """A small synthetic report, screenshotted by headless Chromium: a PNG comes out and is not blank."""
+    import matplotlib.image as mpimg
+
+    t5 = {"A": {"table5": {"hidden states": _t5_row(12.0, {"site": "layers.0.resid", "layer": 0, "pos": 1})}}}
+    tasks = {**_bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5)), **_mc(mc_file, {"A": (0.3, 0.04), "B": (0.6, 0.04)})}
+    _, page = write_report(_synthetic_run(tmp_path, tasks, table5=t5), figures=[])
     shot = tmp_path / "shot.png"
     cmd = [
         "chromium",
@@ -96,12 +330,13 @@ def test_report_renders_headless(run, tmp_path):
         "--no-first-run",
         f"--user-data-dir={tmp_path / 'ud'}",
         f"--screenshot={shot}",
-        "--window-size=1200,3000",
+        "--window-size=1000,1400",
         page.as_uri(),
     ]
     subprocess.run(cmd, capture_output=True, timeout=120, check=False)
     assert shot.exists() and shot.stat().st_size > 10_000
-    import matplotlib.image as mpimg
-
-    pixels = mpimg.imread(shot)
-    assert pixels[..., :3].std() > 0.05  # not a blank page
+    pixels = mpimg.imread(shot)[..., :3]
+    assert pixels.shape[:2] == (1400, 1000)
+    assert pixels.std() > 0.05  # not a blank page
+    dark = (pixels.mean(axis=-1) < 0.5).mean()
+    assert 0.005 < dark < 0.5  # text on a light page

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from diffquant.errors import DiffquantError
-from diffquant.plots.style import colors_for, new_figure, style_context
+from diffquant.plots.style import MAX_WIDTH_IN, colors_for, new_figure, style_context
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,13 @@ MASSIVE_FLOOR = 100.0  # massive activations exceed 100 (Sun et al. 2024)
 # on the global bin index, so every model and site is rebinned onto the same grid.
 HIST_GROUP = 11
 MAP_PERCENTILE = 99.0  # colour limit of attention maps, as a percentile of |entry| (see _show_map)
+# Histogram x range: up to HIST_MARGIN x the largest |x|, so the tail, where quantization error is decided,
+# ends inside the frame. Linear from 0 (the outlier view: the tail gets most of the width) unless the largest
+# |x| is HIST_LOG_RATIO x the median or more (three decades: massive activations); then logarithmic from the
+# HIST_LOW_QUANTILE quantile of |x| (the smallest values, invisible on any useful scale, are left out).
+HIST_LOW_QUANTILE = 0.005
+HIST_MARGIN = 1.3
+HIST_LOG_RATIO = 1000.0
 _LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 2)))
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -89,6 +96,20 @@ class Pool:
     zero: int = 0
     bins: dict[int, int] = field(default_factory=dict)
     sites: int = 0
+
+    def quantile(self, q: float) -> float | None:
+        """Lower edge of the log bin holding the q-quantile of the non-zero |x| (None without data)."""
+        from diffquant.profile.stats import R
+
+        total = sum(self.bins.values())
+        if not total:
+            return None
+        rank, seen = max(1, math.ceil(q * total)), 0
+        for j in sorted(self.bins):
+            seen += self.bins[j]
+            if seen >= rank:
+                return R**j
+        return R ** max(self.bins)
 
     def add(self, stats: SiteStats) -> None:
         from diffquant.profile.stats import LN_R
@@ -174,8 +195,11 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def _draw_hist_panel(ax: Axes, pooled: Mapping[str, Pool], colors: Mapping[str, str]) -> None:
-    """Step histograms per model plus their top-1 (dashed) and 6-sigma (dash-dot) levels, and |x| = 6."""
+def _draw_hist_panel(
+    ax: Axes, pooled: Mapping[str, Pool], colors: Mapping[str, str], xlim: tuple[float, float, bool]
+) -> None:
+    """Step histograms per model plus their top-1 (dashed) and 6-sigma (dash-dot) levels, and |x| = 6,
+    on the x range ``xlim`` (see :func:`hist_xlimits`)."""
     for name, pool in pooled.items():
         edges, counts = _rebinned(pool)
         if not counts:
@@ -188,8 +212,36 @@ def _draw_hist_panel(ax: Axes, pooled: Mapping[str, Pool], colors: Mapping[str, 
         if level is not None:
             ax.axvline(level, color=color, linestyle="-.", linewidth=0.9, alpha=0.8, label=f"_6sigma {name}")
     ax.axvline(INT8_THRESHOLD, color="black", linestyle=":", linewidth=1.1, label="_int8")
-    ax.set_xscale("log")
+    low, high, log = xlim
+    if log:
+        ax.set_xscale("log")
     ax.set_yscale("log")  # after plotting: a log scale set first would mis-place empty bins
+    ax.set_xlim(low, high)
+
+
+def hist_xlimits(pooled: Mapping[str, Pool]) -> tuple[float, float, bool]:
+    """(low, high, log) of a histogram's x axis: where the data is, with the tail in view.
+
+    high is HIST_MARGIN x the largest |x| of any model, extended to a marker (a model's 6-sigma level, the
+    LLM.int8 threshold) that lies within 2.5 x of it. The axis is linear from 0 unless high is
+    HIST_LOG_RATIO x a model's median |x| or more (the data span decades); then it is logarithmic from the
+    smallest model's HIST_LOW_QUANTILE quantile of |x|.
+    """
+    from diffquant.profile.stats import R
+
+    # a pool without kept top values (topk 0) ends at its last occupied bin
+    tops = [p.top1 if p.top1 else R ** (max(p.bins) + 1) for p in pooled.values() if p.top1 or p.bins]
+    tops = [t for t in tops if t > 0]
+    lows = [q for p in pooled.values() if (q := p.quantile(HIST_LOW_QUANTILE)) is not None and q > 0]
+    medians = [q for p in pooled.values() if (q := p.quantile(0.5)) is not None and q > 0]
+    if not tops or not lows:
+        raise DiffquantError("histogram: no non-zero |x| to plot")
+    peak = max(tops)
+    markers = [lvl for p in pooled.values() if (lvl := _sigma_level(p)) is not None] + [INT8_THRESHOLD]
+    high = HIST_MARGIN * max([peak, *(m for m in markers if m <= 2.5 * peak)])
+    if high / min(medians) >= HIST_LOG_RATIO:
+        return min(lows), high, True
+    return 0.0, high, False
 
 
 def _legend_text(name: str, pool: Pool) -> str:
@@ -224,27 +276,31 @@ def fig_histograms(
     set by the tails of that pool. Each model's top-1 |x| (dashed, value annotated) and its
     |mean| + 6 std level (dash-dot) are marked, with the LLM.int8 threshold |x| = 6 (dotted black): mass to
     the right of the threshold is what an int8 scheme with outlier decomposition would keep in fp16.
-    ``per_layer``: one panel per layer instead (sites of ``kind`` in that layer pooled).
+    ``per_layer``: one panel per layer instead (sites of ``kind`` in that layer pooled), all panels on one
+    x range. The x axis runs from the 0.5 % quantile of |x| to past the largest |x| (:func:`hist_xlimits`),
+    logarithmic when that spans two decades or more; ``fig.axes[0].get_xlim()`` reads it back.
     """
     _require(profiles, "fig_histograms")
     colors = colors_for(profiles, _kinds(profiles), colors)
     title = KIND_TITLES.get(kind, kind)
+    pooled = {n: s for n, p in profiles.items() if (s := _pooled(p, kind)) is not None}
+    if not pooled:
+        raise DiffquantError(f"no sites of kind {kind!r} with data in any profile")
+    xlim = hist_xlimits(pooled)
+    scale = "log scale" if xlim[2] else "linear scale"
     if not per_layer:
-        pooled = {n: s for n, p in profiles.items() if (s := _pooled(p, kind)) is not None}
-        if not pooled:
-            raise DiffquantError(f"no sites of kind {kind!r} with data in any profile")
         with style_context():
-            fig = new_figure(8.0, 4.2)
+            fig = new_figure(9.0, 4.4)
             ax = fig.add_subplot()
-            _draw_hist_panel(ax, pooled, colors)
-            ax.set_xlabel("|x|  (activation magnitude, log scale)")
+            _draw_hist_panel(ax, pooled, colors, xlim)
+            ax.set_xlabel(f"|x|  (activation magnitude, {scale})")
             ax.set_ylabel(f"count per bin (bins ×{_hist_bar_width():.3f} wide)")
             ax.set_title(f"|x| histogram of {title} [{kind}], all layers pooled")
             model_handles = [line for line in ax.get_lines() if line.get_label() in pooled]
             handles = model_handles + _marker_legend_handles()
             texts = [_legend_text(h.get_label(), pooled[h.get_label()]) for h in model_handles]
             texts += [h.get_label() for h in handles[len(model_handles) :]]
-            fig.legend(handles, texts, loc="outside right upper", fontsize=7)
+            fig.legend(handles, texts, loc="outside right upper")
         return fig
 
     from diffquant.profile.sites import layer_of
@@ -262,22 +318,24 @@ def fig_histograms(
     ncols = min(4, len(layers))
     nrows = math.ceil(len(layers) / ncols)
     with style_context():
-        fig = new_figure(3.0 * ncols + 2.2, 2.4 * nrows + 0.6)
+        # Legend below (not to the right) so the panels get the whole width of the report column.
+        fig = new_figure(min(MAX_WIDTH_IN, 2.75 * ncols + 0.4), 2.5 * nrows + 1.3)
         axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
         for ax, layer in zip(axes, layers, strict=False):
-            pooled = {n: s for n, p in profiles.items() if (s := _pooled(p, kind, layer)) is not None}
-            _draw_hist_panel(ax, pooled, colors)
+            in_layer = {n: s for n, p in profiles.items() if (s := _pooled(p, kind, layer)) is not None}
+            _draw_hist_panel(ax, in_layer, colors, xlim)
             ax.set_title(f"layer {layer}")
         for ax in axes[len(layers) :]:
             ax.remove()
         for k, ax in enumerate(axes[: len(layers)]):
             if k + ncols >= len(layers):  # no panel below this one
                 ax.set_xlabel("|x|")
+                ax.tick_params(labelbottom=True)
             if k % ncols == 0:
                 ax.set_ylabel("count per bin")
         names = [n for n in profiles if n in colors]
         handles = [_proxy(color=colors[n], label=n) for n in names] + _marker_legend_handles()
-        fig.legend(handles=handles, loc="outside right upper", fontsize=7)
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3))
         fig.suptitle(f"|x| histograms of {title} [{kind}] per layer")
     return fig
 
@@ -323,14 +381,14 @@ def fig_layerwise(
         ax.set_ylabel("|x|  (log scale)")
         ax.set_title(f"Largest and median |x| of {KIND_TITLES.get(kind, kind)} per layer")
         model_handles = [line for line in ax.get_lines() if line.get_label() in curves]
-        fig.legend(handles=model_handles, loc="outside right upper", title="model", fontsize=7)
+        fig.legend(handles=model_handles, loc="outside right upper", title="model")
         stat_handles = [
             _proxy(color="0.3", linestyle=ls, marker=m, markersize=4, label=s.replace("top", "top-"))
             for s, ls, m in stats
         ]
         if peak >= MASSIVE_FLOOR / 2:
             stat_handles.append(_proxy(color="0.4", linestyle=(0, (1, 3)), label="|x| = 100 (massive)"))
-        fig.legend(handles=stat_handles, loc="outside right lower", title="statistic", fontsize=7)
+        fig.legend(handles=stat_handles, loc="outside right lower", title="statistic")
     return fig
 
 
@@ -377,9 +435,9 @@ def _show_map(fig: Figure, ax: Axes, data: Any, title: str) -> None:
     peak = float(visible.max()) if visible.size else 0.0
     vmax = vmax if vmax > 0 else (peak if peak > 0 else 1e-6)
     im = ax.imshow(data, cmap=cmap, vmin=-vmax, vmax=vmax, interpolation="nearest", aspect="equal")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(title, fontsize=9)
     ax.grid(False)
-    fig.colorbar(im, ax=ax, shrink=0.85, pad=0.02, extend="both" if peak > vmax else "neither")
+    fig.colorbar(im, ax=ax, shrink=0.75, pad=0.03, extend="both" if peak > vmax else "neither")
 
 
 def fig_attention_maps(
@@ -430,7 +488,8 @@ def fig_attention_maps(
     crop = slice(None) if max_len is None else slice(0, max_len)
     length = None
     with style_context():
-        fig = new_figure(3.0 * ncols + 0.3, 2.7 * nrows + 0.5)
+        panel = min(3.0, (MAX_WIDTH_IN - 0.3) / ncols)  # the whole figure fits the report column
+        fig = new_figure(panel * ncols + 0.3, (panel - 0.2) * nrows + 0.9)
         axes = fig.subplots(nrows, ncols, squeeze=False)
         used: set[tuple[int, int]] = set()
         for row, name in enumerate(diff):
@@ -443,12 +502,12 @@ def fig_attention_maps(
                 lam_text = f"λ = {float(lam):.3g}"
             else:
                 lam_rows = lam[head][crop].double()[: a2.shape[0], None]
-                lam_text = f"λ per query, mean {float(lam_rows.mean()):.3g}"
+                lam_text = f"mean λ {float(lam_rows.mean()):.3g}"
             scaled = a2 * lam_rows
             panels = [
                 (a1, f"{name}: A1"),
                 (a2, f"{name}: A2"),
-                (scaled, f"{name}: λ·A2 ({lam_text})"),
+                (scaled, f"{name}: λ·A2\n{lam_text}"),
                 (a1 - scaled, f"{name}: A1 − λ·A2"),
             ]
             for col, (data, title) in enumerate(panels):
@@ -519,20 +578,46 @@ def plan_point(plan: Mapping[str, Any] | None) -> tuple[float, str] | None:
     return bits_of(schemes[0]), labels.pop()
 
 
+def chance_metric(metric: str) -> str:
+    """Name of the metric a task reports as the chance level of ``metric`` (acc_rank -> chance_rank)."""
+    return "chance_" + metric.split("_", 1)[1] if "_" in metric else "chance"
+
+
+def chance_levels(results: Mapping[str, Any], task: str) -> dict[str, float]:
+    """{model: chance level of the task's primary metric}, where the task reports one (retrieval's
+    ``chance_rank``); taken from the unquantized cell, else any cell of the model."""
+    primary = (results.get("primary") or {}).get(task) or {}
+    metric = primary.get("metric")
+    if not metric:
+        return {}
+    names = {chance_metric(metric), "chance"}
+    out: dict[str, float] = {}
+    for r in results.get("rows", []):
+        value = r.get("value")
+        if r.get("task") != task or r.get("metric") not in names:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if number and (r.get("plan") == "none" or r["model"] not in out):
+            out[r["model"]] = float(value)
+    return out
+
+
 def fig_degradation(
     results: Mapping[str, Any],
     sweep: Mapping[str, Any],
     task: str | None = None,
     colors: Mapping[str, str] | None = None,
 ) -> Figure:
-    """The task's primary metric vs bits, one line per (model, granularity); other plans as bars.
+    """The task's primary metric vs bits, one panel per model (one line per granularity); other plans as bars.
 
     Why: the DIFF paper's Figure 8 claim is that DIFF degrades more gracefully as attention logits lose
     bits, and per-row scales shift where each architecture breaks. x is bits per element (log2 axis,
-    16 = the unquantized model, also drawn as a dotted horizontal line per model). Plans that are not one
-    format at one granularity (mixed weight/activation formats, backends) get a second panel: grouped
-    bars of the change vs unquantized, per model. ``results`` / ``sweep``: the contents of
-    results.json / sweep.json (or the sweep's ``spec``).
+    16 = the unquantized model, also drawn as a dotted horizontal line per model). The model panels share
+    one y scale, so a steeper curve is a larger loss whichever panel it is in; where the task reports a
+    chance level (retrieval), it is drawn as a grey dashed line. Plans that are not one format at one
+    granularity (mixed weight/activation formats, backends) get a panel of their own below: grouped bars
+    of the change vs unquantized, per model. ``results`` / ``sweep``: the contents of results.json /
+    sweep.json (or the sweep's ``spec``). ``fig.axes``: the model panels in order, then the bar panel.
     """
     import numpy as np
 
@@ -558,6 +643,7 @@ def fig_degradation(
     kinds = {r["model"]: str(r.get("attention", "")) for r in rows}
     colors = colors_for(models, kinds, colors)
     value = {(r["model"], r["plan"]): r for r in rows}
+    chance = chance_levels(results, task)
 
     points: dict[str, tuple[float, str]] = {}
     other: list[str] = []
@@ -578,14 +664,19 @@ def fig_degradation(
 
     direction = "higher" if higher else "lower"
     with style_context():
-        # One panel per model, each with its own y range: models differ in level far more than a few
-        # bits of quantization move them, so a shared axis would flatten every curve.
+        # Model panels in rows of at most three (each wide enough to read in the report), the bar panel
+        # below them across the whole width.
         curve_models = models if points else []
-        ncols = len(curve_models) + int(bool(other))
-        fig = new_figure(max(6.4, 4.0 * ncols), 4.4)
-        axes = fig.subplots(1, ncols, squeeze=False)[0]
+        ncols = max(1, min(3, len(curve_models)))
+        curve_rows = math.ceil(len(curve_models) / ncols) if curve_models else 0
+        nrows = curve_rows + int(bool(other))
+        width = min(MAX_WIDTH_IN, max(6.4, 3.6 * ncols))
+        fig = new_figure(width, 3.4 * curve_rows + (2.8 if other else 0.0))
+        grid = fig.add_gridspec(nrows, ncols)
+        first: Axes | None = None
         for k, name in enumerate(curve_models):
-            ax = axes[k]
+            ax = fig.add_subplot(grid[k // ncols, k % ncols], sharey=first)
+            first = first or ax
             ticks: set[float] = set()
             ref = next(
                 (r["unquantized"] for r in rows if r["model"] == name and r["unquantized"] is not None),
@@ -616,12 +707,15 @@ def fig_degradation(
                 )
             if ref is not None:
                 ax.axhline(ref, color=colors[name], linestyle=":", linewidth=0.9, alpha=0.7, label="_ref")
+            if name in chance:
+                ax.axhline(chance[name], color="0.45", linestyle="--", linewidth=1.0, label="_chance")
             ax.set_xscale("log", base=2)
             ticks_sorted = sorted(ticks)
             ax.set_xticks(ticks_sorted, [("16\n(none)" if t == 16 else f"{t:g}") for t in ticks_sorted])
             ax.minorticks_off()
-            ax.set_xlabel("bits per element (16 = unquantized)")
-            ax.set_ylabel(f"{metric} ({direction} is better)")
+            ax.set_xlabel("bits per element")
+            if k % ncols == 0:
+                ax.set_ylabel(f"{metric} ({direction} is better)")
             ax.set_title(f"{task}: {name}")
             ax.ticklabel_format(axis="y", useOffset=False)
             handles = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
@@ -632,24 +726,26 @@ def fig_degradation(
                     label=f"unquantized ({ref:.4g})" if ref is not None else "unquantized",
                 )
             )
-            ax.legend(handles=handles, fontsize=7, loc="best")
+            if name in chance:
+                handles.append(_proxy(color="0.45", linestyle="--", label=f"chance ({chance[name]:.3g})"))
+            ax.legend(handles=handles, loc="best")
         if other:
-            ax = axes[-1]
+            ax = fig.add_subplot(grid[nrows - 1, :])
             x = np.arange(len(other))
-            width = 0.8 / max(1, len(models))
+            bar = 0.8 / max(1, len(models))
             for i, name in enumerate(models):
                 deltas = []
                 for plan in other:
                     r = value.get((name, plan))
                     deltas.append(math.nan if r is None or r.get("delta") is None else r["delta"])
-                ax.bar(x + (i - (len(models) - 1) / 2) * width, deltas, width, color=colors[name], label=name)
+                ax.bar(x + (i - (len(models) - 1) / 2) * bar, deltas, bar, color=colors[name], label=name)
             ax.axhline(0.0, color="black", linewidth=0.8)
-            ax.set_xticks(x, other, rotation=30, ha="right")
+            ax.set_xticks(x, other)
             ax.set_xlabel("plan")
-            ax.set_ylabel(f"Δ {metric} vs unquantized ({direction} is better)")
-            ax.set_title(f"{task}: other plans")
+            ax.set_ylabel(f"Δ {metric}\nvs unquantized")
+            ax.set_title(f"{task}: other plans, change vs unquantized ({direction} is better)")
             ax.grid(False, axis="x")
-            ax.legend(fontsize=7)
+            ax.legend(loc="best")
     return fig
 
 
@@ -694,7 +790,7 @@ def fig_act_scales(
         raise DiffquantError(f"site {site!r}: no per-channel abs-max in any profile")
     colors = colors_for(profiles, _kinds(profiles), colors)
     with style_context():
-        fig = new_figure(11.0, 4.0)
+        fig = new_figure(MAX_WIDTH_IN, 4.0)
         ax_idx, ax_sorted = fig.subplots(1, 2)
         for name, values in found.items():
             pos = [max(v, 1e-12) for v in values]
@@ -704,13 +800,13 @@ def fig_act_scales(
         ax_idx.set_xlabel("channel index")
         ax_idx.set_ylabel("max |x| over tokens  (log scale)")
         ax_idx.set_title(f"Per-channel abs-max: {site}")
-        ax_idx.legend(fontsize=7)
+        ax_idx.legend()
         ax_sorted.set_xscale("log")
         ax_sorted.set_yscale("log")
         ax_sorted.set_xlabel("channel rank (largest first, log scale)")
         ax_sorted.set_ylabel("max |x| over tokens  (log scale)")
         ax_sorted.set_title("Sorted (SmoothQuant act scales)")
-        ax_sorted.legend(fontsize=7)
+        ax_sorted.legend()
     return fig
 
 
@@ -754,7 +850,7 @@ def fig_lambda(profiles: Mapping[str, Profile], colors: Mapping[str, str] | None
     per_head = {n: s for n, s in data.items() if any(v["mode"] == "per_head" for v in s.values())}
     with style_context():
         ncols = 2 if per_head else 1
-        fig = new_figure(6.0 * ncols, 4.0)
+        fig = new_figure(5.5 * ncols, 4.0)
         axes = fig.subplots(1, ncols, squeeze=False)[0]
         ax = axes[0]
         for name, layers in data.items():
@@ -781,7 +877,7 @@ def fig_lambda(profiles: Mapping[str, Profile], colors: Mapping[str, str] | None
         ax.set_xlabel("layer")
         ax.set_ylabel("λ")
         ax.set_title("λ per layer (V1: scalar; V2: mean, band = min..max)")
-        ax.legend(fontsize=7)
+        ax.legend()
         if per_head:
             ax = axes[1]
             n_models = len(per_head)
@@ -819,5 +915,5 @@ def fig_lambda(profiles: Mapping[str, Profile], colors: Mapping[str, str] | None
             ax.set_xlabel("layer (heads side by side)")
             ax.set_ylabel("λ")
             ax.set_title("DIFF V2 λ per head: mean ± std (thick), min..max (thin)")
-            ax.legend(fontsize=7)
+            ax.legend()
     return fig

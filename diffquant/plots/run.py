@@ -37,12 +37,14 @@ INDEX_NAME = "figures.json"
 
 @dataclass(frozen=True)
 class FigureRecord:
-    """One rendered figure: its file stem, the files written (one per format), a caption, its family."""
+    """One rendered figure: its file stem, the files written (one per format), a caption, its family and
+    a short title (for a report's figure index)."""
 
     name: str
     paths: tuple[Path, ...]
     caption: str
     kind: str
+    title: str = ""
 
     @property
     def path(self) -> Path:
@@ -51,7 +53,13 @@ class FigureRecord:
 
     def to_dict(self, root: Path | None = None) -> dict[str, Any]:
         files = [str(p.relative_to(root)) if root is not None else str(p) for p in self.paths]
-        return {"name": self.name, "kind": self.kind, "files": files, "caption": self.caption}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "files": files,
+            "caption": self.caption,
+            "title": self.title,
+        }
 
 
 @dataclass
@@ -254,10 +262,10 @@ def render_run(
     tokens = {n: p.meta.get("tokens") for n, p in profiles.items()}
     token_text = ", ".join(f"{n}: {t:,} tokens" for n, t in tokens.items() if isinstance(t, int))
 
-    def emit(family: str, name: str, fig: Any, caption: str) -> None:
+    def emit(family: str, name: str, fig: Any, caption: str, title: str) -> None:
         paths = save_figure(fig, out, name, formats, dpi)
         fig.clear()  # release the artists now; a long run draws dozens of figures
-        records.append(FigureRecord(name, tuple(paths), caption, family))
+        records.append(FigureRecord(name, tuple(paths), caption, family, title))
         produced.add(family)
 
     present = [
@@ -274,8 +282,11 @@ def render_run(
                 f"hist-{kind}",
                 fig,
                 f"Histogram of |x| of {F.KIND_TITLES[kind]} ({kind}), every such site pooled per model "
-                f"({token_text}); log-log, bins x{F._hist_bar_width():.3f} wide. Dashed: each model's "
+                f"({token_text}); log counts, bins x{F._hist_bar_width():.3f} wide; x up to past the largest "
+                f"|x| (logarithmic from the {100 * F.HIST_LOW_QUANTILE:g} % quantile when the largest is "
+                f"{F.HIST_LOG_RATIO:g}x the median or more, else linear from 0). Dashed: each model's "
                 f"largest |x|; dash-dot: |mean| + 6 std; dotted black: |x| = 6 (LLM.int8 threshold).",
+                f"Histogram of |x|: {F.KIND_TITLES[kind]}",
             )
     if "hist-layers" in families:
         for kind in present:
@@ -289,6 +300,7 @@ def render_run(
                 fig,
                 f"Histograms of |x| of {F.KIND_TITLES[kind]} ({kind}) per layer (sites of the layer pooled), "
                 f"models overlaid; markers as in hist-{kind}.",
+                f"Histograms of |x| per layer: {F.KIND_TITLES[kind]}",
             )
     if "layerwise" in families:
         for kind in LAYERWISE_KINDS:
@@ -304,6 +316,7 @@ def render_run(
                 fig,
                 f"Top-1/2/3 and median |x| of {F.KIND_TITLES[kind]} per layer, per model (log scale; "
                 f"massive-activation view, Sun et al. 2024).",
+                f"Largest and median |x| per layer: {F.KIND_TITLES[kind]}",
             )
     if "maps" in families and art.maps:
         layers = _map_layers(art)
@@ -320,6 +333,7 @@ def render_run(
             f"Attention maps of layer {chosen}, head {head} for one sample: DIFF rows show A1, A2, λ·A2 and "
             f"A1 − λ·A2 (DIFF V2: λ per query row); the baseline's softmax map on the right. RdBu_r "
             f"centred at 0; grey = causally masked.",
+            f"Attention maps, layer {chosen}, head {head}",
         )
     if "degradation" in families and art.results is not None:
         assert art.sweep is not None and art.sweep_path is not None
@@ -336,9 +350,11 @@ def render_run(
                 "degradation",
                 f"degradation-{safe_name(task)}",
                 fig,
-                f"{task}: {metric} vs bits per element for single-format plans (one line per model and "
-                f"granularity, 16 = unquantized, dotted = unquantized level); other plans as bars of the "
+                f"{task}: {metric} vs bits per element for single-format plans (one panel per model, all "
+                f"on one y scale; one line per granularity, 16 = unquantized, dotted = unquantized level, "
+                f"grey dashed = chance where the task reports it); other plans as bars of the "
                 f"change vs unquantized.",
+                f"Degradation under quantization: {task} ({metric})",
             )
     if "act-scales" in families and profiles:
         site = F.default_act_site(profiles)
@@ -349,6 +365,7 @@ def render_run(
                 "act-scales",
                 fig,
                 f"Per-channel abs-max of {site} per model (SmoothQuant act scales), by channel and sorted.",
+                f"Per-channel abs-max: {site}",
             )
     if "lambda" in families and any(F.lambda_summaries(p) for p in profiles.values()):
         fig = F.fig_lambda(profiles, colors=colors)
@@ -358,6 +375,7 @@ def render_run(
             fig,
             "λ per layer for each DIFF model (V1: the learned scalar; V2: mean of sigmoid(Wx) over tokens and "
             "heads, band = min..max) and, for DIFF V2, per head (mean ± std, min..max).",
+            "λ per layer and per head",
         )
     if what is not None:
         missing = [f for f in families if f not in produced]

@@ -33,15 +33,24 @@ KIND_LABELS = {"baseline": "Transformer", "diff_v1": "DIFF V1", "diff_v2": "DIFF
 FORMATS = ("png", "svg", "pdf")
 DEFAULT_DPI = 150
 
-# Publication defaults: readable at a column width of ~8 cm when downscaled, light grid, no top/right spines.
+# Readable in the report at 100 % zoom: the HTML report shows figures in a column of REPORT_WIDTH_PX CSS
+# pixels, so a figure W inches wide is scaled by REPORT_WIDTH_PX / (W * dpi). Figures are at most
+# MAX_WIDTH_IN wide and no text is smaller than MIN_FONT_PT, so every label is at least
+# MIN_FONT_PT * REPORT_WIDTH_PX / (72 * MAX_WIDTH_IN) ~ 10 px on screen (tests check each figure).
+REPORT_WIDTH_PX = 1050
+MAX_WIDTH_IN = 11.0
+MIN_FONT_PT = 8.0
+# Light grid, no top/right spines.
 RC: dict[str, Any] = {
-    "font.size": 9,
-    "axes.titlesize": 10,
-    "axes.labelsize": 9,
-    "legend.fontsize": 8,
+    "font.size": 10,
+    "axes.titlesize": 10.5,
+    "axes.labelsize": 10,
+    "legend.fontsize": 9,
+    "legend.title_fontsize": 9,
     "legend.frameon": False,
-    "xtick.labelsize": 8,
-    "ytick.labelsize": 8,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "figure.titlesize": 12,
     "axes.spines.top": False,
     "axes.spines.right": False,
     "axes.grid": True,

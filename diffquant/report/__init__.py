@@ -3,13 +3,20 @@
 Everything comes from files the stages wrote (manifest, Table 5 summary, profiles, sweep results, figures);
 nothing re-runs a model. The HTML inlines every figure as a data URI, so the one file can be mailed or
 archived and opens with no missing resources.
+
+The report reads top down: the command that made the run, a table of contents with an index of the
+figures, a summary of findings in sentences computed from the numbers (:mod:`diffquant.report.summary`),
+then the models, the Table 5 view, the quantization results as the model x plan grid the command line
+prints (:func:`diffquant.eval.sweep.format_results`), the figures and the provenance.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import math
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +27,7 @@ from diffquant.profile.tables import describe_location
 
 PAPER_SCALE = (
     "The DIFF paper's models had 3B parameters and were trained on 350B tokens; small models often do not "
-    "show the outliers the paper reports, so read these numbers at the scale stated above."
+    "show the outliers the paper reports, so read these numbers at the scale of the models here."
 )
 
 
@@ -31,7 +38,18 @@ class Section:
     tables: list[tuple[str, list[str], list[list[str]]]] = field(
         default_factory=list
     )  # caption, header, rows
-    figures: list[tuple[str, Path]] = field(default_factory=list)  # caption, path
+    figures: list[tuple[str, Path, str]] = field(default_factory=list)  # caption, path, anchor
+    bullets: list[tuple[str, list[str]]] = field(default_factory=list)  # sub-heading, sentences
+    blocks: list[tuple[str, str]] = field(default_factory=list)  # caption, preformatted text
+    anchor: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.anchor or _slug(self.title)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
 
 
 def _nonfinite(counts: dict[str, Any] | None) -> str:
@@ -48,28 +66,71 @@ def _nonfinite(counts: dict[str, Any] | None) -> str:
     )
 
 
-def _num(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.{digits}g}"
-    return str(value)
+def format_column(values: list[Any]) -> list[str]:
+    """One number format for a whole table column: fixed decimals chosen so the smallest non-zero value
+    keeps 3 significant digits (at most 4 decimals), or scientific notation for every entry when the
+    column spans five decades or more; '-' for a missing value. Integers stay integers."""
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if numbers and all(isinstance(v, int) for v in numbers):
+        return ["-" if v is None else f"{v:,}" if isinstance(v, int) else str(v) for v in values]
+    finite = [abs(float(v)) for v in numbers if math.isfinite(v)]
+    nonzero = [v for v in finite if v > 0]
+    small, big = (min(nonzero), max(nonzero)) if nonzero else (1.0, 1.0)
+    if big >= 1e7 or small < 1e-4 or big / small >= 1e5:
+
+        def fmt(v: float) -> str:
+            return f"{v:.3e}"
+
+    else:
+        decimals = max(0, min(4, 2 - math.floor(math.log10(small))))
+
+        def fmt(v: float) -> str:
+            return f"{v:,.{decimals}f}"
+
+    out = []
+    for v in values:
+        if v is None:
+            out.append("-")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(fmt(float(v)) if math.isfinite(v) else str(v))
+        else:
+            out.append(str(v))
+    return out
 
 
-def _model_scale(run: Path) -> list[list[str]]:
+def _table(columns: list[list[Any]]) -> list[list[str]]:
+    """Rows of strings from columns of values, each numeric column in one format."""
+    formatted = [format_column(col) for col in columns]
+    return [list(row) for row in zip(*formatted, strict=True)] if formatted else []
+
+
+def command_line(manifest: dict[str, Any]) -> str:
+    """The command that made the run, from the manifest's argv: 'diffquant demo --out X', 'diffquant run
+    recipes/r.yaml'; a stage called from Python (argv of another program) is said as such."""
+    argv = manifest.get("argv")
+    stage = manifest.get("command")
+    if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
+        prog = Path(argv[0])
+        if prog.name == "diffquant" or (prog.name == "__main__.py" and prog.parent.name == "diffquant"):
+            return "diffquant " + shlex.join(argv[1:])
+        return f"stage `{stage or '?'}` called from Python (process `{shlex.join([prog.name, *argv[1:]])}`)"
+    return f"stage `{stage}` (the manifest records no command line)" if stage else "not recorded"
+
+
+def _model_scale(profiles: dict[str, Any]) -> list[list[str]]:
     """Parameters and config per model, from the profiles' metadata."""
     from diffquant.models.config import ModelConfig
 
     rows = []
-    for path in sorted((run / "profile").glob("*.json")):
-        meta = read_json(path).get("meta", {})
+    for name, profile in profiles.items():
+        meta = profile.meta
         config = meta.get("config")
         if not config:
             continue
-        cfg = ModelConfig.from_dict(config, source=str(path))
+        cfg = ModelConfig.from_dict(config, source=str(name))
         rows.append(
             [
-                meta.get("model", path.stem),
+                name,
                 cfg.attention,
                 f"{_count_parameters(cfg):,}",
                 f"{cfg.n_layers} x d_model {cfg.d_model}, {cfg.n_heads} heads",
@@ -88,36 +149,88 @@ def _count_parameters(cfg) -> int:
         return DecoderLM(cfg).num_parameters()
 
 
+def results_grid(results: dict[str, Any], sweep: dict[str, Any] | None) -> str | None:
+    """The model x plan grid per task, exactly as ``diffquant eval`` and ``diffquant run`` print it
+    (:func:`diffquant.eval.sweep.format_results`), or None when the sweep description cannot be read."""
+    from diffquant.eval.sweep import SweepSpec, format_results
+    from diffquant.eval.tasks import parse_task
+
+    spec = (sweep or {}).get("spec", sweep or {})
+    try:
+        sweep_spec = SweepSpec(
+            models=dict(spec["models"]),
+            plans=list(spec["plans"]),
+            tasks=[parse_task(t, where="sweep.json task") for t in spec["tasks"]],
+        )
+        return format_results(sweep_spec, results)
+    except (DiffquantError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _artifacts(run: Path):
+    """The run's profiles and sweep results (plots.load_run without attention maps), or None."""
+    from diffquant.plots.run import _sweep_files, load_run
+
+    if not ((run / "profile").is_dir() and any((run / "profile").glob("*.json"))) and not _sweep_files(run):
+        return None
+    return load_run(run, maps=False)
+
+
 def build_sections(run: Path, figures: list[Any]) -> list[Section]:
+    from diffquant.report.summary import summarize
+
     sections = []
     manifest_path = run / "manifest.json"
     manifest = read_json(manifest_path) if manifest_path.is_file() else {}
     recipe = manifest.get("recipe") or {}
-    overview = Section("Run")
-    lines = [f"Folder `{run}`; command `{manifest.get('command', '?')}`."]
+    art = _artifacts(run)
+    profiles = art.profiles if art is not None else {}
+    t5_path = run / "table5.json"
+    t5 = read_json(t5_path) if t5_path.is_file() else None
     status = run_status(manifest)
+
+    overview = Section("Run")
+    lines = [
+        f"Command: `{command_line(manifest)}`" if manifest else "Command: not recorded (no manifest.json)",
+        f"Folder: `{run}`",
+    ]
     if status is not None:
         lines.insert(0, f"**INCOMPLETE RUN** ({status}): the results below are partial.")
     if recipe:
         lines.append(f"Recipe **{recipe.get('name')}**: {recipe.get('description', '')}")
     overview.text = "\n\n".join(lines)
-    scale = _model_scale(run)
+    sections.append(overview)
+    scale_section = Section("Models", PAPER_SCALE)
+    scale = _model_scale(profiles)
     if scale:
-        overview.tables.append(
+        scale_section.tables.append(
             (
                 "Models and their scale",
                 ["model", "attention", "parameters", "shape", "tokens profiled"],
                 scale,
             )
         )
-    overview.text += "\n\n" + PAPER_SCALE
-    sections.append(overview)
 
-    t5_path = run / "table5.json"
-    if t5_path.is_file():
-        t5 = read_json(t5_path)
+    results = art.results if art is not None else None
+    topics = summarize(t5, results, art.sweep if art is not None else None, profiles, status)
+    if topics:
+        sections.append(
+            Section(
+                "Summary",
+                "Findings computed from this run's numbers; 2 standard errors is the line between a "
+                "difference and noise.",
+                bullets=topics,
+            )
+        )
+
+    if scale:
+        sections.append(scale_section)
+    else:  # no profile metadata: the scale warning stays in the header
+        overview.text += "\n\n" + PAPER_SCALE
+
+    if t5 is not None:
         models = t5.get("models", {})
-        sec = Section("Activation outliers (DIFF paper, Table 5 view)")
+        sec = Section("Activation outliers (DIFF paper, Table 5 view)", anchor="outliers")
         sec.text = (
             f"k-th largest |x| and median |x| over {t5.get('tokens', 0):,} tokens of {t5.get('data', '?')}"
             + "".join(
@@ -128,65 +241,56 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
             + "."
         )
         cols = ["top1", "top2", "top3", "top10", "top100", "median"]
-        rows = [
-            [
-                name,
-                label,
-                *(_num(row.get(c)) for c in cols),
-                describe_location(row.get("top1_at")),
-                _nonfinite(row.get("nonfinite")),
-            ]
+        found = [
+            (name, label, row)
             for label in ("attention logits", "hidden states")
             for name, m in models.items()
             if (row := m.get("table5", {}).get(label))
         ]
-        sec.tables.append(("Table 5 view", ["model", "activation", *cols, "top1 at", "non-finite"], rows))
-        layer_rows = [
-            [name, str(r["layer"]), *(_num(r.get(c)) for c in ("top1", "top2", "top3", "median", "kurtosis"))]
-            for name, m in models.items()
-            for r in m.get("layerwise_hidden", [])
-        ]
-        if layer_rows:
+        if found:
+            columns = [
+                [n for n, _, _ in found],
+                [label for _, label, _ in found],
+                *([row.get(c) for _, _, row in found] for c in cols),
+                [describe_location(row.get("top1_at")) for _, _, row in found],
+                [_nonfinite(row.get("nonfinite")) for _, _, row in found],
+            ]
             sec.tables.append(
-                (
-                    "Hidden states per layer",
-                    ["model", "layer", "top1", "top2", "top3", "median", "kurtosis"],
-                    layer_rows,
-                )
+                ("Table 5 view", ["model", "activation", *cols, "top1 at", "non-finite"], _table(columns))
             )
+        per_layer = {name: m.get("layerwise_hidden", []) for name, m in models.items()}
+        per_layer = {n: {r["layer"]: r for r in rows} for n, rows in per_layer.items() if rows}
+        if per_layer:
+            layers = sorted({layer for rows in per_layer.values() for layer in rows})
+            stats = ("top1", "median", "kurtosis")
+            header = ["layer"] + [f"{n} {s}" for s in stats for n in per_layer]
+            columns = [layers] + [
+                [per_layer[n].get(layer, {}).get(s) for layer in layers] for s in stats for n in per_layer
+            ]
+            sec.tables.append(("Hidden states per layer", header, _table(columns)))
         sections.append(sec)
 
-    for results_path in (run / "sweep" / "results.json", run / "results.json"):
-        if results_path.is_file():
-            results = read_json(results_path)
-            sec = Section("Quantization sweep")
-            sec.text = (
-                "Primary metric per task; the change is against the same model unquantized (plan none)."
-            )
-            for task, info in results.get("primary", {}).items():
-                metric = info["metric"]
-                rows = [
-                    [r["model"], r["attention"], r["plan"], _num(r["value"]), _num(r["delta"])]
-                    for r in results.get("rows", [])
-                    if r["task"] == task and r["metric"] == metric
-                ]
-                better = "higher" if info["higher_is_better"] else "lower"
-                sec.tables.append(
-                    (
-                        f"{task}: {metric} ({better} is better)",
-                        ["model", "attention", "plan", metric, "change"],
-                        rows,
-                    )
-                )
-            sections.append(sec)
-            break
+    if results is not None:
+        sec = Section("Quantization results", anchor="quantization")
+        sec.text = (
+            "Primary metric per task, one column per model and one row per plan; in brackets the change "
+            "against the same model unquantized (plan none). Every metric of every cell is in "
+            f"`{art.results_path.relative_to(run).with_suffix('.csv')}`."
+        )
+        grid = results_grid(results, art.sweep)
+        if grid is not None:
+            sec.blocks.append(("Model x plan grid (as `diffquant eval` prints it)", grid))
+        else:
+            sec.text += " (The sweep description could not be read, so no grid is shown.)"
+        sections.append(sec)
 
     if figures:
         sec = Section("Figures")
-        for record in figures:
+        for number, record in enumerate(figures, start=1):
             for path in _paths(record):
                 if Path(path).suffix == ".png":
-                    sec.figures.append((getattr(record, "caption", "") or Path(path).stem, Path(path)))
+                    caption = getattr(record, "caption", "") or Path(path).stem
+                    sec.figures.append((f"Figure {number}. {caption}", Path(path), _fig_anchor(record)))
         sections.append(sec)
 
     if manifest:
@@ -204,18 +308,53 @@ def _paths(record: Any) -> list[Path]:
     return [Path(p) for p in record.paths]
 
 
-def to_markdown(sections: list[Section], run: Path) -> str:
+def _fig_anchor(record: Any) -> str:
+    return "fig-" + _slug(str(getattr(record, "name", "") or Path(_paths(record)[0]).stem))
+
+
+def _fig_title(record: Any) -> str:
+    title = getattr(record, "title", "") or ""
+    return title or str(getattr(record, "name", "") or Path(_paths(record)[0]).stem)
+
+
+def contents(
+    sections: list[Section], figures: list[Any]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """([(section title, anchor)], [(figure title, anchor)]): the table of contents and figure index."""
+    toc = [(s.title, s.id) for s in sections]
+    index = [
+        (f"Figure {n}. {_fig_title(r)}", _fig_anchor(r))
+        for n, r in enumerate(figures or [], start=1)
+        if any(Path(p).suffix == ".png" for p in _paths(r))
+    ]
+    return toc, index
+
+
+def to_markdown(sections: list[Section], run: Path, figures: list[Any] | None = None) -> str:
     out = ["# diffquant run report", ""]
+    toc, index = contents(sections, figures or [])
+    out += ["**Contents:** " + " · ".join(f"[{t}](#{a})" for t, a in toc), ""]
+    if index:
+        out += ["**Figures:**", ""] + [
+            f"{i}. [{t.split('. ', 1)[1]}](#{a})" for i, (t, a) in enumerate(index, 1)
+        ]
+        out.append("")
     for sec in sections:
-        out += [f"## {sec.title}", ""]
+        out += [f'<a id="{sec.id}"></a>', "", f"## {sec.title}", ""]
         if sec.text:
             out += [sec.text, ""]
+        for heading, sentences in sec.bullets:
+            out += [f"### {heading}", ""] + [f"- {s}" for s in sentences] + [""]
+        for caption, text in sec.blocks:
+            out += [f"**{caption}**", "", "```", text, "```", ""]
         for caption, header, rows in sec.tables:
             out += [f"**{caption}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             out += ["| " + " | ".join(row) + " |" for row in rows]
             out.append("")
-        for caption, path in sec.figures:
+        for caption, path, anchor in sec.figures:
             out += [
+                f'<a id="{anchor}"></a>',
+                "",
                 f"![{caption}]({path.relative_to(run) if path.is_relative_to(run) else path})",
                 f"*{caption}*",
                 "",
@@ -223,31 +362,65 @@ def to_markdown(sections: list[Section], run: Path) -> str:
     return "\n".join(out)
 
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}
-th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}figure{margin:1em 0}
-img{max-width:100%}figcaption{font-style:italic;color:#555}"""
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;
+line-height:1.45}
+table{border-collapse:collapse;margin:.5em 0 1.5em;font-variant-numeric:tabular-nums}
+td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}
+td:first-child,th:first-child,td.t{text-align:left}caption{text-align:left;font-weight:600;padding:.2em 0}
+figure{margin:1.5em 0}img{max-width:100%;height:auto}figcaption{font-style:italic;color:#555}
+pre{background:#f6f6f6;border:1px solid #ddd;padding:.7em;overflow-x:auto;font-size:13px;line-height:1.35}
+.command code{font-size:15px;background:#f3f3f3;padding:.1em .3em}
+nav{background:#fafafa;border:1px solid #ddd;padding:.5em 1em;margin:1em 0}
+nav ol{margin:.3em 0;columns:2;column-gap:2em}
+.summary li{margin:.35em 0}h3{margin-bottom:.3em}"""
 
 
-def to_html(sections: list[Section]) -> str:
+_NUMERIC = re.compile(r"^(-|[-+]?[\d,]*\.?\d+(e[-+]?\d+)?|nan|inf|-inf)$")
+
+
+def _inline(text: str) -> str:
+    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", html.escape(text))
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+
+def to_html(sections: list[Section], figures: list[Any] | None = None) -> str:
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>diffquant run report</title>"]
     parts.append(f"<style>{_CSS}</style></head><body><h1>diffquant run report</h1>")
-    for sec in sections:
-        parts.append(f"<h2>{html.escape(sec.title)}</h2>")
+    toc, index = contents(sections, figures or [])
+    nav = ["<nav><b>Contents:</b> " + " · ".join(f"<a href='#{a}'>{html.escape(t)}</a>" for t, a in toc)]
+    if index:
+        nav.append("<br><b>Figures:</b><ol>")
+        nav += [f"<li><a href='#{a}'>{html.escape(t.split('. ', 1)[1])}</a></li>" for t, a in index]
+        nav.append("</ol>")
+    nav.append("</nav>")
+    for k, sec in enumerate(sections):
+        if k == 1:  # the contents right after the run's header (command, folder, recipe)
+            parts += nav
+        parts.append(f"<h2 id='{sec.id}'>{html.escape(sec.title)}</h2>")
         for para in filter(None, sec.text.split("\n\n")):
-            text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", html.escape(para))
-            text = re.sub(r"`(.+?)`", r"<code>\1</code>", text)
-            parts.append(f"<p>{text}</p>")
+            cls = " class='command'" if para.startswith("Command:") else ""
+            parts.append(f"<p{cls}>{_inline(para)}</p>")
+        for heading, sentences in sec.bullets:
+            parts.append(f"<h3>{html.escape(heading)}</h3><ul class='summary'>")
+            parts += [f"<li>{_inline(s)}</li>" for s in sentences]
+            parts.append("</ul>")
+        for caption, text in sec.blocks:
+            parts.append(f"<p><b>{_inline(caption)}</b></p><pre>{html.escape(text)}</pre>")
         for caption, header, rows in sec.tables:
             parts.append(f"<table><caption>{html.escape(caption)}</caption><tr>")
             parts.append("".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+            text = [not all(_NUMERIC.match(r[i]) for r in rows if i < len(r)) for i in range(len(header))]
             for row in rows:
-                parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+                cells = (
+                    f"<td{' class=t' if t else ''}>{html.escape(c)}</td>"
+                    for c, t in zip(row, text, strict=False)
+                )
+                parts.append("<tr>" + "".join(cells) + "</tr>")
             parts.append("</table>")
-        for caption, path in sec.figures:
+        for caption, path, anchor in sec.figures:
             data = base64.b64encode(path.read_bytes()).decode()
             parts.append(
-                f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
+                f"<figure id='{anchor}'><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
                 f"<figcaption>{html.escape(caption)}</figcaption></figure>"
             )
     parts.append("</body></html>")
@@ -274,6 +447,6 @@ def write_report(run_dir: str | Path, figures: list[Any] | None = None, dpi: int
         raise DiffquantError(
             f"{run}: no run artifacts found (expected manifest.json, table5.json, profile/ or results)"
         )
-    md = write_text_atomic(run / "report.md", to_markdown(sections, run))
-    page = write_text_atomic(run / "report.html", to_html(sections))
+    md = write_text_atomic(run / "report.md", to_markdown(sections, run, figures))
+    page = write_text_atomic(run / "report.html", to_html(sections, figures))
     return md, page
