@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from diffquant import __version__
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import MODEL_FORMS
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -422,13 +423,6 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     for name in PRESETS:
         print(f"{name:<{width}}  {preset(name).description}")
     return 0
-
-
-# Every form a model can be named by, for every command's help (diffquant.io.load_model reads them all).
-MODEL_FORMS = (
-    "a native checkpoint folder (quantized or not), zoo:NAME, init:KIND:PRESET[:SEED], hf:FOLDER (a Hugging "
-    "Face llama / diffllama folder), gguf:FILE, unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
-)
 
 
 def _task_help() -> str:

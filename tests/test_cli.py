@@ -19,7 +19,7 @@ def test_help_lists_commands():
 MODEL_FORM_PREFIXES = ("zoo:", "init:", "hf:", "gguf:", "unilm:", "fetch:", "folder")
 
 
-@pytest.mark.parametrize("command", ["info", "profile", "quantize", "eval", "export"])
+@pytest.mark.parametrize("command", ["info", "profile", "quantize", "eval", "export", "act-scales"])
 def test_help_names_every_model_form(capsys, command):
     """Every command that takes a model names every form load_model reads, so a newcomer with a Hugging
     Face folder or a GGUF file learns the prefix from --help."""

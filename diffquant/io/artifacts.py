@@ -86,6 +86,11 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+# Every form a model can be named by, for every command's help (diffquant.io.load_model reads them all).
+MODEL_FORMS = (
+    "a native checkpoint folder (quantized or not), zoo:NAME, init:KIND:PRESET[:SEED], hf:FOLDER (a Hugging "
+    "Face llama / diffllama folder), gguf:FILE, unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
+)
 FILE_SCHEMES = ("hf", "unilm", "gguf")  # specifiers whose rest is a path: hf:FOLDER, unilm:FOLDER, gguf:FILE
 
 

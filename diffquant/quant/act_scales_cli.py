@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
+from diffquant.io.artifacts import MODEL_FORMS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="checkpoint folder, zoo:NAME, init:..., hf:PATH, gguf:FILE or fetch:NAME",
+        help=f"the model: {MODEL_FORMS}",
     )
     parser.add_argument("--out", required=True, metavar="FILE.pt", help="output file")
     parser.add_argument(
