@@ -491,3 +491,72 @@ def test_error_corrupt_sweep_results(fresh_run):
     path = fresh_run / "sweep" / "results.json"
     path.write_text("{")
     _one_line_error(fresh_run, str(path), what="degradation")
+
+
+# ------------------------------------------------------------------- plotted values against the data
+def test_layerwise_plots_the_profile_values(art):
+    """Every point of every curve equals tables.layerwise of that model's profile (top-1/2/3, median)."""
+    from diffquant.profile.tables import layerwise
+
+    fig = fig_layerwise(art.profiles, "resid", colors=art.colors())
+    (ax,) = fig.axes
+    seen = 0
+    for line in ax.get_lines():
+        label = line.get_label()
+        if label.startswith("_massive"):
+            continue
+        name, _, stat = label.lstrip("_").partition(" ")
+        stat = stat or "top1"
+        rows = layerwise(art.profiles[name], "resid")
+        assert list(line.get_xdata()) == [r["layer"] for r in rows]
+        assert list(line.get_ydata()) == [r[stat] for r in rows], (name, stat)
+        seen += 1
+    assert seen == 4 * len(MODELS)
+
+
+def test_histogram_plots_the_profile_counts(art):
+    """The step curve of each model holds the profile's own |x| histogram: its counts add up to every
+    non-zero finite value of the pooled sites, and its last bin holds the top-1 magnitude."""
+    fig = fig_histograms(art.profiles, "resid", colors=art.colors())
+    ax = fig.axes[0]
+    for name in MODELS:
+        (line,) = [ln for ln in ax.get_lines() if ln.get_label() == name]
+        xs, ys = list(line.get_xdata()), list(line.get_ydata())
+        counts = [c for c in ys[:-1] if c == c]  # the last y repeats the last bin (steps-post); NaN = gap
+        sites = [s for s in art.profiles[name].sites.values() if s.kind == "resid" and s.count]
+        assert sum(counts) == sum(s.count - s.zero_count for s in sites)
+        top1 = max(s.kth_largest(1) for s in sites)
+        assert xs[-2] <= top1 < xs[-1]
+
+
+def test_degradation_plots_the_results(art):
+    """Each curve point (bits, value) is the result row of that model and plan: 16 bits = unquantized."""
+    fig = fig_degradation(art.results, art.sweep, colors=art.colors())
+    rows = {
+        (r["model"], r["plan"]): r["value"] for r in art.results["rows"] if r["metric"] == "bits_per_byte"
+    }
+    *curve_axes, _ = fig.axes
+    checked = 0
+    for line in (ln for ax in curve_axes for ln in ax.get_lines()):
+        label = line.get_label()
+        if label.startswith("_"):
+            continue
+        model, gran = label.split(" · ")
+        suffix = "" if gran == "per-tensor" else "-row"
+        want = [rows[(model, f"attn-logits-int4{suffix}")], rows[(model, f"attn-logits-int8{suffix}")]]
+        want.append(rows[(model, "none")])
+        assert list(line.get_ydata()) == pytest.approx(want, rel=0, abs=0), label
+        checked += 1
+    assert checked == 2 * len(MODELS)
+
+
+def test_act_scales_plot_the_channel_absmax(art):
+    fig = fig_act_scales(art.profiles, colors=art.colors())
+    by_index, by_rank = fig.axes
+    site = "layers.0.mlp.down.input"
+    for name in MODELS:
+        absmax = art.profiles[name].sites[site].summary()["channel_absmax"]
+        (line,) = [ln for ln in by_index.get_lines() if ln.get_label() == name]
+        assert list(line.get_ydata()) == [max(v, 1e-12) for v in absmax]
+        (ranked,) = [ln for ln in by_rank.get_lines() if ln.get_label() == name]
+        assert list(ranked.get_ydata()) == sorted((max(v, 1e-12) for v in absmax), reverse=True)

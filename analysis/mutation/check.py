@@ -227,6 +227,35 @@ MUTANTS = [
         "if key in idents:",
         ("tests/test_sweep.py",),
     ),
+    # --- figures: the plotted values (issue: never checked for hist, layerwise, degradation, act-scales)
+    M(
+        "layerwise plots top-1 for every statistic",
+        "diffquant/plots/figures.py",
+        'pts = [(r["layer"], r[stat]) for r in rows if r[stat] is not None and r[stat] > 0]',
+        'pts = [(r["layer"], r["top1"]) for r in rows if r[stat] is not None and r[stat] > 0]',
+        ("tests/test_plots.py::test_layerwise_plots_the_profile_values",),
+    ),
+    M(
+        "histogram bins shifted by one group",
+        "diffquant/plots/figures.py",
+        "acc[j // group] = acc.get(j // group, 0) + c",
+        "acc[j // group + 1] = acc.get(j // group + 1, 0) + c",
+        ("tests/test_plots.py::test_histogram_plots_the_profile_counts",),
+    ),
+    M(
+        "degradation curves plot the unquantized value at every bit width",
+        "diffquant/plots/figures.py",
+        '(bits, value[(name, plan)]["value"])',
+        '(bits, value[(name, "none")]["value"])',
+        ("tests/test_plots.py::test_degradation_plots_the_results",),
+    ),
+    M(
+        "act-scales sorted ascending",
+        "diffquant/plots/figures.py",
+        "sorted(pos, reverse=True)",
+        "sorted(pos)",
+        ("tests/test_plots.py::test_act_scales_plot_the_channel_absmax",),
+    ),
     # --- smoothing
     M(
         "smoothing divides the weight columns",
