@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 pytest: setup
 	$(BIN)/python -m pytest --durations=10

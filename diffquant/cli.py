@@ -162,7 +162,7 @@ def _profile_into(args: argparse.Namespace, models: dict, out, world: int) -> in
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from diffquant.quant.run import quantize_checkpoint
+    from diffquant.io.quantize import quantize_checkpoint
 
     _positive(args, "calib_tokens", "eval_tokens", "seq_len", "batch_size")
     _refuse_overwriting_input(args.checkpoint, args.out)
@@ -618,8 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(export)
     export.set_defaults(func=_cmd_export)
 
+    from diffquant.act_scales_cli import add_parser as add_act_scales_parser
     from diffquant.io.fetch import add_fetch_parser
-    from diffquant.quant.act_scales_cli import add_parser as add_act_scales_parser
 
     add_fetch_parser(sub)
     add_act_scales_parser(sub)

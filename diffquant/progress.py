@@ -166,7 +166,7 @@ def progress(
         isatty = getattr(stream, "isatty", None)
         bar = bool(isatty and isatty())
     if bar:
-        from tqdm import tqdm
+        from tqdm import tqdm  # noqa: PLC0415 (imported when a bar is shown)
 
         return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, file=stream)
     return PeriodicProgress(iterable, total, desc, unit, stream, clock=clock, interval=interval)

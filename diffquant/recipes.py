@@ -8,12 +8,28 @@ parsed as YAML), e.g. ``--set models.baseline=init:baseline:tiny --set eval.task
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from diffquant.data import fingerprint
+from diffquant.data.corpus import iter_documents
 from diffquant.errors import DiffquantError
+from diffquant.eval.multiple_choice import load_mc_jsonl
+from diffquant.eval.sweep import SweepSpec, format_results, run_sweep
+from diffquant.eval.tasks import default_text, parse_task
+from diffquant.io import check_model_spec, load_model
+from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
+from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.quantize import quantize_checkpoint
+from diffquant.io.runfolder import claim_run_folder
+from diffquant.plots import render_run
+from diffquant.profile.runner import profile_stage
+from diffquant.quant.plan import QuantPlan
+from diffquant.report import write_report
+from diffquant.textfiles import apply_override, read_yaml  # noqa: F401 (public here too)
 
 # Schema: key -> (python types, default[, minimum]) or a nested dict schema. REQUIRED keys have no default;
 # integers with a minimum are checked against it (and against 2**63, what torch and numpy take).
@@ -65,14 +81,11 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
                     f"{source}: tokenizer.{name}: expected a model name from 'models' mapped to a tokenizer "
                     f"path, got {name!r}: {path!r}"
                 )
-    from diffquant.io.options import parse_dtype
 
     try:
         parse_dtype(recipe["dtype"])
     except DiffquantError as err:
         raise DiffquantError(f"{source}: {err}") from None
-    from diffquant.eval.tasks import parse_task
-    from diffquant.quant.plan import QuantPlan
 
     for i, task in enumerate(recipe["eval"]["tasks"]):
         parse_task(task, where=f"{source}: eval.tasks[{i}]")
@@ -126,56 +139,8 @@ def _check(raw: dict[str, Any], schema: dict[str, Any], source: str, prefix: str
     return out
 
 
-def read_yaml(path: str | Path, overrides: list[str] | None = None) -> Any:
-    """A recipe file's YAML with ``--set`` overrides applied (run and train recipes alike)."""
-    from diffquant.io.yamlfile import read_yaml_file
-
-    raw = read_yaml_file(path, "recipe")
-    for item in overrides or []:
-        raw = apply_override(raw, item)
-    return raw
-
-
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     return validate(read_yaml(path, overrides), source=str(path))
-
-
-_INDEX = re.compile(r"^([^\[\]]+)((?:\[\d+\])*)$")
-
-
-def apply_override(raw: Any, item: str) -> Any:
-    """Set ``a.b[0].c=value`` (value parsed as YAML) in a copy of ``raw``."""
-    key, eq, value = item.partition("=")
-    if not eq or not key:
-        raise DiffquantError(f"--set {item!r}: expected PATH=VALUE")
-    raw = copy.deepcopy(raw) if isinstance(raw, dict) else {}
-    node: Any = raw
-    parts: list[Any] = []
-    for part in key.split("."):
-        match = _INDEX.match(part)
-        if not match:
-            raise DiffquantError(f"--set {item!r}: bad path element {part!r}")
-        parts.append(match.group(1))
-        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
-    for i, part in enumerate(parts[:-1]):
-        nxt = parts[i + 1]
-        try:
-            if isinstance(part, int):
-                node = node[part]
-            else:
-                if part not in node or node[part] is None:
-                    node[part] = [] if isinstance(nxt, int) else {}
-                node = node[part]
-        except (IndexError, KeyError, TypeError):
-            raise DiffquantError(f"--set {item!r}: path {key!r} does not exist in the recipe") from None
-    from diffquant.io.yamlfile import parse_yaml
-
-    parsed = parse_yaml(value, f"--set {item!r}")
-    try:
-        node[parts[-1]] = parsed
-    except (IndexError, TypeError):
-        raise DiffquantError(f"--set {item!r}: path {key!r} does not exist in the recipe") from None
-    return raw
 
 
 def run_recipe(
@@ -191,11 +156,6 @@ def run_recipe(
     The folder belongs to this recipe (:func:`diffquant.io.runfolder.claim_run_folder`): the same recipe
     may run into it again, another run's folder is refused unless ``force`` starts it clean.
     """
-    import torch
-
-    from diffquant.data import fingerprint
-    from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
-
     out = Path(out or recipe["output"]["dir"] or f"runs/{recipe['name']}")
     present = recipe["_present"]
     clean = {k: v for k, v in recipe.items() if k != "_present"}
@@ -217,7 +177,6 @@ def run_recipe(
         corpora={s: fingerprint(s) for s in sorted(sources)},
         status="running",
     )
-    from diffquant.io.runfolder import claim_run_folder
 
     # What decides the results; cosmetic keys (description, plots, output) may change between reruns.
     identity = {k: v for k, v in clean.items() if k not in ("description", "plots", "output")}
@@ -239,11 +198,8 @@ def _finish(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> No
     # Figures and the report are views of the finished artifacts (`diffquant plot` / `report` redo them).
     figures: list = []
     if recipe["plots"]["enabled"]:
-        from diffquant.plots import render_run
-
         figures = render_run(out, formats=tuple(recipe["plots"]["formats"]), dpi=recipe["plots"]["dpi"])
         log(f"plots: {len(figures)} figures in {out / 'figures'}")
-    from diffquant.report import write_report
 
     md, page = write_report(out, figures=figures)
     log(f"report: {md}, {page}")
@@ -253,11 +209,6 @@ def _finish(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> No
 def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
     """Check every model (config, tokenizer fit, window lengths) and every text source before a run
     writes anything; returns the default texts for the models' tokenizers."""
-    from diffquant.data.corpus import iter_documents
-    from diffquant.eval.tasks import default_text, parse_task
-    from diffquant.io import check_model_spec
-    from diffquant.io.options import parse_device
-
     parse_device(recipe["device"])
     present = recipe["_present"]
     seq_lens = [("data.calib.seq_len", recipe["data"]["calib"]["seq_len"])]
@@ -281,8 +232,6 @@ def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
         if t.type in ("bpb", "ppl") and t.params["data"]:
             iter_documents(t.params["data"])
         if t.type == "mc":
-            from diffquant.eval.multiple_choice import load_mc_jsonl
-
             load_mc_jsonl(t.params["path"])
     return texts
 
@@ -309,9 +258,6 @@ def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
 
 
 def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    from diffquant.io import load_model
-    from diffquant.io.options import parse_device, parse_dtype
-
     paths = model_tokenizer_paths(recipe)
     device, dtype = parse_device(recipe["device"]), parse_dtype(recipe["dtype"])
     return {
@@ -321,8 +267,6 @@ def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:
 
 
 def _stage_profile(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    from diffquant.profile.runner import profile_stage
-
     cfg = recipe["profile"]
     models = _load_models(recipe)
     header, table, _ = profile_stage(
@@ -343,8 +287,6 @@ def _stage_profile(recipe: dict[str, Any], out: Path, progress: bool, log: Calla
 
 
 def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
-    from diffquant.quant.run import quantize_checkpoint
-
     cfg, calib = recipe["quantize"], recipe["data"]["calib"]
     for name, spec in recipe["models"].items():
         for plan in cfg["plans"]:
@@ -367,9 +309,6 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
 
 
 def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    from diffquant.eval.sweep import SweepSpec, format_results, run_sweep
-    from diffquant.eval.tasks import parse_task
-
     calib = recipe["data"]["calib"]
     spec = SweepSpec(
         models=dict(recipe["models"]),

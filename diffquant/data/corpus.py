@@ -28,7 +28,7 @@ import torch
 
 from diffquant.data.tokenizer import ByteTokenizer, Tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import jsonl_records
+from diffquant.textfiles import jsonl_records
 
 STDLIB = "stdlib"
 STDLIB_SPLITS = ("train", "validation")
@@ -273,3 +273,16 @@ def token_windows(
         )
     n_windows = min(n_windows, have // seq_len)
     return stream[: n_windows * seq_len].view(n_windows, seq_len)
+
+
+def default_text(tokenizers, purpose: str = "eval") -> str:
+    """The text a stage reads when none is named, for models with these tokenizers.
+
+    Models compared side by side read the same text, so one model with a learned tokenizer moves all of
+    them to WikiText-2 (test for profiles and evaluation, validation for calibration, so calibration
+    never sees the evaluated text); byte-level models alone keep the text the zoo was trained and
+    validated on (the stdlib splits).
+    """
+    if all(isinstance(t, ByteTokenizer) for t in tokenizers):
+        return {"eval": "stdlib:validation", "profile": "stdlib:validation", "calib": "stdlib:train"}[purpose]
+    return {"eval": "wikitext2:test", "profile": "wikitext2:test", "calib": "wikitext2:validation"}[purpose]

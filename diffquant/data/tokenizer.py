@@ -347,7 +347,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def parse_tokenizer_json(file: str | Path) -> Any:
     """A ``tokenizers.Tokenizer`` from a file; a file that does not parse is a one-line error."""
-    from tokenizers import Tokenizer as Backend
+    from tokenizers import Tokenizer as Backend  # noqa: PLC0415 (imported on use: slow import)
 
     try:
         return Backend.from_file(str(file))

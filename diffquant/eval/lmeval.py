@@ -47,8 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
+from diffquant.eval.perplexity import _model_device
 
 LMEVAL_VERSION = "0.4.13"
 INSTALL_HINT = "pip install 'diffquant[lmeval]'"
@@ -59,7 +62,7 @@ _DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text", ".raw": "te
 def _require_lm_eval() -> Any:
     """The lm_eval package, or a one-line DiffquantError saying how to install it."""
     try:
-        import lm_eval
+        import lm_eval  # noqa: PLC0415 (optional library (lmeval extra))
     except ImportError as err:
         raise DiffquantError(
             f"lm-evaluation-harness is not installed ({err}); install it with {INSTALL_HINT}"
@@ -94,7 +97,7 @@ def wikitext_docs(dataset: Any) -> Any:
             f"wikitext_local: expected documents with a 'page' field (or raw text), got fields "
             f"{', '.join(dataset.column_names)}"
         )
-    from datasets import Dataset
+    from datasets import Dataset  # noqa: PLC0415 (optional library (lmeval extra))
 
     pages = [p for record in dataset["text"] for p in split_wikitext_articles(record)]
     return Dataset.from_list([{"page": p} for p in pages])
@@ -112,17 +115,14 @@ def _special_text(tokenizer: Any, token_id: int | None) -> str | None:
 # ============================================================================================ the model
 def _build_lm_class() -> type:
     _require_lm_eval()
-    from lm_eval import utils as lm_utils
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.models.utils import (
+    from lm_eval import utils as lm_utils  # noqa: PLC0415 (optional library (lmeval extra))
+    from lm_eval.api.model import TemplateLM  # noqa: PLC0415 (optional library (lmeval extra))
+    from lm_eval.models.utils import (  # noqa: PLC0415 (optional library (lmeval extra))
         handle_stop_sequences,
         normalize_gen_kwargs,
         postprocess_generated_text,
     )
-    from tqdm import tqdm
-
-    from diffquant.data.tokenizer import Tokenizer, model_tokenizer
-    from diffquant.eval.perplexity import _model_device
+    from tqdm import tqdm  # noqa: PLC0415 (imported when a bar is shown)
 
     class DiffquantLM(TemplateLM):
         """A diffquant model as an lm-eval ``LM`` (see the module docstring for the conventions)."""
@@ -377,7 +377,7 @@ def _offline_single_process() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "LOCAL_RANK")}
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["LOCAL_RANK"] = "0"
-    import datasets.config as ds_config  # after the variable: a first import reads it
+    import datasets.config as ds_config  # noqa: PLC0415 (optional library (lmeval extra))
 
     flags = {k: getattr(ds_config, k, None) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     for key in flags:
@@ -409,7 +409,7 @@ def _include_paths(include_path: str | Path | list[str | Path] | None) -> list[P
 def _full_task_manager(paths: tuple[str, ...]) -> Any:
     """lm-eval's own tasks and those under ``paths``; kept, since indexing lm-eval's thousands of task files
     takes seconds and a sweep asks once per cell (the index only names files: tasks are built per run)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 (optional library (lmeval extra))
 
     return TaskManager(include_path=list(paths) or None)
 
@@ -417,7 +417,7 @@ def _full_task_manager(paths: tuple[str, ...]) -> Any:
 def _task_manager(names: list[str], paths: list[Path]) -> Any:
     """A TaskManager that knows ``names``: the include paths alone when they define them all, else lm-eval's
     tasks too."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 (optional library (lmeval extra))
 
     local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False) if paths else None
     if local is not None and all(n in local.task_index for n in names):
@@ -435,8 +435,6 @@ def _task_manager(names: list[str], paths: list[Path]) -> Any:
 def _data_override(name: str, path: str | Path, manager: Any, folder: Path) -> str:
     """A task YAML in ``folder`` that is task ``name`` reading the local file ``path`` as its test split
     (JSON lines, or text: lines, or the whole file for a rolling task); returns its path (a task spec)."""
-    import yaml
-
     entry = manager.task_index[name]
     if entry.yaml_path is None or entry.cfg is None or "task" not in entry.cfg:
         raise DiffquantError(f"lm-eval: {name!r} is a group or tag; a data file override needs a single task")
@@ -531,7 +529,7 @@ def run_lmeval(
                 f"lm-eval: one data file for {len(names)} tasks; give a mapping {{task: file}} (or one task per --task)"
             )
         files = {names[0]: data_files}
-    from lm_eval.api.model import LM
+    from lm_eval.api.model import LM  # noqa: PLC0415 (optional library (lmeval extra))
 
     if isinstance(model, LM):  # a ready lm-eval model (e.g. HFLM, to compare against): used as it is
         lm = model

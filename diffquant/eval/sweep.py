@@ -25,6 +25,7 @@ and line, rather than a guess at which cells are safe to keep.
 
 from __future__ import annotations
 
+import copy
 import csv
 import hashlib
 import io
@@ -38,10 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from diffquant.data import token_windows
+from diffquant.data.tokenizer import ByteTokenizer, model_tokenizer
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.eval.tasks import TaskSpec, default_text, parse_task, run_task
+from diffquant.io import load_model, peek_tokenizer
 from diffquant.io.artifacts import (
     model_content_sha256,
     read_json,
@@ -49,9 +54,11 @@ from diffquant.io.artifacts import (
     write_json_atomic,
     write_text_atomic,
 )
+from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
 from diffquant.progress import progress as show_progress
+from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 
 NONE_PLAN = "none"
 RESULT_COLUMNS = ("model", "attention", "plan", "task", "metric", "value", "unquantized", "delta")
@@ -100,8 +107,6 @@ class SweepSpec:
         return [Cell(m, p, t.label) for m in self.models for p in self.plans for t in self.tasks]
 
     def to_dict(self) -> dict[str, Any]:
-        from diffquant.quant.plan import QuantPlan
-
         return {
             "models": dict(self.models),
             "plans": {p: None if p == NONE_PLAN else QuantPlan.load(p).to_dict() for p in self.plans},
@@ -241,8 +246,6 @@ def _hash(data: Any) -> str:
 
 def load_plans(spec: SweepSpec) -> dict[str, Any]:
     """Each plan of the sweep, read once (None for the unquantized cell)."""
-    from diffquant.quant.plan import QuantPlan
-
     return {p: None if p == NONE_PLAN else QuantPlan.load(p) for p in spec.plans}
 
 
@@ -263,18 +266,12 @@ class _Runner:
     def calibration_windows(self, tokenizer) -> torch.Tensor:
         key = tokenizer.fingerprint()
         if key not in self._calib:
-            from diffquant.data import token_windows
-
             self._calib[key] = token_windows(
                 self.calib_data, self.spec.calib_tokens, self.spec.calib_seq_len, tokenizer
             )
         return self._calib[key]
 
     def model(self, cell: Cell):
-        import copy
-
-        from diffquant.quant.plan import apply_plan, calibrate
-
         model = load_for_sweep(self.spec, cell.model)
         if cell.plan != NONE_PLAN:
             plan = copy.deepcopy(self.plans[cell.plan])  # the plan the cell's ident was computed from
@@ -286,10 +283,6 @@ class _Runner:
 
 def load_for_sweep(spec: SweepSpec, name: str):
     """Model ``name`` of the sweep on its device, in its dtype, with its tokenizer resolved and checked."""
-    from diffquant.data.tokenizer import model_tokenizer
-    from diffquant.io import load_model
-    from diffquant.io.options import parse_device, parse_dtype
-
     model = load_model(spec.models[name], device=parse_device(spec.device), dtype=parse_dtype(spec.dtype))
     model.tokenizer = model_tokenizer(model, name, spec.tokenizers.get(name))
     return model
@@ -298,9 +291,6 @@ def load_for_sweep(spec: SweepSpec, name: str):
 def sweep_tokenizers(spec: SweepSpec) -> dict[str, Any]:
     """Each model's tokenizer, read from the checkpoint files without loading weights (the byte tokenizer
     where none is recorded; a model that cannot read bytes fails when it is loaded, with its own message)."""
-    from diffquant.data.tokenizer import ByteTokenizer
-    from diffquant.io import peek_tokenizer
-
     return {
         name: peek_tokenizer(path, spec.tokenizers.get(name)) or ByteTokenizer()
         for name, path in spec.models.items()
@@ -451,8 +441,6 @@ def _stale(
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 

@@ -33,8 +33,15 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffquant.data.corpus import default_text  # noqa: F401 (moved down for profile and quant)
+from diffquant.data.tokenizer import model_tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.yamlfile import parse_yaml
+from diffquant.eval import retrieval as retrieval_mod  # tests patch the module attribute
+from diffquant.eval.lmeval import run_lmeval
+from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
+from diffquant.eval.perplexity import evaluate_bpb
+from diffquant.eval.retrieval import RetrievalConfig
+from diffquant.textfiles import parse_yaml
 
 # type -> {parameter: default}; a default of REQUIRED must be given.
 REQUIRED = object()
@@ -294,9 +301,6 @@ def run_task(
     """
     p = task.params
     if task.type in ("bpb", "ppl"):
-        from diffquant.data.tokenizer import model_tokenizer
-        from diffquant.eval.perplexity import evaluate_bpb
-
         tokenizer = model_tokenizer(model)
         return evaluate_bpb(
             model,
@@ -310,8 +314,6 @@ def run_task(
             tokenizer=tokenizer,
         )
     if task.type == "retrieval":
-        from diffquant.eval.retrieval import RetrievalConfig, evaluate_retrieval
-
         cfg = RetrievalConfig(
             n_needles=int(p["needles"]),
             n_queries=int(p["queries"]),
@@ -321,7 +323,7 @@ def run_task(
             digits=int(p["digits"]),
             seed=int(p["seed"]),
         )
-        result = evaluate_retrieval(
+        result = retrieval_mod.evaluate_retrieval(
             model, cfg, batch_size=batch_size, attention=bool(p["attention"]), progress=progress
         )
         by_depth = result.pop("by_depth", {})
@@ -329,13 +331,9 @@ def run_task(
             result[f"acc_rank@{float(depth):g}"] = values["acc_rank"]
         return result
     if task.type == "mc":
-        from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
-
         items = load_mc_jsonl(p["path"])
         return evaluate_mc(model, items, batch_size=batch_size, limit=p["limit"])
     if task.type == "lmeval":
-        from diffquant.eval.lmeval import run_lmeval
-
         results = run_lmeval(
             model,
             p["tasks"],
@@ -359,18 +357,3 @@ def flatten_lmeval(results: dict[str, dict[str, Any]], tasks: list[str]) -> dict
         plain = len(tasks) == 1 and name == tasks[0]
         flat.update({(key if plain else f"{name}/{key}"): value for key, value in metrics.items()})
     return flat
-
-
-def default_text(tokenizers, purpose: str = "eval") -> str:
-    """The text a stage reads when none is named, for models with these tokenizers.
-
-    Models compared side by side read the same text, so one model with a learned tokenizer moves all of
-    them to WikiText-2 (test for profiles and evaluation, validation for calibration, so calibration
-    never sees the evaluated text); byte-level models alone keep the text the zoo was trained and
-    validated on (the stdlib splits).
-    """
-    from diffquant.data.tokenizer import ByteTokenizer
-
-    if all(isinstance(t, ByteTokenizer) for t in tokenizers):
-        return {"eval": "stdlib:validation", "profile": "stdlib:validation", "calib": "stdlib:train"}[purpose]
-    return {"eval": "wikitext2:test", "profile": "wikitext2:test", "calib": "wikitext2:validation"}[purpose]

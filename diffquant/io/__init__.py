@@ -7,6 +7,7 @@ parsers import ``diffquant.io.fetch`` / ``diffquant.io.artifacts`` without loadi
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 _LAZY = {
@@ -28,8 +29,6 @@ __all__ = sorted(_LAZY)
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

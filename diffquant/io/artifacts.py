@@ -13,69 +13,24 @@ import platform
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from diffquant.errors import DiffquantError
+from diffquant.io import fetch
+from diffquant.io.fetch import FETCHABLE, resolve_fetch
+from diffquant.textfiles import (  # noqa: F401 (moved down for data, profile, quant)
+    _umask,
+    jsonl_records,
+    read_json,
+    write_json_atomic,
+    write_text_atomic,
+)
+from diffquant.zoo import zoo_path
 
 LIBRARIES = ("torch", "numpy", "safetensors", "transformers", "optimum-quanto", "bitsandbytes", "triton")
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def read_json(path: str | Path, what: str = "file") -> Any:
-    """Parsed JSON, or a one-line DiffquantError naming the file and what is wrong with it."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DiffquantError(f"{path}: {what} not found") from None
-    except UnicodeDecodeError:
-        raise DiffquantError(f"{path}: {what} is not a text file") from None
-    except json.JSONDecodeError as err:
-        raise DiffquantError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    except OSError as err:
-        raise DiffquantError(f"{path}: cannot read {what} ({err.strerror})") from None
-
-
-def jsonl_records(text: str, where: str) -> Iterator[tuple[int, Any]]:
-    """(1-based line number, parsed record) for each non-blank line of JSONL ``text``; a line that is not
-    JSON is a one-line DiffquantError naming ``where:LINE``. Split on "\\n" only, not splitlines(): JSON
-    strings may hold raw U+2028 and friends, which are not record separators."""
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DiffquantError(
-                f"{where}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
-            ) from None
-
-
-def write_json_atomic(path: str | Path, data: Any) -> Path:
-    return write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -110,14 +65,10 @@ def checkpoint_sha256(spec: str | Path) -> str | None:
     ``fetch:NAME`` never downloads just to hash: a cached file is hashed (what a run will read); one not
     cached yet gives the sha256 the fetch pins and verifies on extraction (what it will read once fetched).
     """
-    from diffquant.io import resolve_fetch
-
     text = str(spec)
     if text.startswith("fetch:"):
         return _fetched_sha256(text)
     if text.startswith("zoo:"):
-        from diffquant.zoo import zoo_path
-
         weights = zoo_path(text[len("zoo:") :]) / "model.safetensors"
         return sha256_file(weights) if weights.is_file() else None
     path = spec_path(resolve_fetch(spec))
@@ -130,8 +81,6 @@ def checkpoint_sha256(spec: str | Path) -> str | None:
 def _fetch_cache_file(name: str) -> tuple[Path, int, str] | None:
     """(cache path, pinned size, pinned sha256) of ``fetch:NAME``, found without downloading; None for a
     fetchable name this module does not know the cache layout of."""
-    from diffquant.io import fetch
-
     if name == "smollm2":
         path = fetch.cache_root() / "smollm2" / fetch.SMOLLM2_FILE
         return path, fetch.SMOLLM2_SIZE, fetch.SMOLLM2_SHA256
@@ -139,9 +88,6 @@ def _fetch_cache_file(name: str) -> tuple[Path, int, str] | None:
 
 
 def _fetched_sha256(spec: str) -> str | None:
-    from diffquant.io import resolve_fetch
-    from diffquant.io.fetch import FETCHABLE
-
     name = spec[len("fetch:") :]
     if name not in FETCHABLE:
         resolve_fetch(spec)  # the one-line error naming the fetchable models
@@ -182,12 +128,7 @@ def model_content_sha256(spec: str | Path) -> str:
         return _digest({"init": text})
     if scheme == "fetch":
         return _digest({"fetch": text, "sha256": checkpoint_sha256(text)})
-    if scheme == "zoo":
-        from diffquant.zoo import zoo_path
-
-        path = zoo_path(rest)
-    else:
-        path = spec_path(text)
+    path = zoo_path(rest) if scheme == "zoo" else spec_path(text)
     if path.is_file():
         return _digest({path.name: sha256_file(path)})
     if not path.is_dir():

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from diffquant.data.tokenizer import BYTE, TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
+from diffquant.io.convert_hf import check_layer_count
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -129,7 +130,6 @@ def load_checkpoint(
         with safe_open(str(weights), framework="pt", device=str(device)) as f:
             keys = list(f.keys())
             # Everything checkable from the header is checked before a module is built or a tensor read.
-            from diffquant.io.convert_hf import check_layer_count
 
             check_layer_count(config.n_layers, keys, r"layers\.(\d+)\.", f"{folder / CONFIG_FILE}")
             for key in keys:

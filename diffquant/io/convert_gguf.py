@@ -304,7 +304,7 @@ def _tensor(reader: Any, name: str) -> Any:
 def dequantizable_types() -> frozenset[Any]:
     """The ggml types ``gguf.quants.dequantize`` turns into float32: F32, F16 and every quant class the
     installed ``gguf`` defines (BF16, Q4_0 ... Q8_0, the K-quants, IQ*, ...), found by their ``qtype``."""
-    import gguf
+    import gguf  # noqa: PLC0415 (optional at import: slow, read only for gguf: models)
 
     found = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
     for obj in vars(gguf.quants).values():
@@ -373,7 +373,7 @@ class GGUFTensors:
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor in torch order and ``dtype``: a fresh tensor, dequantized a chunk of rows at a time."""
-        import gguf
+        import gguf  # noqa: PLC0415 (optional at import: slow, read only for gguf: models)
 
         t = self._tensors[key]
         out = torch.empty(self.shape(key), dtype=self._dtype)
@@ -465,7 +465,7 @@ class GGUFFile:
                 del self._file, self._buf
 
     def _parse(self) -> None:
-        import gguf
+        import gguf  # noqa: PLC0415 (optional at import: slow, read only for gguf: models)
 
         if self._size == 0:
             raise MalformedGGUF("the file is empty")
@@ -501,7 +501,7 @@ class GGUFFile:
     def _tensor_info(
         self, name: str, dims: tuple[int, ...], raw_type: int, offset: int, names: set[str]
     ) -> GGUFTensorInfo:
-        import gguf
+        import gguf  # noqa: PLC0415 (optional at import: slow, read only for gguf: models)
 
         if name in names:
             raise MalformedGGUF(f"duplicate tensor {name}")
@@ -664,7 +664,7 @@ def gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], family: str, source: str) -> Any:
     """A ``tokenizers.Tokenizer``: BPE over the file's vocabulary and merges, llama.cpp's splitting."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 (imported on use: slow import)
 
     vocab = {
         token: i for i, token in enumerate(tokens)

@@ -34,9 +34,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from diffquant.data.tokenizer import TOKENIZER_FILE, HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
 from diffquant.models.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_problem
+from diffquant.models.hf_names import hf_key_map
 from diffquant.models.transformer import DecoderLM
 from diffquant.progress import progress as show_progress
 
@@ -89,8 +91,6 @@ def load_hf(
 
 def _folder_tokenizer(folder: Path):
     """The folder's own tokenizer (tokenizer.json with its special tokens), or None when it has none."""
-    from diffquant.data.tokenizer import TOKENIZER_FILE, load_tokenizer
-
     return load_tokenizer(folder) if (folder / TOKENIZER_FILE).is_file() else None
 
 
@@ -269,25 +269,6 @@ def _rope_theta(hf: dict[str, Any], source: str) -> Any:
     return values[0]
 
 
-def hf_key_map(config: ModelConfig) -> dict[str, str]:
-    """native state-dict key -> HF key, for every tensor the native model stores (tied head excluded)."""
-    keys = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not config.tie_embeddings:
-        keys["lm_head.weight"] = "lm_head.weight"
-    for i in range(config.n_layers):
-        n, h = f"layers.{i}.", f"model.layers.{i}."
-        keys[n + "attn_norm.weight"] = h + "input_layernorm.weight"
-        keys[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
-        for proj in ("q", "k", "v", "o"):
-            keys[f"{n}attn.{proj}_proj.weight"] = f"{h}self_attn.{proj}_proj.weight"
-        for proj in ("gate", "up", "down"):
-            keys[f"{n}mlp.{proj}.weight"] = f"{h}mlp.{proj}_proj.weight"
-        if config.attention == "diff_v1":
-            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-                keys[f"{n}attn.{name}"] = f"{h}self_attn.{name}"
-    return keys
-
-
 # Why a weight permutation rather than a "contiguous halves" layout option in DiffV1Attention: the permuted
 # model is bit-for-bit the native DIFF V1 model, so every downstream stage (taps, per-head statistics,
 # quantization plans, Triton kernels, the explicit map path) sees one layout and needs no second code path
@@ -354,8 +335,6 @@ def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) ->
             tensor = _export_v1_tensor(model, native, tensor)
         tensors[hf_key] = tensor.to("cpu").contiguous()
     hf = hf_config(config, dtype)
-
-    from diffquant.data.tokenizer import HFTokenizer
 
     tokenizer = getattr(model, "tokenizer", None)
     if isinstance(tokenizer, HFTokenizer):  # the folder is only usable with the ids the model reads

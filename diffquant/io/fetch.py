@@ -155,3 +155,17 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         raise DiffquantError(f"fetch: unknown name {args.name!r}; expected one of {', '.join(FETCHABLE)}")
     print(FETCHABLE[args.name](args.cache_dir))
     return 0
+
+
+def resolve_fetch(spec: str | Path) -> str:
+    """``fetch:NAME`` -> ``gguf:PATH`` of the cached (downloaded on first use) file; other specs unchanged."""
+    text = str(spec)
+    if not text.startswith("fetch:"):
+        return text
+
+    name = text[len("fetch:") :]
+    if name not in FETCHABLE:
+        raise DiffquantError(
+            f"model specifier {text!r}: unknown name {name!r}; expected one of {', '.join(FETCHABLE)}"
+        )
+    return f"gguf:{FETCHABLE[name]()}"

@@ -7,16 +7,24 @@ from pathlib import Path
 
 import torch
 
+from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer, model_tokenizer, resolve_tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.checkpoint import load_checkpoint, read_config
-from diffquant.io.convert_cli import CONVERTER_SCHEMES
+from diffquant.io.artifacts import read_json
+from diffquant.io.checkpoint import load_checkpoint, read_config, read_tokenizer
+from diffquant.io.convert_cli import CONVERTER_SCHEMES, load_converted
+from diffquant.io.convert_gguf import config_from_gguf, read_gguf, read_gguf_tokenizer
+from diffquant.io.convert_hf import CONFIG_FILE, _folder, _folder_tokenizer, config_from_hf
+from diffquant.io.convert_unilm import config_from_unilm
+from diffquant.io.fetch import FETCHABLE, resolve_fetch  # noqa: F401 (public here too)
+from diffquant.io.quantized import is_quantized, load_quantized
+from diffquant.io.quantized import save_quantized as _save
+from diffquant.models import ATTENTION_KINDS, PRESETS, preset_config
 from diffquant.models.transformer import DecoderLM
+from diffquant.zoo import zoo_path
 
 
 def save_quantized(*args, **kwargs):
     """See :func:`diffquant.io.quantized.save_quantized` (imported lazily: it needs diffquant.quant)."""
-    from diffquant.io.quantized import save_quantized as _save
-
     return _save(*args, **kwargs)
 
 
@@ -43,25 +51,8 @@ def load_model(
     if not hasattr(model, "tokenizer"):
         model.tokenizer = None
     if tokenizer is not None:
-        from diffquant.data.tokenizer import model_tokenizer
-
         model.tokenizer = model_tokenizer(model, str(spec), override=tokenizer)
     return model
-
-
-def resolve_fetch(spec: str | Path) -> str:
-    """``fetch:NAME`` -> ``gguf:PATH`` of the cached (downloaded on first use) file; other specs unchanged."""
-    text = str(spec)
-    if not text.startswith("fetch:"):
-        return text
-    from diffquant.io.fetch import FETCHABLE
-
-    name = text[len("fetch:") :]
-    if name not in FETCHABLE:
-        raise DiffquantError(
-            f"model specifier {text!r}: unknown name {name!r}; expected one of {', '.join(FETCHABLE)}"
-        )
-    return f"gguf:{FETCHABLE[name]()}"
 
 
 def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> DecoderLM:
@@ -70,14 +61,9 @@ def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | Non
     if scheme == "init":
         return init_model(text, device=device, dtype=dtype)
     if scheme == "zoo":
-        from diffquant.zoo import zoo_path
-
         return load_checkpoint(zoo_path(text[4:]), device=device, dtype=dtype or torch.float32)
     if ":" in text and scheme in KNOWN_SCHEMES:
-        from diffquant.io.convert_cli import load_converted
-
         return load_converted(text, device=device, dtype=dtype)
-    from diffquant.io.quantized import is_quantized, load_quantized
 
     if is_quantized(text):
         return load_quantized(text, device=device, dtype=dtype)
@@ -86,8 +72,6 @@ def _load(spec: str | Path, device: str | torch.device, dtype: torch.dtype | Non
 
 def init_model(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DecoderLM:
     """``init:KIND:PRESET[:SEED]``: a seeded random model, the same as ``diffquant init`` writes."""
-    from diffquant.models import ATTENTION_KINDS, PRESETS, preset_config
-
     parts = spec.split(":")
     if len(parts) not in (3, 4) or parts[1] not in ATTENTION_KINDS or parts[2] not in PRESETS:
         raise DiffquantError(
@@ -113,8 +97,6 @@ def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
     """The tokenizer a model specifier brings, read without loading its weights (None: none recorded, so
     the byte tokenizer if the model has the byte vocabulary). Lets a run pick its default text and cut
     windows before any model is in memory."""
-    from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer
-
     if override is not None:
         return load_tokenizer(override)
     text = resolve_fetch(spec)
@@ -122,16 +104,11 @@ def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
     if scheme in ("init", "zoo"):
         return ByteTokenizer()
     if scheme == "hf" and rest:
-        from diffquant.io.convert_hf import _folder_tokenizer
-
         return _folder_tokenizer(Path(rest)) if Path(rest).is_dir() else None
     if scheme == "gguf" and rest:
-        from diffquant.io.convert_gguf import read_gguf_tokenizer
-
         return read_gguf_tokenizer(rest)
     if scheme == "unilm" and rest:
         return None
-    from diffquant.io.checkpoint import read_tokenizer
 
     return read_tokenizer(text)
 
@@ -139,8 +116,6 @@ def peek_tokenizer(spec: str | Path, override: str | Path | None = None):
 def peek_config(spec: str | Path):
     """The ModelConfig a model specifier names, read from its config alone (no weights, no model built):
     what a run checks before its first write (sequence lengths, vocabulary, tokenizer fit)."""
-    from diffquant.models import PRESETS, preset_config
-
     text = resolve_fetch(spec)
     scheme, _, rest = text.partition(":")
     if scheme == "init":
@@ -149,23 +124,12 @@ def peek_config(spec: str | Path):
             return preset_config(parts[2], parts[1])
         return init_model(text, device="meta").config  # the one-line error of init_model
     if scheme == "zoo":
-        from diffquant.zoo import zoo_path
-
         return read_config(zoo_path(rest))
     if scheme == "hf" and rest:
-        from diffquant.io.artifacts import read_json
-        from diffquant.io.convert_hf import CONFIG_FILE, _folder, config_from_hf
-
         return config_from_hf(read_json(_folder(rest) / CONFIG_FILE), str(Path(rest) / CONFIG_FILE))
     if scheme == "unilm" and rest:
-        from diffquant.io.artifacts import read_json
-        from diffquant.io.convert_hf import CONFIG_FILE, _folder
-        from diffquant.io.convert_unilm import config_from_unilm
-
         return config_from_unilm(read_json(_folder(rest) / CONFIG_FILE), str(Path(rest) / CONFIG_FILE))
     if scheme == "gguf" and rest:
-        from diffquant.io.convert_gguf import config_from_gguf, read_gguf
-
         return config_from_gguf(read_gguf(Path(rest)), rest)
     return read_config(text)
 
@@ -173,8 +137,6 @@ def peek_config(spec: str | Path):
 def check_model_spec(spec: str | Path, name: str, tokenizer: str | Path | None = None, seq_lens=()):
     """Fail early, in one line, for a model a run cannot use: unreadable config, no tokenizer that fits,
     or a window longer than its context. Returns (config, tokenizer)."""
-    from diffquant.data.tokenizer import resolve_tokenizer
-
     config = peek_config(spec)
     tok = resolve_tokenizer(peek_tokenizer(spec, tokenizer), config.vocab_size, name)
     for what, length in seq_lens:

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
+from diffquant.data import fingerprint, model_tokenizer, token_windows
+from diffquant.data.corpus import default_text
 from diffquant.errors import DiffquantError
+from diffquant.io import load_model
+from diffquant.io.artifacts import library_versions
+from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.quantized import is_quantized, save_quantized
+from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
+from diffquant.quant.report import compare_models, format_report
+from diffquant.quant.smoothquant import apply_smoothing
 
 
 def quantize_checkpoint(
@@ -36,15 +45,6 @@ def quantize_checkpoint(
     compares against the unquantized model on held-out windows (those after the calibration windows in
     the same source). Returns a summary with the printed text and the report.
     """
-    from diffquant.data import fingerprint, model_tokenizer, token_windows
-    from diffquant.eval.tasks import default_text
-    from diffquant.io import load_model
-    from diffquant.io.artifacts import library_versions
-    from diffquant.io.options import parse_device, parse_dtype
-    from diffquant.io.quantized import is_quantized, save_quantized
-    from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
-    from diffquant.quant.report import compare_models, format_report
-
     if is_quantized(checkpoint):
         raise DiffquantError(f"{checkpoint}: already quantized; quantize its base checkpoint instead")
     out = Path(out)
@@ -71,8 +71,6 @@ def quantize_checkpoint(
     with torch.no_grad():
         calibrated = calibrate(model, calib, batch_size=batch_size)
         if getattr(model, "smooth_factors", None) is not None:
-            from diffquant.quant.smoothquant import apply_smoothing
-
             # The same float model, smoothed alike, so each site compares X / s with X / s (the logits
             # are the same either way): an unsmoothed reference would count the smoothing as error.
             apply_smoothing(reference, model.smooth_factors)

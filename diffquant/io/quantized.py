@@ -22,6 +22,8 @@ from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json
 from diffquant.io.checkpoint import CONFIG_FILE, load_checkpoint, save_checkpoint
 from diffquant.models.transformer import DecoderLM
+from diffquant.quant.backends.quanto import load_quanto_state, quanto_state
+from diffquant.quant.plan import BackendLinear, QuantPlan, apply_plan, fake_quantizers
 
 PLAN_FILE = "quant_plan.json"
 STATE_FILE = "quant_state.safetensors"
@@ -34,8 +36,6 @@ def is_quantized(path: str | Path) -> bool:
 
 def base_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
     """The unquantized weights of a (possibly quantized) model, under the base model's keys."""
-    from diffquant.quant.plan import BackendLinear
-
     state = {}
     for name, tensor in model.state_dict().items():
         if ".quantizer." in name or ".weight_quantizer." in name or ".inner." in name:
@@ -51,8 +51,6 @@ def base_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
 
 def quant_state(model: DecoderLM) -> dict[str, torch.Tensor]:
     """Static scales of the fake-quantizers and calibration state of backend layers."""
-    from diffquant.quant.plan import BackendLinear, fake_quantizers
-
     state = {}
     for name, q in fake_quantizers(model).items():
         for buf in ("scale", "zero_point"):
@@ -61,8 +59,6 @@ def quant_state(model: DecoderLM) -> dict[str, torch.Tensor]:
                 state[f"{name}.{buf}"] = value.detach().contiguous()
     for name, module in model.named_modules():
         if isinstance(module, BackendLinear) and module.backend == "quanto":
-            from diffquant.quant.backends.quanto import quanto_state
-
             for key, value in quanto_state(module.inner).items():
                 state[f"{name}.inner.{key}"] = value.detach().contiguous()
     return state
@@ -94,8 +90,6 @@ def save_quantized(
 
 
 def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
-    from diffquant.quant.plan import QuantPlan
-
     plan_path = Path(path) / PLAN_FILE
     doc = read_json(plan_path, "quantization plan")
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or "plan" not in doc:
@@ -108,8 +102,6 @@ def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
 def load_quantized(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
-    from diffquant.quant.plan import BackendLinear, apply_plan, fake_quantizers
-
     folder = Path(path)
     plan, _ = read_plan(folder)
     model = load_checkpoint(folder, device=device, dtype=dtype)
@@ -138,8 +130,6 @@ def load_quantized(
             continue
         raise DiffquantError(f"{state_path}: unexpected tensor {key} for plan {plan.name!r}")
     for module_name, values in pending.items():
-        from diffquant.quant.backends.quanto import load_quanto_state
-
         load_quanto_state(backends[module_name].inner, values)
     missing = [n for n, q in quantizers.items() if q.scheme.is_static and q.scale is None]
     if missing:

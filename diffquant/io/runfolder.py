@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import write_text_atomic
 
@@ -52,8 +53,6 @@ def claim_run_folder(out: str | Path, command: str, identity: Any, force: bool =
     results, e.g. a sweep's specifiers or a recipe) for the duration of the ``with`` block; yields the
     folder (created if missing). See the module docstring for what is refused, what force removes, and
     the lock."""
-    from diffquant.distributed import rank_and_world
-
     out = Path(out)
     if rank_and_world()[0] != 0:
         yield out
@@ -81,7 +80,7 @@ def claim_run_folder(out: str | Path, command: str, identity: Any, force: bool =
 
 
 def _lock(out: Path) -> int:
-    import fcntl
+    import fcntl  # noqa: PLC0415 (POSIX only)
 
     path = out / LOCK_FILE
     try:
@@ -105,7 +104,7 @@ def _lock(out: Path) -> int:
 
 
 def _unlock(fd: int) -> None:
-    import fcntl
+    import fcntl  # noqa: PLC0415 (POSIX only)
 
     try:
         os.ftruncate(fd, 0)  # no owner any more

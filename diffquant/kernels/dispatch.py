@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from diffquant.kernels.flash import flash_available
 from diffquant.kernels.reference import CoreQuant
 
 PATHS = ("sdpa", "explicit", "triton", "flash")
@@ -76,7 +77,6 @@ def flash_ready(attn, x: torch.Tensor) -> bool:
         return False
     if any(getattr(t, "quantizer", None) is not None for t in (attn.q, attn.k, attn.v, *attn._map_taps())):
         return False
-    from diffquant.kernels.flash import flash_available
 
     return flash_available()
 
@@ -88,7 +88,8 @@ def run_kernel(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam, cor
     path does (one pass rounds the running exp(S - m) like SageAttention: equivalent in distribution, not
     element for element).
     """
-    from diffquant.kernels.triton_diff import diff_v1_attention, diff_v2_attention
+    # Local: triton_diff imports Triton (slow, optional, needs TRITON_INTERPRET set first).
+    from diffquant.kernels.triton_diff import diff_v1_attention, diff_v2_attention  # noqa: PLC0415
 
     block = 64 if q.is_cuda else 16
     two_pass = core.pv == "fp8_e4m3"

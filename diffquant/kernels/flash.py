@@ -19,7 +19,7 @@ def flash_available() -> bool:
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """flash_attn_func on (B, heads, T, d) tensors; returns (B, heads, T, d)."""
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func  # noqa: PLC0415 (optional GPU library)
 
     out = flash_attn_func(
         q.transpose(1, 2).contiguous(),

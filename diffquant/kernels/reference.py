@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.formats import get_format, int_format
+from diffquant.formats import get_format, int_format
 
 __all__ = [
     "FP8_P_SCALE",

@@ -23,6 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffquant.kernels import (
+    dispatch,  # module attributes: tests patch dispatch.kernel_core
+    flash,
+)
 from diffquant.models.config import ModelConfig
 from diffquant.models.taps import MAP_KINDS, Tap
 
@@ -219,11 +223,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         core = self._kernel_core(x, cache)
         if core is not None:
-            from diffquant.kernels.dispatch import run_kernel
-
             # The fused kernel quantizes Q/K/P/V itself, exactly as the taps' fake-quantizers would;
             # the q/k/v and map taps are not called on this path.
-            out = run_kernel(self, q, k, v, self._lambda(x), core)
+            out = dispatch.run_kernel(self, q, k, v, self._lambda(x), core)
             self.last_path = "triton"
             return self._output(out, bsz, t)
         q, k, v = self.q(q), self.k(k), self.v(v)
@@ -231,9 +233,7 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
         lam = self._lambda(x)
         if cache is None and x.is_cuda and _flash_ready(self, x):
-            from diffquant.kernels.flash import diff_v1_flash, diff_v2_flash
-
-            out = (diff_v2_flash if self.kind == "diff_v2" else diff_v1_flash)(q, k, v, lam)
+            out = (flash.diff_v2_flash if self.kind == "diff_v2" else flash.diff_v1_flash)(q, k, v, lam)
             self.last_path = "flash"
             return self._output(self._finish_heads(out), bsz, t)
         components, v = self._components(q, k, v)
@@ -259,9 +259,8 @@ class Attention(nn.Module):
             return None
         if self._maps_observed() and self.kernel == "auto":
             return None  # someone watches the maps: they only exist on the explicit path
-        from diffquant.kernels.dispatch import kernel_core
 
-        return kernel_core(self)
+        return dispatch.kernel_core(self)
 
     def _use_explicit(self) -> bool:
         """Explicit output when forced, or when a quantizer rewrites a map (hooks alone only observe)."""
@@ -344,9 +343,7 @@ class Attention(nn.Module):
 
 
 def _flash_ready(attn: Attention, x: torch.Tensor) -> bool:
-    from diffquant.kernels.dispatch import flash_ready
-
-    return flash_ready(attn, x)
+    return dispatch.flash_ready(attn, x)
 
 
 def _pad_width(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.kernels.dispatch import KERNEL_MODES
 from diffquant.models.attention import (
     ATTENTION_CLASSES,
     ATTN_PATHS,
@@ -158,8 +159,6 @@ class DecoderLM(nn.Module):
     def set_kernel(self, mode: str = "auto") -> None:
         """'auto': the fused Triton kernel on CUDA where the quantization plan fits it; 'triton': also on
         CPU (through Triton's interpreter when TRITON_INTERPRET=1, for testing); 'off': torch paths only."""
-        from diffquant.kernels.dispatch import KERNEL_MODES
-
         if mode not in KERNEL_MODES:
             raise DiffquantError(f"kernel mode {mode!r}: expected one of {', '.join(KERNEL_MODES)}")
         for attn in self.attention_modules():

@@ -16,16 +16,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from diffquant.errors import DiffquantError
 from diffquant.plots.style import MAX_WIDTH_IN, colors_for, new_figure, style_context
+from diffquant.profile.profiler import Profile
+from diffquant.profile.sites import layer_of
+from diffquant.profile.stats import LN_R, R, SiteStats
+from diffquant.profile.tables import layerwise
+from diffquant.quant.schemes import Scheme, bits_of
 
 if TYPE_CHECKING:
     import torch
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from diffquant.profile.profiler import Profile
-    from diffquant.profile.stats import SiteStats
 
 HIST_KINDS = ("logits", "resid", "q", "k", "v", "mlp_act", "linear_in")
 KIND_TITLES = {
@@ -71,8 +76,6 @@ def _require(profiles: Mapping[str, Any], what: str) -> None:
 
 
 def _sites_of(profile: Profile, kind: str, layer: int | None = None) -> list[SiteStats]:
-    from diffquant.profile.sites import layer_of
-
     return [
         s
         for name, s in profile.sites.items()
@@ -99,8 +102,6 @@ class Pool:
 
     def quantile(self, q: float) -> float | None:
         """Lower edge of the log bin holding the q-quantile of the non-zero |x| (None without data)."""
-        from diffquant.profile.stats import R
-
         total = sum(self.bins.values())
         if not total:
             return None
@@ -112,8 +113,6 @@ class Pool:
         return R ** max(self.bins)
 
     def add(self, stats: SiteStats) -> None:
-        from diffquant.profile.stats import LN_R
-
         n = stats.count
         if n == 0 or stats.mean is None or stats.std is None:
             return
@@ -150,15 +149,11 @@ def _pooled(profile: Profile, kind: str, layer: int | None = None) -> Pool | Non
 
 def _hist_bar_width() -> float:
     """How wide (as a ratio) one plotted histogram bar is: HIST_GROUP profile bins."""
-    from diffquant.profile.stats import R
-
     return R**HIST_GROUP
 
 
 def _rebinned(pool: Pool, group: int = HIST_GROUP) -> tuple[list[float], list[float]]:
     """(edges, counts) of |x| on groups of ``group`` log bins; empty groups are NaN (gaps on a log axis)."""
-    from diffquant.profile.stats import R
-
     if not pool.bins:
         return [], []
     acc: dict[int, int] = {}
@@ -178,7 +173,7 @@ def _step(ax: Axes, edges: Sequence[float], counts: Sequence[float], **kw: Any):
 
 def _proxy(**kw: Any):
     """A legend entry not drawn on any axes (explains a line style shared by all models)."""
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # noqa: PLC0415 (plots load matplotlib on first figure)
 
     return Line2D([], [], **kw)
 
@@ -227,8 +222,6 @@ def hist_xlimits(pooled: Mapping[str, Pool]) -> tuple[float, float, bool]:
     HIST_LOG_RATIO x a model's median |x| or more (the data span decades); then it is logarithmic from the
     smallest model's HIST_LOW_QUANTILE quantile of |x|.
     """
-    from diffquant.profile.stats import R
-
     # a pool without kept top values (topk 0) ends at its last occupied bin
     tops = [p.top1 if p.top1 else R ** (max(p.bins) + 1) for p in pooled.values() if p.top1 or p.bins]
     tops = [t for t in tops if t > 0]
@@ -303,8 +296,6 @@ def fig_histograms(
             fig.legend(handles, texts, loc="outside right upper")
         return fig
 
-    from diffquant.profile.sites import layer_of
-
     layers = sorted(
         {
             layer
@@ -350,9 +341,7 @@ def fig_layerwise(
     on; a differential model that suppresses them shows flat, low top-k curves. Colour = model, line style
     = statistic.
     """
-    from matplotlib.ticker import MaxNLocator
-
-    from diffquant.profile.tables import layerwise
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (plots load matplotlib on first figure)
 
     _require(profiles, "fig_layerwise")
     colors = colors_for(profiles, _kinds(profiles), colors)
@@ -394,8 +383,6 @@ def fig_layerwise(
 
 # ---------------------------------------------------------------------------------- attention maps
 def _map_layers(maps: Mapping[str, torch.Tensor]) -> set[int]:
-    from diffquant.profile.sites import layer_of
-
     return {layer for key in maps if (layer := layer_of(key)) is not None}
 
 
@@ -411,8 +398,6 @@ def _map_kind(maps: Mapping[str, torch.Tensor], layer: int) -> str:
 
 def _visible(a: Any) -> Any:
     """Mask the causally hidden upper triangle (key > query), shown in light grey, not as zeros."""
-    import numpy as np
-
     a = np.asarray(a, dtype=float)
     t, s = a.shape
     hidden = np.arange(s)[None, :] > (np.arange(t)[:, None] + (s - t))
@@ -426,8 +411,7 @@ def _show_map(fig: Figure, ax: Axes, data: Any, title: str) -> None:
     query rows (one or two visible keys) hold entries near 1 that would otherwise wash out the rest of
     the map. Clipped entries saturate, and the colour bar's arrows say so.
     """
-    import matplotlib
-    import numpy as np
+    import matplotlib  # noqa: PLC0415 (plots load matplotlib on first figure)
 
     cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="#E8E8E8")
     visible = np.abs(data.compressed())
@@ -565,8 +549,6 @@ def plan_point(plan: Mapping[str, Any] | None) -> tuple[float, str] | None:
     granularities (w4a8, w8a8 with per-channel weights and per-token inputs) or using a backend do not,
     and are shown as bars instead. Raises DiffquantError on a malformed plan.
     """
-    from diffquant.quant.schemes import Scheme, bits_of
-
     if plan is None or plan.get("backend") or not plan.get("rules"):
         return None
     schemes = [Scheme.parse(rule.get("scheme"), where=f"plan {plan.get('name')!r}") for rule in plan["rules"]]
@@ -619,8 +601,6 @@ def fig_degradation(
     of the change vs unquantized, per model. ``results`` / ``sweep``: the contents of results.json /
     sweep.json (or the sweep's ``spec``). ``fig.axes``: the model panels in order, then the bar panel.
     """
-    import numpy as np
-
     primary = results.get("primary") or {}
     if task is None:
         if not primary:
@@ -822,8 +802,6 @@ def _flatten(values: Any) -> list[float]:
 # ----------------------------------------------------------------------------------------- lambda
 def lambda_summaries(profile: Profile) -> dict[int, dict[str, Any]]:
     """{layer: LambdaStats summary} of one profile (empty for a baseline)."""
-    from diffquant.profile.sites import layer_of
-
     out = {}
     for name, (kind, acc) in profile.attention.items():
         layer = layer_of(name)
@@ -871,7 +849,7 @@ def fig_lambda(profiles: Mapping[str, Profile], colors: Mapping[str, str] | None
             ax.plot(xs, ys, color=colors[name], marker="o", markersize=4, label=name)
             if any(a is not None and b is not None and b > a for a, b in zip(lo, hi, strict=True)):
                 ax.fill_between(xs, lo, hi, color=colors[name], alpha=0.15, linewidth=0)
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (plots load matplotlib on first figure)
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")

@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import read_json
+from diffquant.io.artifacts import read_json, write_json_atomic
+from diffquant.plots import figures as F
 from diffquant.plots.style import DEFAULT_DPI, FORMATS, model_colors, safe_name, save_figure
+from diffquant.profile.maps import load_maps
+from diffquant.profile.profiler import Profile
+from diffquant.profile.sites import layer_of
 
 if TYPE_CHECKING:
     import torch
 
-    from diffquant.profile.profiler import Profile
 
 FAMILIES = ("hist", "hist-layers", "layerwise", "maps", "degradation", "act-scales", "lambda")
 LAYERWISE_KINDS = ("resid", "logits")
@@ -105,8 +108,6 @@ def _one_line(text: str) -> str:
 def load_profile(path: Path) -> Profile:
     """A Profile, or a one-line DiffquantError naming ``path`` (corrupt JSON, other format or version, or
     a structure the statistics classes reject)."""
-    from diffquant.profile.profiler import Profile
-
     data = read_json(path, "profile")
     try:
         return Profile.from_dict(data, source=str(path))
@@ -118,8 +119,6 @@ def load_profile(path: Path) -> Profile:
 def load_map_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(maps, meta) of an attention-map artifact; DiffquantError naming ``path`` when it is missing,
     unreadable, of another format, or holds no (heads, T, T) map."""
-    from diffquant.profile.maps import load_maps
-
     try:
         maps, meta = load_maps(path)
     except DiffquantError as err:
@@ -223,8 +222,6 @@ def _check_formats(formats: Sequence[str] | str) -> tuple[str, ...]:
 
 
 def _map_layers(art: RunArtifacts) -> list[int]:
-    from diffquant.profile.sites import layer_of
-
     per_model = [{layer_of(k) for k in maps if layer_of(k) is not None} for maps, _ in art.maps.values()]
     return sorted(set.intersection(*per_model)) if per_model else []
 
@@ -247,8 +244,6 @@ def render_run(
         dpi: raster resolution; a PNG is figsize x dpi pixels.
         layer, head: the attention maps shown (layer None = the middle layer common to all models).
     """
-    from diffquant.plots import figures as F
-
     families = _check_what(what)
     formats = _check_formats(formats)
     if not isinstance(dpi, int) or isinstance(dpi, bool) or not 10 <= dpi <= 2400:
@@ -385,8 +380,6 @@ def render_run(
                 f"(drawn: {', '.join(sorted(produced)) or 'none'})"
             )
     if records:
-        from diffquant.io.artifacts import write_json_atomic
-
         index_path = out / INDEX_NAME
         previous = []
         if index_path.is_file():  # keep entries of families not redrawn this time

@@ -8,6 +8,7 @@ and ``import diffquant.plots`` stay cheap for commands that draw nothing.
 
 from __future__ import annotations
 
+import colorsys
 import os
 import re
 import tempfile
@@ -70,7 +71,7 @@ def ensure_backend() -> None:
     only matters for code that later imports pyplot in a headless job (where an interactive default would
     fail). An explicit ``MPLBACKEND`` or an already-resolved backend is left alone.
     """
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (plots load matplotlib on first figure)
 
     if os.environ.get("MPLBACKEND"):
         return
@@ -82,14 +83,14 @@ def ensure_backend() -> None:
 def new_figure(width: float, height: float) -> Figure:
     """A pyplot-free Figure with constrained layout: nothing global to close, no GUI, thread-safe."""
     ensure_backend()
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # noqa: PLC0415 (plots load matplotlib on first figure)
 
     return Figure(figsize=(width, height), layout="constrained")
 
 
 def style_context():
     """rc settings for one figure (a context, so the user's global rcParams stay untouched)."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (plots load matplotlib on first figure)
 
     return matplotlib.rc_context(RC)
 
@@ -126,8 +127,6 @@ def _extra_color(i: int) -> str:
     """The i-th extra colour; past the fixed list, evenly spread hues (so 20 models still differ)."""
     if i < len(EXTRA_COLORS):
         return EXTRA_COLORS[i]
-    import colorsys
-
     h = ((i - len(EXTRA_COLORS)) * 0.618034) % 1.0  # golden-ratio steps keep neighbours apart
     r, g, b = colorsys.hsv_to_rgb(h, 0.65, 0.75)
     return f"#{int(r * 255):02X}{int(g * 255):02X}{int(b * 255):02X}"

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from diffquant.errors import DiffquantError
@@ -70,8 +70,6 @@ def save_maps(
 
 
 def load_maps(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise DiffquantError(f"{path}: attention-map artifact not found (written by the profile stage)")

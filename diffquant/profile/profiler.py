@@ -22,6 +22,7 @@ from diffquant.models.taps import MAP_KINDS, Tap, model_taps, select_taps
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
 from diffquant.profile.sites import KIND_LAYOUTS, layout_of
 from diffquant.profile.stats import SiteStats
+from diffquant.textfiles import read_json
 
 # Speed-ups that leave every statistic unchanged (one snapshot copy, one statistics pass per distinct tensor,
 # attention metrics only for the selected map sites, fast paths of the map metrics). Tests turn this off to
@@ -96,8 +97,6 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        from diffquant.io.artifacts import read_json
-
         return cls.from_dict(read_json(path, "profile"), source=str(path))
 
 

@@ -7,10 +7,18 @@ from pathlib import Path
 
 import torch
 
+from diffquant.data import count_bytes, iter_documents, model_tokenizer, token_windows
+from diffquant.data.corpus import default_text
 from diffquant.distributed import gather_to_rank0, rank_and_world
+from diffquant.errors import DiffquantError
+from diffquant.kernels.dispatch import path_summary
+from diffquant.models.taps import select_taps
 from diffquant.models.transformer import DecoderLM
+from diffquant.profile.maps import capture_maps, save_maps
 from diffquant.profile.profiler import Profile, Profiler, merge_profiles
+from diffquant.profile.tables import format_table5, layerwise, table5
 from diffquant.progress import progress as show_progress
+from diffquant.textfiles import write_json_atomic, write_text_atomic
 
 
 def profile_model(
@@ -54,10 +62,6 @@ def check_profile(
 ) -> dict:
     """What a profile would refuse, refused before it writes anything: each model's tokenizer (and its
     fit), the site patterns, the window length, the text source. Returns the tokenizers by model name."""
-    from diffquant.data import iter_documents, model_tokenizer
-    from diffquant.errors import DiffquantError
-    from diffquant.models.taps import select_taps
-
     tokenizers = {}
     for name, (spec, model) in models.items():
         tokenizers[name] = model_tokenizer(model, str(spec))
@@ -93,13 +97,6 @@ def profile_stage(
     first window (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens of the first
     model) on rank 0 and ("", "", tokens) elsewhere. Shared by `diffquant profile` and recipes.
     """
-    from diffquant.data import count_bytes, token_windows
-    from diffquant.eval.tasks import default_text
-    from diffquant.io.artifacts import write_json_atomic, write_text_atomic
-    from diffquant.kernels.dispatch import path_summary
-    from diffquant.profile.maps import capture_maps, save_maps
-    from diffquant.profile.tables import format_table5, layerwise, table5
-
     tokenizers = check_profile(models, seq_len, data, sites)
     data = data or default_text(tokenizers.values(), "profile")
     by_tokenizer: dict[str, torch.Tensor] = {}

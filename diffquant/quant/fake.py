@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
-from diffquant.profile.sites import layout_of
+from diffquant.models.sites import layout_of
 from diffquant.quant.schemes import (
     Scheme,
     apply_scale,

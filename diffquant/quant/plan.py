@@ -36,9 +36,12 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear
 from diffquant.models.taps import Tap, select_taps
-from diffquant.quant.backends.bnb import BNB_BLOCKSIZES
+from diffquant.progress import progress
+from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, to_bnb
+from diffquant.quant.backends.quanto import quanto_calibration, to_quanto
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.schemes import Scheme, is_number, type_name
+from diffquant.textfiles import read_yaml_file
 
 BACKENDS = ("quanto", "bnb")
 QUANTO_WEIGHTS = ("qint8", "qint4", "qfloat8")
@@ -157,7 +160,6 @@ class QuantPlan:
             raise DiffquantError(
                 f"plan {text!r}: neither a preset nor a file; presets: {', '.join(sorted(PRESETS))}"
             )
-        from diffquant.io.yamlfile import read_yaml_file
 
         return cls.from_dict(read_yaml_file(path, "plan"), source=str(path))
 
@@ -497,13 +499,9 @@ def _apply_backend(
     applied = []
     for name, linear in chosen.items():
         if spec.name == "quanto":
-            from diffquant.quant.backends.quanto import to_quanto
-
             inner = to_quanto(linear, weights=spec.weights, activations=spec.activations)
             label = f"quanto {spec.weights}" + (f"/{spec.activations}" if spec.activations else "")
         else:
-            from diffquant.quant.backends.bnb import to_bnb
-
             inner = to_bnb(linear, mode=spec.mode, threshold=spec.threshold, blocksize=spec.blocksize)
             label = f"bnb {spec.mode}"
         parent_name, _, child = name.rpartition(".")
@@ -535,7 +533,8 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
     if not quantizers and not uses_quanto and smooth is None:
         return 0
     if smooth is not None and getattr(model, "smooth_factors", None) is None:
-        from diffquant.quant.smoothquant import collect_act_scales, smooth_model
+        # Local: smoothquant builds on this module (BackendLinear, linear_modules): a cycle inside quant.
+        from diffquant.quant.smoothquant import collect_act_scales, smooth_model  # noqa: PLC0415
 
         scales = collect_act_scales(model, windows, batch_size=batch_size)
         model.smooth_factors = smooth_model(model, scales, alpha=smooth.alpha)
@@ -545,11 +544,8 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
         q.start_calibration()
     context = nullcontext()
     if uses_quanto and plan.backend.name == "quanto":
-        from diffquant.quant.backends.quanto import quanto_calibration
-
         context = quanto_calibration()
     device = next(model.parameters()).device
-    from diffquant.progress import progress
 
     with context:
         starts = range(0, windows.shape[0], batch_size)

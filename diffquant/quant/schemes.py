@@ -35,6 +35,7 @@ from diffquant.quant.formats import (
     e8m0_round_up,
     get_format,
     int_format,
+    quantize_blocks,
 )
 
 CALIBRATIONS = ("dynamic", "absmax", "percentile", "mse")
@@ -331,8 +332,6 @@ def quantize_dynamic(
     what: str = "tensor",
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with scales computed from ``x`` itself at the scheme's granularity."""
-    from diffquant.quant.formats import quantize_blocks
-
     if scheme.is_block_format:
         if BLOCK_FORMATS[scheme.format].scale == "e4m3" and layout and layout[0] == "batch":
             # NVFP4's fp32 tensor scale is per sample, like every other 'tensor' scale here

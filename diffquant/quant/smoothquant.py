@@ -33,7 +33,10 @@ from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear, RMSNorm
+from diffquant.models.hf_names import hf_key_map
 from diffquant.models.taps import model_taps
+from diffquant.profile.profiler import Profiler
+from diffquant.progress import progress as show_progress
 from diffquant.quant.plan import BackendLinear, linear_modules
 
 NAMINGS = ("hf", "native")
@@ -83,8 +86,6 @@ def act_scales(profile, model: nn.Module, names: str = "native") -> dict[str, to
 def hf_module_names(model: nn.Module) -> dict[str, str]:
     """Native Linear name -> Hugging Face module name (the keys of :func:`convert_hf.hf_key_map` without
     ``.weight``; ``lm_head`` also when tied to the embedding)."""
-    from diffquant.io.convert_hf import hf_key_map
-
     config = model.config
     if config.attention == "diff_v1" and config.v1_norm_affine:
         raise DiffquantError(
@@ -149,9 +150,6 @@ def collect_act_scales(
     One process, whatever the torchrun world: a calibration pass belongs to one sweep cell, which runs on
     one rank (``profile_model`` would split the windows over ranks that are not there).
     """
-    from diffquant.profile.profiler import Profiler
-    from diffquant.progress import progress as show_progress
-
     if batch_size < 1:
         raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
     if names not in NAMINGS:

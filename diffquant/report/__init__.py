@@ -21,9 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from diffquant.errors import DiffquantError
+from diffquant.eval.sweep import SweepSpec, format_results
+from diffquant.eval.tasks import parse_task
 from diffquant.io.artifacts import read_json, write_text_atomic
+from diffquant.models.config import ModelConfig
+from diffquant.models.transformer import DecoderLM
+from diffquant.plots import render_run
+from diffquant.plots.run import _sweep_files, load_run
 from diffquant.profile.tables import describe_location
+from diffquant.report.summary import summarize
 
 PAPER_SCALE = (
     "The DIFF paper's models had 3B parameters and were trained on 350B tokens; small models often do not "
@@ -119,8 +128,6 @@ def command_line(manifest: dict[str, Any]) -> str:
 
 def _model_scale(profiles: dict[str, Any]) -> list[list[str]]:
     """Parameters and config per model, from the profiles' metadata."""
-    from diffquant.models.config import ModelConfig
-
     rows = []
     for name, profile in profiles.items():
         meta = profile.meta
@@ -141,10 +148,6 @@ def _model_scale(profiles: dict[str, Any]) -> list[list[str]]:
 
 
 def _count_parameters(cfg) -> int:
-    import torch
-
-    from diffquant.models.transformer import DecoderLM
-
     with torch.device("meta"):
         return DecoderLM(cfg).num_parameters()
 
@@ -152,9 +155,6 @@ def _count_parameters(cfg) -> int:
 def results_grid(results: dict[str, Any], sweep: dict[str, Any] | None) -> str | None:
     """The model x plan grid per task, exactly as ``diffquant eval`` and ``diffquant run`` print it
     (:func:`diffquant.eval.sweep.format_results`), or None when the sweep description cannot be read."""
-    from diffquant.eval.sweep import SweepSpec, format_results
-    from diffquant.eval.tasks import parse_task
-
     spec = (sweep or {}).get("spec", sweep or {})
     try:
         sweep_spec = SweepSpec(
@@ -169,16 +169,12 @@ def results_grid(results: dict[str, Any], sweep: dict[str, Any] | None) -> str |
 
 def _artifacts(run: Path):
     """The run's profiles and sweep results (plots.load_run without attention maps), or None."""
-    from diffquant.plots.run import _sweep_files, load_run
-
     if not ((run / "profile").is_dir() and any((run / "profile").glob("*.json"))) and not _sweep_files(run):
         return None
     return load_run(run, maps=False)
 
 
 def build_sections(run: Path, figures: list[Any]) -> list[Section]:
-    from diffquant.report.summary import summarize
-
     sections = []
     manifest_path = run / "manifest.json"
     manifest = read_json(manifest_path) if manifest_path.is_file() else {}
@@ -439,8 +435,6 @@ def write_report(run_dir: str | Path, figures: list[Any] | None = None, dpi: int
     if not run.is_dir():
         raise DiffquantError(f"{run}: run folder not found")
     if figures is None:
-        from diffquant.plots import render_run
-
         figures = render_run(run, dpi=dpi)
     sections = build_sections(run, figures)
     if len(sections) <= 1 and not figures:

@@ -22,6 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffquant.errors import DiffquantError
+from diffquant.eval.multiple_choice import load_mc_jsonl
+from diffquant.plots.figures import KIND_TITLES, chance_levels
 from diffquant.profile.tables import describe_location
 
 Z = 2.0  # "within 2 standard errors"
@@ -89,7 +92,6 @@ def outlier_sentences(
     if largest:
         ranked = sorted(largest.items(), key=lambda kv: -kv[1][0])
         (top_name, (top_abs, top_site, top_loc)), rest = ranked[0], ranked[1:]
-        from diffquant.plots.figures import KIND_TITLES
 
         kind = profiles[top_name].sites[top_site].kind
         sentence = (
@@ -245,9 +247,6 @@ class TaskView:
 
 def _mc_chance(params: Mapping[str, Any]) -> tuple[float | None, str]:
     """Mean 1 / (number of endings) over the items a multiple-choice task read (the file it names)."""
-    from diffquant.errors import DiffquantError
-    from diffquant.eval.multiple_choice import load_mc_jsonl
-
     path = params.get("path")
     try:
         items = load_mc_jsonl(path)
@@ -263,8 +262,6 @@ def _mc_chance(params: Mapping[str, Any]) -> tuple[float | None, str]:
 
 def task_views(results: Mapping[str, Any], sweep: Mapping[str, Any] | None) -> list[TaskView]:
     """One TaskView per task of the sweep results (primary metric), in the sweep's order."""
-    from diffquant.plots.figures import chance_levels
-
     spec = (sweep or {}).get("spec", sweep or {})
     task_specs = {
         (t.get("name") or t.get("type")): t for t in spec.get("tasks", []) if isinstance(t, Mapping)

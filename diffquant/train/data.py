@@ -10,6 +10,7 @@ import torch
 
 from diffquant.data import ByteTokenizer, token_stream
 from diffquant.errors import DiffquantError
+from diffquant.eval.retrieval import RetrievalConfig, make_samples
 
 
 class TrainData:
@@ -54,8 +55,6 @@ class TrainData:
         return torch.stack(rows)
 
     def _needle(self, seed: int) -> torch.Tensor:
-        from diffquant.eval.retrieval import RetrievalConfig, make_samples
-
         rng = torch.Generator().manual_seed(seed)
         n = int(torch.randint(1, 5, (), generator=rng))
         depth = float(torch.randint(0, 101, (), generator=rng))

@@ -13,18 +13,29 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from diffquant.data import ByteTokenizer, token_stream
 from diffquant.errors import DiffquantError
+from diffquant.eval import retrieval as retrieval_mod  # tests patch the module attribute
+from diffquant.eval.perplexity import evaluate_stream
+from diffquant.eval.retrieval import RetrievalConfig, _check_samples, make_samples
+from diffquant.io import load_checkpoint, read_config, save_checkpoint
+from diffquant.io.artifacts import sha256_file, write_json_atomic, write_text_atomic
+from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, preset_config
+from diffquant.textfiles import read_yaml
+from diffquant.train.data import TrainData
 
 RETRIEVAL_RESERVE = 128  # tokens of seq_len the final retrieval evaluation keeps for question and answer
 
@@ -69,8 +80,6 @@ class TrainConfig:
         """Check every field's type and range, and what the end of the run will need of them (the final
         evaluation's context, the model's max_seq_len), so that a bad recipe fails before the first step.
         Called on construction and again by :func:`train` (fields may be set after construction)."""
-        from diffquant.data import ByteTokenizer
-        from diffquant.models import ATTENTION_KINDS, PRESETS
 
         def need(ok: bool, key: str, expected: str) -> None:
             if not ok:
@@ -158,7 +167,6 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-        from diffquant.recipes import read_yaml
 
         path = Path(path)
         raw = read_yaml(path, overrides)
@@ -180,8 +188,6 @@ class TrainConfig:
         return self.steps * self.batch_size * self.seq_len
 
     def model_config(self):
-        from diffquant.models import ModelConfig, preset_config
-
         base = preset_config(self.preset, self.kind).to_dict()
         base.update(self.model)
         return ModelConfig.from_dict(base, source="train recipe 'model'")
@@ -273,8 +279,6 @@ def _remove(path: Path) -> None:
 def _save_state(path: Path, model, optimizer, step: int, cfg: TrainConfig) -> None:
     """A checkpoint folder, written whole into ``step-N.tmp`` and then renamed, so that a save that is
     killed leaves only a ``.tmp`` folder, which resume ignores and removes."""
-    from diffquant.io import save_checkpoint
-
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -292,10 +296,6 @@ def _save_state(path: Path, model, optimizer, step: int, cfg: TrainConfig) -> No
 def _load_state(latest: Path, cfg: TrainConfig, device: torch.device):
     """(model, optimizer, step) of a checkpoint folder. ``train_state.pt`` is unpickled with
     ``weights_only=True``: tensors and plain data only, so a planted pickle cannot run code."""
-    import pickle
-
-    from diffquant.io import load_checkpoint, read_config
-
     where = latest / "train_state.pt"
     try:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
@@ -382,8 +382,6 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 def _retrieval_config(cfg: TrainConfig):
-    from diffquant.eval.retrieval import RetrievalConfig
-
     return RetrievalConfig(
         samples_per_depth=cfg.retrieval_samples, context_bytes=cfg.seq_len - RETRIEVAL_RESERVE, seed=12345
     )
@@ -392,8 +390,6 @@ def _retrieval_config(cfg: TrainConfig):
 def _eval_streams(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """The token streams of the evaluations (validation during and after the run, train bpb at the end),
     read once, before the first step, so a bad source fails before any work is done."""
-    from diffquant.data import token_stream
-
     streams = {}
     for key, source in (("eval_data", cfg.eval_data), ("data", cfg.data)):
         stream = token_stream(source, cfg.eval_tokens)
@@ -407,11 +403,6 @@ def _eval_streams(cfg: TrainConfig) -> dict[str, torch.Tensor]:
 
 def _check_retrieval(cfg: TrainConfig) -> None:
     """The final retrieval evaluation's prompts must fit the model: checked on the prompts themselves."""
-    from types import SimpleNamespace
-
-    from diffquant.data import ByteTokenizer
-    from diffquant.eval.retrieval import _check_samples, make_samples
-
     _check_samples(
         SimpleNamespace(config=cfg.model_config()), make_samples(_retrieval_config(cfg)), ByteTokenizer()
     )
@@ -426,10 +417,6 @@ def train(
     Everything that can be checked (the recipe, the data, the checkpoint to resume from, what the final
     evaluation needs) is checked before the first write; ``final/`` appears whole (weights and card) or
     not at all."""
-    from diffquant.io.artifacts import write_text_atomic
-    from diffquant.models import DecoderLM
-    from diffquant.train.data import TrainData
-
     cfg.validate()  # again: fields may have been set after construction (the CLI sets out)
     if stop_after is not None and not (_is_int(stop_after) and stop_after >= 1):
         raise DiffquantError(f"stop_after (--stop-after) = {stop_after!r}, expected an integer >= 1")
@@ -565,8 +552,6 @@ def _append_log(path: Path, row: dict[str, Any]) -> None:
 
 
 def _val_bpb(model, cfg: TrainConfig, stream: torch.Tensor) -> float:
-    from diffquant.eval.perplexity import evaluate_stream
-
     model.eval()
     with torch.no_grad():
         return evaluate_stream(model, stream, seq_len=cfg.seq_len)["bits_per_byte"]
@@ -577,10 +562,6 @@ def _finish(
 ) -> None:
     """Export the final weights (in save_dtype) with a card of what they measure as exported: all of
     ``final/`` is written into a temporary folder and renamed, so a failure never leaves a ``final/``."""
-    from diffquant.eval.retrieval import evaluate_retrieval
-    from diffquant.io import load_checkpoint, save_checkpoint
-    from diffquant.io.artifacts import sha256_file, write_json_atomic
-
     card: dict[str, Any] = {}
 
     def measure(folder: Path) -> None:
@@ -590,7 +571,7 @@ def _finish(
         val = _val_bpb(shipped, cfg, streams["eval_data"])
         train_bpb = _val_bpb(shipped, cfg, streams["data"])
         with torch.no_grad():
-            retrieval = evaluate_retrieval(shipped, _retrieval_config(cfg), attention=False)
+            retrieval = retrieval_mod.evaluate_retrieval(shipped, _retrieval_config(cfg), attention=False)
         card.update(
             {
                 "name": cfg.name,

@@ -74,7 +74,7 @@ def _import_bnb() -> ModuleType:
             logger.addFilter(_FILTER)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        import bitsandbytes
+        import bitsandbytes  # noqa: PLC0415 (optional heavy library)
 
     return bitsandbytes
 

@@ -87,7 +87,7 @@ def register_pure_torch_unpack() -> None:
     global _UNPACK_LIBRARY
     if _UNPACK_LIBRARY is not None:
         return
-    import optimum.quanto  # noqa: F401  (defines quanto::unpack and registers the kernels we replace)
+    import optimum.quanto  # noqa: F401, PLC0415  (defines quanto::unpack and registers the kernels we replace)
 
     library = torch.library.Library("quanto", "IMPL")
     with warnings.catch_warnings():
@@ -148,7 +148,7 @@ def to_quanto(
     if not isinstance(linear, torch.nn.Linear):
         raise DiffquantError(f"to_quanto expects a torch.nn.Linear, got {type(linear).__name__}")
     register_pure_torch_unpack()
-    from optimum.quanto import QLinear, qtypes
+    from optimum.quanto import QLinear, qtypes  # noqa: PLC0415 (optional heavy library)
 
     qlinear = QLinear.from_module(
         _fp32_source(linear),
@@ -171,14 +171,14 @@ def quanto_calibration() -> Iterator[None]:
     sets ``absmax / qmax``, later batches an EMA with momentum 0.9 (so the result is not the max over batches).
     no_grad because calibration is inference and because qint4 modules break under inference_mode.
     """
-    from optimum.quanto import Calibration
+    from optimum.quanto import Calibration  # noqa: PLC0415 (optional heavy library)
 
     with torch.no_grad(), Calibration(streamline=False):
         yield
 
 
 def _check_qmodule(module: torch.nn.Module) -> None:
-    from optimum.quanto.nn import QModuleMixin
+    from optimum.quanto.nn import QModuleMixin  # noqa: PLC0415 (optional heavy library)
 
     if not isinstance(module, QModuleMixin):
         raise DiffquantError(

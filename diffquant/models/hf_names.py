@@ -1,0 +1,25 @@
+"""Native state-dict key -> Hugging Face key: the naming map of the HF converter, below the quantizers that name
+modules the HF way (SmoothQuant act_scales)."""
+
+from __future__ import annotations
+
+from diffquant.models.config import ModelConfig
+
+
+def hf_key_map(config: ModelConfig) -> dict[str, str]:
+    """native state-dict key -> HF key, for every tensor the native model stores (tied head excluded)."""
+    keys = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not config.tie_embeddings:
+        keys["lm_head.weight"] = "lm_head.weight"
+    for i in range(config.n_layers):
+        n, h = f"layers.{i}.", f"model.layers.{i}."
+        keys[n + "attn_norm.weight"] = h + "input_layernorm.weight"
+        keys[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
+        for proj in ("q", "k", "v", "o"):
+            keys[f"{n}attn.{proj}_proj.weight"] = f"{h}self_attn.{proj}_proj.weight"
+        for proj in ("gate", "up", "down"):
+            keys[f"{n}mlp.{proj}.weight"] = f"{h}mlp.{proj}_proj.weight"
+        if config.attention == "diff_v1":
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                keys[f"{n}attn.{name}"] = f"{h}self_attn.{name}"
+    return keys
