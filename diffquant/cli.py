@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from diffquant import __version__
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import MODEL_FORMS
+from diffquant.models.config import ATTENTION_KINDS
+from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not quant.plan.PRESETS)
+from diffquant.names import DTYPE_NAMES
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -404,7 +407,7 @@ def _add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True) 
     parser.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPE_NAMES,
         help="compute dtype (default: the checkpoint's)",
     )
     if tokenizer:
@@ -464,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="write a randomly initialised checkpoint (to try every command)")
     init.add_argument("out", help="output folder")
-    init.add_argument("--kind", choices=("baseline", "diff_v1", "diff_v2"), default="baseline")
-    init.add_argument("--preset", choices=("tiny", "zoo", "small"), default="tiny")
+    init.add_argument("--kind", choices=ATTENTION_KINDS, default="baseline")
+    init.add_argument("--preset", choices=tuple(SIZE_PRESETS), default="tiny")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--force", action="store_true", help="replace an existing folder")
     init.set_defaults(func=_cmd_init)

@@ -289,6 +289,9 @@ def int_format(bits: int, symmetric: bool = True) -> ElementFormat:
 
 
 # ------------------------------------------------------------------------------------------ scalar helpers
+_MIN_NORMAL = float(torch.finfo(torch.float32).tiny)  # 2^-126: below it float32 steps lose precision
+
+
 def absmax_scale(amax: torch.Tensor | float, fmt: ElementFormat | str) -> torch.Tensor:
     """Scale mapping ``amax`` onto the format's largest magnitude: amax / max_value.
 
@@ -298,7 +301,9 @@ def absmax_scale(amax: torch.Tensor | float, fmt: ElementFormat | str) -> torch.
     fmt = get_format(fmt)
     amax = torch.as_tensor(amax, dtype=torch.float32)
     scale = amax / fmt.max_value
-    return torch.where(scale > 0, scale, torch.ones_like(scale))  # 0 or underflowed (subnormal amax): 1
+    # 0, or a subnormal step (float32 keeps < 23 bits there, so scale * max_value may fall short of amax):
+    # scale 1, and such values quantize to 0
+    return torch.where(scale >= _MIN_NORMAL, scale, torch.ones_like(scale))
 
 
 def minmax_scale_zero_point(
@@ -309,15 +314,16 @@ def minmax_scale_zero_point(
     The range is widened to include 0 so that zero is exactly representable (code == zero point), the usual
     convention (PyTorch observers, ONNX). scale = (xmax - xmin) / (2^b - 1), 1 for an empty range;
     zero_point = round(-xmin / scale) clamped to the codes, returned as an integer-valued float32 tensor.
-    A range too small for float32 to divide by 2^b - 1 (span / (2^b - 1) underflows) also gets scale 1.
+    A range whose step span / (2^b - 1) is below float32's smallest normal number (subnormal: too few bits for
+    scale * (2^b - 1) to cover the span, or 0) also gets scale 1; its values quantize to 0.
     """
     qmax = float((1 << _check_bits(bits)) - 1)
     lo = torch.as_tensor(xmin, dtype=torch.float32).clamp(max=0)
     hi = torch.as_tensor(xmax, dtype=torch.float32).clamp(min=0)
     scale = (hi - lo) / qmax
-    # An empty range, or one so small (subnormal) that span / qmax underflows to 0, gets scale 1: its values
-    # quantize to 0 either way, and a 0 scale would make the zero point -lo / 0 = NaN.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # An empty range, or one so small that span / qmax is subnormal (imprecise: 3 ulps of 1.4e-45 cannot
+    # cover the span) or underflows to 0 (the zero point -lo / 0 would be NaN), gets scale 1.
+    scale = torch.where(scale >= _MIN_NORMAL, scale, torch.ones_like(scale))
     zero_point = torch.round(-lo / scale).clamp(0, qmax)
     return scale, zero_point
 

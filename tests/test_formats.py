@@ -273,6 +273,7 @@ def test_quantize_int_symmetric_error_and_idempotence(bits, xs, scale):
 @example(bits=8, xs=[1.401298464324817e-45])  # a subnormal range: span / 255 underflowed to a 0 scale (NaN)
 @example(bits=2, xs=[-1.401298464324817e-45, 0.0])
 @example(bits=4, xs=[-1e-38, 2.8e-45])
+@example(bits=6, xs=[2.942726775082116e-43])  # a subnormal step (4.2e-45 = 3 ulps) too coarse to cover it
 def test_quantize_int_asymmetric_zero_point(bits, xs):
     x = torch.tensor(xs, dtype=torch.float32)
     scale, zp = minmax_scale_zero_point(x.min(), x.max(), bits)
@@ -290,7 +291,9 @@ def test_quantize_int_asymmetric_zero_point(bits, xs):
     assert torch.equal(quantize_int(q, scale, bits, symmetric=False, zero_point=zp), q)
 
 
-@pytest.mark.parametrize("xmin, xmax", [(0.0, 1.4e-45), (-1.4e-45, 0.0), (-3e-45, 3e-45), (0.0, 0.0)])
+@pytest.mark.parametrize(
+    "xmin, xmax", [(0.0, 1.4e-45), (-1.4e-45, 0.0), (-3e-45, 3e-45), (0.0, 0.0), (0.0, 2.942726775082116e-43)]
+)
 def test_minmax_scale_of_a_subnormal_range_is_finite(xmin, xmax):
     """The bug behind a flaky property test: span / (2^b - 1) underflowed to 0 and the zero point became
     -xmin / 0 = NaN; such a range now gets scale 1 and quantizes to zeros."""

@@ -487,7 +487,8 @@ def test_memory_does_not_grow_with_tokens():
         assert len(json.dumps(hist)) <= 64 + 24 * n_bins  # '"-1234": 123456, ' per bin
     assert len(d["top"]) == 10 and len(d["massive"]) == 20 and len(d["channel_absmax"]) == 32
     assert max(sizes[10:]) <= 1.2 * sizes[9]  # only digits of sample indices / counts change
-    tensors = [v for v in vars(s).values() if isinstance(v, torch.Tensor)]
+    state = [vars(s), *(vars(acc) for acc in s._accumulators())]  # SiteStats and its accumulators
+    tensors = [v for part in state for v in part.values() if isinstance(v, torch.Tensor)]
     assert [t.numel() for t in tensors] == [32]
 
 

@@ -28,10 +28,9 @@ from typing import Any
 import torch
 
 from diffquant.errors import DiffquantError
+from diffquant.names import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 BYTE = "byte"
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer(ABC):

@@ -21,6 +21,14 @@ from typing import Any
 from diffquant.errors import DiffquantError
 from diffquant.io import fetch
 from diffquant.io.fetch import FETCHABLE, resolve_fetch
+from diffquant.names import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    PLAN_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+)
 from diffquant.textfiles import (  # noqa: F401 (moved down for data, profile, quant)
     _umask,
     jsonl_records,
@@ -69,12 +77,12 @@ def checkpoint_sha256(spec: str | Path) -> str | None:
     if text.startswith("fetch:"):
         return _fetched_sha256(text)
     if text.startswith("zoo:"):
-        weights = zoo_path(text[len("zoo:") :]) / "model.safetensors"
+        weights = zoo_path(text[len("zoo:") :]) / WEIGHTS_FILE
         return sha256_file(weights) if weights.is_file() else None
     path = spec_path(resolve_fetch(spec))
     if path.is_file():
         return sha256_file(path)
-    weights = path / "model.safetensors"
+    weights = path / WEIGHTS_FILE
     return sha256_file(weights) if weights.is_file() else None
 
 
@@ -102,14 +110,14 @@ def _fetched_sha256(spec: str) -> str | None:
 # Files of a checkpoint folder that decide what a loaded model computes: every *.safetensors (weights, HF
 # shards, quantization state) and *.gguf, plus these (config, tokenizer, shard index, quantization plan).
 MODEL_FOLDER_FILES = (
-    "config.json",
+    CONFIG_FILE,
     "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
     "special_tokens_map.json",
     "tokenizer.model",
-    "model.safetensors.index.json",
-    "quant_plan.json",
+    INDEX_FILE,
+    PLAN_FILE,
 )
 
 

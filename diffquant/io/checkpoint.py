@@ -18,15 +18,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from diffquant.data.tokenizer import BYTE, TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
+from diffquant.data.tokenizer import BYTE, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
 from diffquant.io.convert_hf import check_layer_count
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
+from diffquant.names import CARD_FILE, CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 FORMAT = "diffquant-native"
 FORMAT_VERSION = 1
 _FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
@@ -169,7 +168,7 @@ def read_trained_seq_len(folder: Path) -> int | None:
     and the zoo: ``seq_len``); None when unknown. Evaluating beyond it measures extrapolation, not the
     model (a zoo model trained at 256 reads 1.89 bits per byte at 512 against 1.34 at 256), so text tasks
     default to it and warn past it."""
-    card = folder / "card.json"
+    card = folder / CARD_FILE
     if not card.is_file():
         return None
     try:

@@ -3,7 +3,7 @@
 :func:`load_gguf` reads a ``llama``-architecture GGUF (what llama.cpp's ``convert_hf_to_gguf.py`` writes for
 Llama, SmolLM, TinyLlama, ...): the config comes from the ``llama.*`` metadata, each tensor is dequantized
 (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, ...: whatever ``gguf.quants.dequantize`` handles) and
-assigned once by :func:`diffquant.io.convert_hf.assemble`, so the model is never held twice.
+assigned once by :func:`diffquant.io.assemble.assemble`, so the model is never held twice.
 
 Loading holds the weights once, in the requested dtype, plus small bounded temporaries
 (analysis/load/bench.py measures it):
@@ -45,7 +45,7 @@ import torch
 
 from diffquant.data.tokenizer import HFTokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.convert_hf import FLOAT_DTYPES, Transform, assemble, check_float_dtype, check_layer_count
+from diffquant.io.assemble import FLOAT_DTYPES, Transform, assemble, check_float_dtype, check_layer_count
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -320,7 +320,7 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 class GGUFTensors:
-    """The tensors of a GGUF as :func:`~diffquant.io.convert_hf.assemble` reads a ``TensorSource``: names,
+    """The tensors of a GGUF as :func:`~diffquant.io.assemble.assemble` reads a ``TensorSource``: names,
     torch-order shapes, and on ``get`` the tensor dequantized into ``dtype`` (every supported type
     dequantizes to float32, which is cast exactly as ``Tensor.to`` would: the same values).
 

@@ -17,50 +17,39 @@ Both use rotate-half RoPE on each d-wide component, the same lambda reparameteri
 lambda_init schedule and (1 - lambda_init) * RMSNorm_2d, so the conversion is a pure row permutation of
 q/k/v (o_proj's columns already agree: output head i is columns [2d i, 2d (i + 1)) in both).
 
-Only the shared helpers at the bottom (lazy tensor source, meta-device assembly, atomic folder write) are
-used by :mod:`diffquant.io.convert_unilm` as well.
+Shared with the other converters: the lazy safetensors reading (:mod:`diffquant.io.safetensors_source`) and
+the meta-device assembly (:mod:`diffquant.io.assemble`), both re-exported here, their old import path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from diffquant.data.tokenizer import TOKENIZER_FILE, HFTokenizer, load_tokenizer
+from diffquant.data.tokenizer import HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json, write_folder_atomic
+from diffquant.io.assemble import (  # noqa: F401 (FLOAT_DTYPES: public here too)
+    FLOAT_DTYPES,
+    Transform,
+    assemble,
+    check_float_dtype,
+    check_layer_count,
+)
+from diffquant.io.safetensors_source import TensorSource, open_tensors  # noqa: F401 (public here too)
+from diffquant.io.safetensors_source import checkpoint_folder as _folder
 from diffquant.models.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_problem
 from diffquant.models.hf_names import hf_key_map
 from diffquant.models.transformer import DecoderLM
-from diffquant.progress import progress as show_progress
+from diffquant.names import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE  # noqa: F401 (INDEX_FILE: public here too)
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_MODEL_TYPES = {"llama": "baseline", "diffllama": "diff_v1"}
-
-# Floating dtypes the native model computes in; anything else (int8 / fp8 quantized weights) it cannot hold.
-FLOAT_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-}
-_DTYPE_BY_TAG = {tag: dtype for dtype, tag in FLOAT_DTYPES.items()}
-# Tensors older transformers versions saved that the native model recomputes (RoPE frequencies).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # HF class defaults for keys a config.json may leave out (Llama and DiffLlama differ only in rms_norm_eps).
 _RMS_EPS_DEFAULT = {"llama": 1e-6, "diffllama": 1e-5}
-
-Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ============================================================================================ import
@@ -431,186 +420,3 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     else:
         hf["mlp_bias"] = False
     return hf
-
-
-# ====================================================================================== shared helpers
-def check_layer_count(n_layers: int, keys: Iterable[str], pattern: str, source: str) -> None:
-    r"""The config's layer count must be the number of layers the weights hold, checked from the tensor
-    names alone, before anything is built: a config that says a billion layers would otherwise allocate a
-    billion modules (even on the meta device) before any shape check could fail. ``pattern`` is a regex
-    whose group 1 is the layer index (``r"model\.layers\.(\d+)\."``)."""
-    regex = re.compile(pattern)
-    found = {int(m.group(1)) for key in keys if (m := regex.match(key))}
-    # More layers in the file than in the config is left to the key check, which names the extra tensors.
-    if n_layers > len(found):
-        held = f"layers 0..{max(found)}" if found and len(found) == max(found) + 1 else f"{len(found)} layers"
-        raise DiffquantError(f"{source}: the config says {n_layers} layers, the weights hold {held}")
-
-
-def check_float_dtype(dtype: torch.dtype | None, what: str) -> None:
-    """Refuse dtypes the native model cannot compute in (integer, bool, fp8, complex)."""
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise DiffquantError(
-            f"{what} {dtype}: expected a floating dtype the model can hold "
-            f"({', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)})"
-        )
-
-
-def _folder(path: str | Path) -> Path:
-    folder = Path(path)
-    if not folder.is_dir():
-        what = "not found" if not folder.exists() else "not a folder"
-        raise DiffquantError(f"{folder}: checkpoint folder {what}")
-    return folder
-
-
-class TensorSource:
-    """The tensors of one or more open safetensors files, read on demand (header-only until ``get``)."""
-
-    def __init__(self) -> None:
-        self._handles: dict[str, Any] = {}  # key -> safe_open handle
-        self._files: dict[str, Path] = {}  # key -> file (for messages)
-
-    def add(self, handle: Any, file: Path, keys: list[str] | None = None) -> None:
-        for key in handle.keys() if keys is None else keys:
-            self._handles[key] = handle
-            self._files[key] = file
-
-    def keys(self) -> list[str]:
-        return list(self._handles)
-
-    def file(self, key: str) -> Path:
-        return self._files[key]
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[key].get_slice(key).get_shape())
-
-    def dtype_tag(self, key: str) -> str:
-        return self._handles[key].get_slice(key).get_dtype()
-
-    def get(self, key: str) -> torch.Tensor:
-        try:
-            return self._handles[key].get_tensor(key)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            raise DiffquantError(f"{self._files[key]}: tensor {key} is unreadable ({err})") from None
-
-
-@contextlib.contextmanager
-def open_tensors(folder: Path, device: str | torch.device = "cpu") -> Iterator[TensorSource]:
-    """Open ``model.safetensors`` or every shard named by ``model.safetensors.index.json``, lazily."""
-    source = TensorSource()
-    with contextlib.ExitStack() as stack:
-        single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
-        if single.is_file():
-            source.add(_open(stack, single, device), single)
-        elif index.is_file():
-            meta = read_json(index)
-            weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise DiffquantError(f"{index}: expected a non-empty 'weight_map' object (tensor -> shard)")
-            by_shard: dict[str, list[str]] = {}
-            for key, shard in weight_map.items():
-                by_shard.setdefault(str(shard), []).append(key)
-            for shard, keys in sorted(by_shard.items()):
-                file = folder / shard
-                # A shard is a file name inside the folder: an index must not read weights from elsewhere.
-                if Path(shard).name != shard or shard in ("", ".", ".."):
-                    raise DiffquantError(
-                        f"{index}: shard {shard!r} is not a file name inside {folder} (it holds {keys[0]})"
-                    )
-                if not file.is_file():
-                    raise DiffquantError(
-                        f"{index}: shard {shard} is missing from {folder} (it holds {keys[0]} and "
-                        f"{len(keys) - 1} more tensors)"
-                    )
-                handle = _open(stack, file, device)
-                absent = sorted(set(keys) - set(handle.keys()))
-                if absent:
-                    raise DiffquantError(
-                        f"{file}: tensor {absent[0]} listed in {INDEX_FILE} is not in the shard"
-                    )
-                source.add(handle, file, keys)
-        else:
-            raise DiffquantError(
-                f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
-            )
-        yield source
-
-
-def _open(stack: contextlib.ExitStack, file: Path, device: str | torch.device) -> Any:
-    try:
-        return stack.enter_context(safe_open(str(file), framework="pt", device=str(device)))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise DiffquantError(f"{file}: not a readable safetensors file ({err})") from None
-
-
-def assemble(
-    config: ModelConfig,
-    source: TensorSource,
-    key_map: dict[str, str],
-    transforms: dict[str, Transform],
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    optional: frozenset[str] = frozenset(),
-) -> DecoderLM:
-    """Build ``config`` on the meta device and assign each source tensor (re-laid out, cast) in place.
-
-    ``key_map`` maps native keys to source keys; every source tensor must be used, except RoPE buffers and
-    the source keys in ``optional`` (e.g. an untied LM head in a tied checkpoint). Keys, shapes and dtypes
-    are all checked from the file headers before a single tensor is read, so a bad file costs nothing.
-    """
-    check_float_dtype(dtype, "requested dtype")
-    with torch.device("meta"):
-        model = DecoderLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    available = set(source.keys())
-    missing = [src for native, src in key_map.items() if src not in available]
-    if missing:
-        extra = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise DiffquantError(
-            f"{_where(source)}: missing tensor {missing[0]}{extra} (expected by the config for a "
-            f"{config.attention} model)"
-        )
-    used = set(key_map.values())
-    unexpected = sorted(
-        k for k in available - used if not k.endswith(_IGNORED_SUFFIXES) and k not in optional
-    )
-    if unexpected:
-        raise DiffquantError(
-            f"{source.file(unexpected[0])}: unexpected tensor {unexpected[0]}"
-            + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else "")
-            + f" (the native {config.attention} model has no place for it)"
-        )
-    for native, src in key_map.items():
-        got, want = source.shape(src), expected[native]
-        if got != want:
-            raise DiffquantError(
-                f"{source.file(src)}: tensor {src} has shape {list(got)}, expected {list(want)} from the config"
-            )
-        tag = source.dtype_tag(src)
-        if tag not in _DTYPE_BY_TAG:
-            raise DiffquantError(
-                f"{source.file(src)}: tensor {src} has dtype {tag}, expected a floating dtype the model can "
-                f"hold ({', '.join(_DTYPE_BY_TAG)}); quantized checkpoints are not supported"
-            )
-    if dtype is None:
-        dtype = _DTYPE_BY_TAG[source.dtype_tag(key_map["embed.weight"])]
-    state: dict[str, torch.Tensor] = {}
-    # Reading (and for GGUF dequantizing) a large checkpoint takes a while: periodic lines after 5 s.
-    for native, src in show_progress(list(key_map.items()), "load", "tensor"):
-        tensor = source.get(src)
-        if native in transforms:
-            tensor = transforms[native](tensor)
-        state[native] = tensor.to(device=device, dtype=dtype).contiguous()
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
-    if left:  # a key map that misses a parameter is a bug in the converter, not a user error
-        raise AssertionError(f"converter left parameters unassigned: {left}")
-    return model.eval()
-
-
-def _where(source: TensorSource) -> str:
-    files = sorted({str(source.file(k)) for k in source.keys()})  # noqa: SIM118 (a method, not a dict)
-    return files[0] if len(files) == 1 else f"{Path(files[0]).parent} (shards)"

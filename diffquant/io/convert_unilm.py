@@ -54,18 +54,12 @@ from typing import Any
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.io.convert_hf import (
-    CONFIG_FILE,
-    Transform,
-    _folder,
-    assemble,
-    check_float_dtype,
-    check_layer_count,
-    open_tensors,
-    read_json,
-)
+from diffquant.io.artifacts import read_json
+from diffquant.io.assemble import Transform, assemble, check_float_dtype, check_layer_count
+from diffquant.io.safetensors_source import checkpoint_folder, open_tensors
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
+from diffquant.names import CONFIG_FILE
 
 UNILM_KINDS = ("diff_v1", "diff_v2")
 _REQUIRED = ("attention", "vocab_size", "d_model", "n_layers", "n_heads", "ffn_dim", "max_seq_len")
@@ -76,7 +70,7 @@ def load_unilm(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
     """A native DecoderLM (eval mode) from a unilm-layout folder (config.json + model.safetensors)."""
-    folder = _folder(path)
+    folder = checkpoint_folder(path)
     check_float_dtype(dtype, "requested dtype")
     config = config_from_unilm(read_json(folder / CONFIG_FILE), str(folder / CONFIG_FILE))
     with open_tensors(folder, device) as source:

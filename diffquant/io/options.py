@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from diffquant.errors import DiffquantError
+from diffquant.names import DTYPE_NAMES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # float32, bfloat16, float16
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 

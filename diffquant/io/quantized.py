@@ -20,13 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json
-from diffquant.io.checkpoint import CONFIG_FILE, load_checkpoint, save_checkpoint
+from diffquant.io.checkpoint import load_checkpoint, save_checkpoint
 from diffquant.models.transformer import DecoderLM
+from diffquant.names import CONFIG_FILE, PLAN_FILE, STATE_FILE, WEIGHTS_FILE
 from diffquant.quant.backends.quanto import load_quanto_state, quanto_state
 from diffquant.quant.plan import BackendLinear, QuantPlan, apply_plan, fake_quantizers
 
-PLAN_FILE = "quant_plan.json"
-STATE_FILE = "quant_state.safetensors"
 PLAN_FORMAT = "diffquant-quantized"
 
 
@@ -110,7 +109,7 @@ def load_quantized(
     if not state_path.is_file():
         raise DiffquantError(
             f"{folder}: missing {STATE_FILE} (a quantized checkpoint holds {CONFIG_FILE}, "
-            f"model.safetensors, {PLAN_FILE} and {STATE_FILE})"
+            f"{WEIGHTS_FILE}, {PLAN_FILE} and {STATE_FILE})"
         )
     try:
         state = load_file(str(state_path), device=str(device))

@@ -27,7 +27,7 @@ from diffquant.kernels import (
     dispatch,  # module attributes: tests patch dispatch.kernel_core
     flash,
 )
-from diffquant.models.config import ModelConfig
+from diffquant.models.config import ATTENTION_KINDS, ModelConfig
 from diffquant.models.taps import MAP_KINDS, Tap
 
 ATTN_PATHS = ("auto", "fused", "explicit")
@@ -458,8 +458,8 @@ class DiffV2Attention(Attention):
         return [(q[:, 0::2], k), (q[:, 1::2], k)], v
 
 
+# Keyed by each class's ``kind`` (a name of config.ATTENTION_KINDS), in that table's order.
 ATTENTION_CLASSES: dict[str, type[Attention]] = {
-    "baseline": BaselineAttention,
-    "diff_v1": DiffV1Attention,
-    "diff_v2": DiffV2Attention,
+    cls.kind: cls for cls in (BaselineAttention, DiffV1Attention, DiffV2Attention)
 }
+assert tuple(ATTENTION_CLASSES) == ATTENTION_KINDS, "one attention class per kind of models.config"

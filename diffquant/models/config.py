@@ -22,7 +22,27 @@ from typing import Any
 
 from diffquant.errors import DiffquantError
 
-ATTENTION_KINDS = ("baseline", "diff_v1", "diff_v2")
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """One attention kind: ``name`` is the value of ``ModelConfig.attention`` (and of ``--kind``, ``init:KIND``,
+    a zoo card's ``kind``); ``label`` is what figures and reports call it; ``differential``: two softmax maps
+    subtracted (DIFF V1, DIFF V2) rather than one."""
+
+    name: str
+    label: str
+    differential: bool
+
+
+# The one table of attention kinds; ATTENTION_KINDS and the labels derive from it.
+ATTENTION_KIND_TABLE: tuple[AttentionKind, ...] = (
+    AttentionKind("baseline", "Transformer", differential=False),
+    AttentionKind("diff_v1", "DIFF V1", differential=True),
+    AttentionKind("diff_v2", "DIFF V2", differential=True),
+)
+ATTENTION_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE)
+ATTENTION_LABELS: dict[str, str] = {k.name: k.label for k in ATTENTION_KIND_TABLE}
+DIFF_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE if k.differential)
 
 # rope_scaling["rope_type"] -> the numeric keys that type needs, all required, no others allowed. An exact key
 # set (rather than "at least") because a key we do not know means a scheme we would silently compute wrong.
@@ -36,6 +56,7 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class ModelConfig:
+    # The attention *kind*: one of ATTENTION_KINDS (not a flag, not a table of metrics).
     attention: str = "baseline"
     vocab_size: int = 259
     d_model: int = 128
@@ -269,7 +290,8 @@ def matched_configs(base: ModelConfig) -> dict[str, ModelConfig]:
     return {kind: matched_config(base, kind) for kind in ATTENTION_KINDS}
 
 
-# Baseline presets; `diffquant init --kind K --preset P` derives kind K from preset P.
+# Baseline presets, the one table of model sizes (its keys are the preset names of `--preset`, `init:KIND:PRESET`
+# and training recipes); `diffquant init --kind K --preset P` derives kind K from preset P.
 PRESETS: dict[str, ModelConfig] = {
     # For trying every command in seconds. Widths chosen so every derived matrix (DIFF V2's FFN too)
     # divides into 32-element blocks, so MX / group presets apply to all three kinds.

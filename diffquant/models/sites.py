@@ -1,4 +1,7 @@
-"""The layout of the tensor each site kind carries, so statistics can name where a value sits.
+"""Site kinds: the one table of what each kind of tap carries, and the layout of its tensor.
+
+:data:`SITE_KIND_TABLE` holds one :class:`SiteKind` per kind; every other list of kinds derives from it
+(:data:`SITE_KINDS`, :data:`MAP_KINDS`, :data:`KIND_LAYOUTS`, :data:`SHARING_KINDS`, :data:`KIND_TITLES`).
 
 Dimension names: ``batch`` (sample in the batch), ``pos`` (query / token position), ``head``,
 ``channel`` (hidden or head channel), ``key`` (key position of an attention map). Taps see
@@ -9,24 +12,60 @@ layer) or per token and head (DIFF V2).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 Layout = tuple[str, ...]
 
-KIND_LAYOUTS: dict[str, Layout] = {
-    "q": ("batch", "head", "pos", "channel"),
-    "k": ("batch", "head", "pos", "channel"),
-    "v": ("batch", "head", "pos", "channel"),
-    "logits": ("batch", "head", "pos", "key"),
-    "probs": ("batch", "head", "pos", "key"),
-    "diff_map": ("batch", "head", "pos", "key"),
-    "head_out": ("batch", "pos", "head", "channel"),
-    "attn_out": ("batch", "pos", "channel"),
-    "resid": ("batch", "pos", "channel"),
-    "mlp_act": ("batch", "pos", "channel"),
-    "linear_in": ("batch", "pos", "channel"),
-}
+_HEADS: Layout = ("batch", "head", "pos", "channel")
+_MAP: Layout = ("batch", "head", "pos", "key")
+_TOKENS: Layout = ("batch", "pos", "channel")
+
+
+@dataclass(frozen=True)
+class SiteKind:
+    """One kind of probe site.
+
+    name: the ``Tap.kind`` string (``kind:NAME`` selects every site of it).
+    layout: dimension names of the tensor its taps see; None for ``lambda``, whose layout depends on the
+        model (see :func:`layout_of`).
+    title: what figures and reports call it.
+    is_map: an attention map (its taps get a ``valid`` mask; observing one materialises the maps).
+    shares_input: its taps may see a tensor another tap sees too (the profiler then computes the statistics
+        of that tensor once); q/k/v, maps and lambda are always their own tensor.
+    """
+
+    name: str
+    layout: Layout | None
+    title: str
+    is_map: bool = False
+    shares_input: bool = False
+
+
+# In model order (the order `diffquant info` lists kinds in).
+SITE_KIND_TABLE: tuple[SiteKind, ...] = (
+    SiteKind("q", _HEADS, "queries (after RoPE)"),
+    SiteKind("k", _HEADS, "keys (after RoPE)"),
+    SiteKind("v", _HEADS, "values"),
+    SiteKind("logits", _MAP, "attention logits", is_map=True),
+    SiteKind("probs", _MAP, "attention probabilities", is_map=True),
+    SiteKind("lambda", None, "lambda"),
+    SiteKind("diff_map", _MAP, "differential attention maps", is_map=True),
+    SiteKind(
+        "head_out", ("batch", "pos", "head", "channel"), "per-head attention outputs", shares_input=True
+    ),
+    SiteKind("attn_out", _TOKENS, "attention-block outputs", shares_input=True),
+    SiteKind("resid", _TOKENS, "hidden states (layer outputs)", shares_input=True),
+    SiteKind("mlp_act", _TOKENS, "MLP activations", shares_input=True),
+    SiteKind("linear_in", _TOKENS, "Linear-layer inputs", shares_input=True),
+)
+SITE_KIND_BY_NAME: dict[str, SiteKind] = {k.name: k for k in SITE_KIND_TABLE}
+SITE_KINDS: tuple[str, ...] = tuple(SITE_KIND_BY_NAME)
+MAP_KINDS: tuple[str, ...] = tuple(k.name for k in SITE_KIND_TABLE if k.is_map)
+SHARING_KINDS: tuple[str, ...] = tuple(k.name for k in SITE_KIND_TABLE if k.shares_input)
+KIND_LAYOUTS: dict[str, Layout] = {k.name: k.layout for k in SITE_KIND_TABLE if k.layout is not None}
+KIND_TITLES: dict[str, str] = {k.name: k.title for k in SITE_KIND_TABLE}
 _LAMBDA_LAYOUTS: dict[int, Layout] = {0: (), 3: ("batch", "pos", "head")}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -16,22 +16,7 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
-
-SITE_KINDS = (
-    "q",
-    "k",
-    "v",
-    "logits",
-    "probs",
-    "lambda",
-    "diff_map",
-    "head_out",
-    "attn_out",
-    "resid",
-    "mlp_act",
-    "linear_in",
-)
-MAP_KINDS = ("logits", "probs", "diff_map")
+from diffquant.models.sites import MAP_KINDS, SITE_KINDS  # noqa: F401 (the table is models.sites)
 
 
 class Tap(nn.Module):

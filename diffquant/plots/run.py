@@ -1,38 +1,46 @@
 """Render every applicable figure of a run folder into RUN/figures/, from its artifacts alone.
 
-What a run folder may hold (any subset, but at least profiles or sweep results):
-
-* ``profile/NAME.json`` (a Profile) and ``profile/NAME.maps.safetensors`` (attention maps of one sample);
-* ``sweep/results.json`` + ``sweep/sweep.json`` (``diffquant run``) or ``results.json`` + ``sweep.json``
-  (``diffquant eval --out RUN``);
-* ``manifest.json``, read only for the model order (so colours follow the order the user wrote).
-
-A damaged artifact is a user error naming the file; an absent optional one (no sweep, no DIFF model for
-the lambda figure) only skips its figures. Every image is written atomically, and an index of what was
-drawn goes to ``figures/figures.json`` for reports.
+The run folder is read by :mod:`diffquant.plots.artifacts` (what it may hold is described there). Each
+figure family is one function in the table :data:`FIGURES` (family -> function yielding the family's
+figures, drawn from the loaded artifacts); :func:`render_run` walks the table in order, saves each figure
+and records it. An absent optional artifact (no sweep, no DIFF model for the lambda figure) only skips its
+figures. Every image is written atomically, and an index of what was drawn goes to
+``figures/figures.json`` for reports.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import read_json, write_json_atomic
-from diffquant.plots import figures as F
-from diffquant.plots.style import DEFAULT_DPI, FORMATS, model_colors, safe_name, save_figure
-from diffquant.profile.maps import load_maps
-from diffquant.profile.profiler import Profile
+from diffquant.io.artifacts import write_json_atomic
+from diffquant.plots.artifacts import (  # noqa: F401 (old import path)
+    RunArtifacts,
+    _sweep_files,
+    load_map_file,
+    load_profile,
+    load_run,
+    one_line,
+)
+from diffquant.plots.channels import default_act_site, fig_act_scales
+from diffquant.plots.common import KIND_TITLES
+from diffquant.plots.degradation import fig_degradation
+from diffquant.plots.hist import (
+    HIST_KINDS,
+    HIST_LOG_RATIO,
+    HIST_LOW_QUANTILE,
+    fig_histograms,
+    hist_bar_width,
+)
+from diffquant.plots.layers import fig_lambda, fig_layerwise, lambda_summaries
+from diffquant.plots.maps import fig_attention_maps
+from diffquant.plots.style import DEFAULT_DPI, FORMATS, safe_name, save_figure
 from diffquant.profile.sites import layer_of
 
-if TYPE_CHECKING:
-    import torch
-
-
-FAMILIES = ("hist", "hist-layers", "layerwise", "maps", "degradation", "act-scales", "lambda")
 LAYERWISE_KINDS = ("resid", "logits")
 FIGURES_DIR = "figures"
 INDEX_NAME = "figures.json"
@@ -65,141 +73,176 @@ class FigureRecord:
         }
 
 
-@dataclass
-class RunArtifacts:
-    """The loaded contents of a run folder (only what figures need)."""
+@dataclass(frozen=True)
+class Drawn:
+    """One figure a family drew, not yet saved: file stem, the matplotlib Figure, caption and title."""
 
-    run_dir: Path
-    profiles: dict[str, Profile] = field(default_factory=dict)
-    profile_paths: dict[str, Path] = field(default_factory=dict)
-    maps: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = field(default_factory=dict)
-    results: dict[str, Any] | None = None
-    sweep: dict[str, Any] | None = None
-    results_path: Path | None = None
-    sweep_path: Path | None = None
-    order: list[str] = field(default_factory=list)
-
-    def kinds(self) -> dict[str, str]:
-        """Attention kind per model, from profile metadata and sweep rows."""
-        out: dict[str, str] = {}
-        for row in (self.results or {}).get("rows", []):
-            if isinstance(row, dict) and row.get("model") is not None:
-                out.setdefault(str(row["model"]), str(row.get("attention", "")))
-        for name, p in self.profiles.items():
-            out[name] = str(p.meta.get("attention", out.get(name, "")))
-        return out
-
-    def colors(self) -> dict[str, str]:
-        """One colour per model for every figure of this run, in the run's model order."""
-        kinds = self.kinds()
-        names = [n for n in self.order if n in kinds] + [n for n in kinds if n not in self.order]
-        return model_colors([(n, kinds[n]) for n in names])
-
-    def ordered(self, names: Iterable[str]) -> list[str]:
-        names = list(names)
-        return [n for n in self.order if n in names] + [n for n in names if n not in self.order]
+    name: str
+    figure: Any
+    caption: str
+    title: str
 
 
-# ------------------------------------------------------------------------------------------- loading
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+@dataclass(frozen=True)
+class FigureContext:
+    """What a family draws from: the run's artifacts, its colours, and the options of :func:`render_run`."""
+
+    art: RunArtifacts
+    colors: dict[str, str]
+    strict: bool  # the user named the families: a family the artifacts cannot feed is an error
+    layer: int | None
+    head: int
+
+    @property
+    def present(self) -> list[str]:
+        """Histogram kinds some profile has a site of, in HIST_KINDS order."""
+        profiles = self.art.profiles.values()
+        return [k for k in HIST_KINDS if any(s.kind == k for p in profiles for s in p.sites.values())]
+
+    @property
+    def token_text(self) -> str:
+        tokens = {n: p.meta.get("tokens") for n, p in self.art.profiles.items()}
+        return ", ".join(f"{n}: {t:,} tokens" for n, t in tokens.items() if isinstance(t, int))
 
 
-def load_profile(path: Path) -> Profile:
-    """A Profile, or a one-line DiffquantError naming ``path`` (corrupt JSON, other format or version, or
-    a structure the statistics classes reject)."""
-    data = read_json(path, "profile")
-    try:
-        return Profile.from_dict(data, source=str(path))
-    except (DiffquantError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-        msg = _one_line(str(err) if not isinstance(err, KeyError) else f"missing key {err}")
-        raise DiffquantError(msg if str(path) in msg else f"{path}: malformed profile ({msg})") from None
-
-
-def load_map_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(maps, meta) of an attention-map artifact; DiffquantError naming ``path`` when it is missing,
-    unreadable, of another format, or holds no (heads, T, T) map."""
-    try:
-        maps, meta = load_maps(path)
-    except DiffquantError as err:
-        msg = _one_line(str(err))
-        raise DiffquantError(msg if str(path) in msg else f"{path}: {msg}") from None
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise DiffquantError(f"{path}: unreadable attention-map file ({_one_line(str(err))})") from None
-    probs = [v for k, v in maps.items() if k.rsplit(".", 1)[-1] in ("probs", "probs1", "probs2")]
-    if not probs or any(v.dim() != 3 or v.shape[-1] != v.shape[-2] for v in probs):
-        raise DiffquantError(
-            f"{path}: attention-map file holds no (heads, T, T) probs / probs1 / probs2 maps"
+# ---------------------------------------------------------------------------------------- families
+def draw_hist(ctx: FigureContext) -> Iterator[Drawn]:
+    for kind in ctx.present:
+        try:
+            fig = fig_histograms(ctx.art.profiles, kind, colors=ctx.colors)
+        except DiffquantError:  # sites of this kind saw no finite value
+            continue
+        yield Drawn(
+            f"hist-{kind}",
+            fig,
+            f"Histogram of |x| of {KIND_TITLES[kind]} ({kind}), every such site pooled per model "
+            f"({ctx.token_text}); log counts, bins x{hist_bar_width():.3f} wide; x up to past the largest "
+            f"|x| (logarithmic from the {100 * HIST_LOW_QUANTILE:g} % quantile when the largest is "
+            f"{HIST_LOG_RATIO:g}x the median or more, else linear from 0). Dashed: each model's "
+            f"largest |x|; dash-dot: |mean| + 6 std; dotted black: |x| = 6 (LLM.int8 threshold).",
+            f"Histogram of |x|: {KIND_TITLES[kind]}",
         )
-    return maps, meta
 
 
-def _sweep_files(run_dir: Path) -> tuple[Path, Path] | None:
-    for folder in (run_dir / "sweep", run_dir):
-        results = folder / "results.json"
-        if results.is_file():
-            return results, folder / "sweep.json"
-    return None
+def draw_hist_layers(ctx: FigureContext) -> Iterator[Drawn]:
+    for kind in ctx.present:
+        try:
+            fig = fig_histograms(ctx.art.profiles, kind, per_layer=True, colors=ctx.colors)
+        except DiffquantError:  # only non-layer sites of this kind (e.g. lm_head.input)
+            continue
+        yield Drawn(
+            f"hist-layers-{kind}",
+            fig,
+            f"Histograms of |x| of {KIND_TITLES[kind]} ({kind}) per layer (sites of the layer pooled), "
+            f"models overlaid; markers as in hist-{kind}.",
+            f"Histograms of |x| per layer: {KIND_TITLES[kind]}",
+        )
 
 
-def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
-    """Load every figure artifact of ``run_dir`` (``maps=False`` skips the attention-map files)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise DiffquantError(f"{run_dir}: run folder not found")
-    art = RunArtifacts(run_dir)
-    manifest_path = run_dir / "manifest.json"
-    if manifest_path.is_file():
-        manifest = read_json(manifest_path, "manifest")
-        if isinstance(manifest, dict):
-            recipe = manifest.get("recipe")
-            for source in (
-                recipe.get("models") if isinstance(recipe, dict) else None,
-                manifest.get("checkpoints"),
-            ):
-                if isinstance(source, dict):
-                    art.order += [str(n) for n in source if str(n) not in art.order]
-    profile_dir = run_dir / "profile"
-    if profile_dir.is_dir():
-        for path in sorted(profile_dir.glob("*.json")):
-            if path.name.startswith("."):  # a writer's temporary file
+def draw_layerwise(ctx: FigureContext) -> Iterator[Drawn]:
+    present = ctx.present
+    for kind in LAYERWISE_KINDS:
+        if kind not in present:
+            continue
+        try:
+            fig = fig_layerwise(ctx.art.profiles, kind, colors=ctx.colors)
+        except DiffquantError:  # no per-layer site of this kind
+            continue
+        yield Drawn(
+            f"layerwise-{kind}",
+            fig,
+            f"Top-1/2/3 and median |x| of {KIND_TITLES[kind]} per layer, per model (log scale; "
+            f"massive-activation view, Sun et al. 2024).",
+            f"Largest and median |x| per layer: {KIND_TITLES[kind]}",
+        )
+
+
+def _map_layers(art: RunArtifacts) -> list[int]:
+    per_model = [{layer_of(k) for k in maps if layer_of(k) is not None} for maps, _ in art.maps.values()]
+    return sorted(set.intersection(*per_model)) if per_model else []
+
+
+def draw_maps(ctx: FigureContext) -> Iterator[Drawn]:
+    art, head = ctx.art, ctx.head
+    if not art.maps:
+        return
+    layers = _map_layers(art)
+    if not layers:
+        raise DiffquantError(f"{art.run_dir / 'profile'}: the attention-map files share no layer")
+    chosen = layers[len(layers) // 2] if ctx.layer is None else ctx.layer
+    if chosen not in layers:
+        raise DiffquantError(f"--layer {chosen}: attention maps hold layers {layers[0]}..{layers[-1]}")
+    yield Drawn(
+        f"maps-L{chosen}-H{head}",
+        fig_attention_maps(art.maps, chosen, head, colors=ctx.colors),
+        f"Attention maps of layer {chosen}, head {head} for one sample: DIFF rows show A1, A2, λ·A2 and "
+        f"A1 − λ·A2 (DIFF V2: λ per query row); the baseline's softmax map on the right. RdBu_r "
+        f"centred at 0; grey = causally masked.",
+        f"Attention maps, layer {chosen}, head {head}",
+    )
+
+
+def draw_degradation(ctx: FigureContext) -> Iterator[Drawn]:
+    art = ctx.art
+    if art.results is None:
+        return
+    assert art.sweep is not None and art.sweep_path is not None
+    for task in art.results["primary"]:
+        try:
+            fig = fig_degradation(art.results, art.sweep, task, colors=ctx.colors)
+        except DiffquantError as err:
+            if not ctx.strict:  # drawing what the artifacts allow: a sweep of `none` alone has no curve
                 continue
-            profile = load_profile(path)
-            name = str(profile.meta.get("model") or path.stem)
-            art.profiles[name] = profile
-            art.profile_paths[name] = path
-    found = _sweep_files(run_dir)
-    if found is not None:
-        results_path, sweep_path = found
-        results = read_json(results_path, "sweep results")
-        if not (
-            isinstance(results, dict)
-            and isinstance(results.get("rows"), list)
-            and isinstance(results.get("primary"), dict)
-        ):
-            raise DiffquantError(f"{results_path}: not a sweep results file (expected 'rows' and 'primary')")
-        if not sweep_path.is_file():
-            raise DiffquantError(
-                f"{sweep_path}: sweep description not found (needed beside {results_path.name})"
-            )
-        sweep = read_json(sweep_path, "sweep description")
-        if not (isinstance(sweep, dict) and isinstance(sweep.get("spec"), dict)):
-            raise DiffquantError(f"{sweep_path}: not a sweep description (expected a 'spec')")
-        if not isinstance(sweep["spec"].get("plans", {}), dict):
-            raise DiffquantError(f"{sweep_path}: 'spec.plans' must be a mapping")
-        art.results, art.sweep, art.results_path, art.sweep_path = results, sweep, results_path, sweep_path
-        art.order += [str(m) for m in sweep["spec"].get("models", {}) if str(m) not in art.order]
-    if not art.profiles and art.results is None:
-        raise DiffquantError(
-            f"{run_dir}: no figure artifacts (expected profile/NAME.json, sweep/results.json or results.json)"
+            raise DiffquantError(f"{art.sweep_path}: {one_line(str(err))}") from None
+        metric = art.results["primary"][task].get("metric")
+        yield Drawn(
+            f"degradation-{safe_name(task)}",
+            fig,
+            f"{task}: {metric} vs bits per element for single-format plans (one panel per model, all "
+            f"on one y scale; one line per granularity, 16 = unquantized, dotted = unquantized level, "
+            f"grey dashed = chance where the task reports it); other plans as bars of the "
+            f"change vs unquantized.",
+            f"Degradation under quantization: {task} ({metric})",
         )
-    art.order += [n for n in sorted(art.profiles) if n not in art.order]
-    art.profiles = {n: art.profiles[n] for n in art.ordered(art.profiles)}
-    if maps:
-        for name in art.profiles:
-            path = art.profile_paths[name].with_name(f"{art.profile_paths[name].stem}.maps.safetensors")
-            art.maps[name] = load_map_file(path)
-    return art
+
+
+def draw_act_scales(ctx: FigureContext) -> Iterator[Drawn]:
+    profiles = ctx.art.profiles
+    site = default_act_site(profiles) if profiles else None
+    if site is None:
+        return
+    yield Drawn(
+        "act-scales",
+        fig_act_scales(profiles, site, colors=ctx.colors),
+        f"Per-channel abs-max of {site} per model (SmoothQuant act scales), by channel and sorted.",
+        f"Per-channel abs-max: {site}",
+    )
+
+
+def draw_lambda(ctx: FigureContext) -> Iterator[Drawn]:
+    profiles = ctx.art.profiles
+    if not any(lambda_summaries(p) for p in profiles.values()):
+        return
+    yield Drawn(
+        "lambda",
+        fig_lambda(profiles, colors=ctx.colors),
+        "λ per layer for each DIFF model (V1: the learned scalar; V2: mean of sigmoid(Wx) over tokens and "
+        "heads, band = min..max) and, for DIFF V2, per head (mean ± std, min..max).",
+        "λ per layer and per head",
+    )
+
+
+# The figure registry: family -> the function drawing its figures, in the order render_run draws them.
+FIGURES: dict[str, Callable[[FigureContext], Iterator[Drawn]]] = {
+    "hist": draw_hist,
+    "hist-layers": draw_hist_layers,
+    "layerwise": draw_layerwise,
+    "maps": draw_maps,
+    "degradation": draw_degradation,
+    "act-scales": draw_act_scales,
+    "lambda": draw_lambda,
+}
+FAMILIES = tuple(FIGURES)
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -221,9 +264,18 @@ def _check_formats(formats: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chosen))
 
 
-def _map_layers(art: RunArtifacts) -> list[int]:
-    per_model = [{layer_of(k) for k in maps if layer_of(k) is not None} for maps, _ in art.maps.values()]
-    return sorted(set.intersection(*per_model)) if per_model else []
+def _write_index(art: RunArtifacts, records: list[FigureRecord], dpi: int) -> None:
+    index_path = art.run_dir / FIGURES_DIR / INDEX_NAME
+    previous = []
+    if index_path.is_file():  # keep entries of families not redrawn this time
+        try:
+            previous = json.loads(index_path.read_text()).get("figures", [])
+        except (json.JSONDecodeError, AttributeError, OSError):
+            previous = []
+    names = {r.name for r in records}
+    kept = [e for e in previous if isinstance(e, dict) and e.get("name") not in names]
+    entries = kept + [r.to_dict(art.run_dir) for r in records]
+    write_json_atomic(index_path, {"dpi": dpi, "figures": entries})
 
 
 def render_run(
@@ -250,128 +302,15 @@ def render_run(
         raise DiffquantError(f"dpi: expected an integer in 10..2400, got {dpi!r}")
     art = load_run(run_dir, maps="maps" in families)
     out = art.run_dir / FIGURES_DIR
-    colors = art.colors()
-    profiles = art.profiles
+    ctx = FigureContext(art, art.colors(), strict=what is not None, layer=layer, head=head)
     records: list[FigureRecord] = []
     produced: set[str] = set()
-    tokens = {n: p.meta.get("tokens") for n, p in profiles.items()}
-    token_text = ", ".join(f"{n}: {t:,} tokens" for n, t in tokens.items() if isinstance(t, int))
-
-    def emit(family: str, name: str, fig: Any, caption: str, title: str) -> None:
-        paths = save_figure(fig, out, name, formats, dpi)
-        fig.clear()  # release the artists now; a long run draws dozens of figures
-        records.append(FigureRecord(name, tuple(paths), caption, family, title))
-        produced.add(family)
-
-    present = [
-        k for k in F.HIST_KINDS if any(s.kind == k for p in profiles.values() for s in p.sites.values())
-    ]
-    if "hist" in families:
-        for kind in present:
-            try:
-                fig = F.fig_histograms(profiles, kind, colors=colors)
-            except DiffquantError:  # sites of this kind saw no finite value
-                continue
-            emit(
-                "hist",
-                f"hist-{kind}",
-                fig,
-                f"Histogram of |x| of {F.KIND_TITLES[kind]} ({kind}), every such site pooled per model "
-                f"({token_text}); log counts, bins x{F._hist_bar_width():.3f} wide; x up to past the largest "
-                f"|x| (logarithmic from the {100 * F.HIST_LOW_QUANTILE:g} % quantile when the largest is "
-                f"{F.HIST_LOG_RATIO:g}x the median or more, else linear from 0). Dashed: each model's "
-                f"largest |x|; dash-dot: |mean| + 6 std; dotted black: |x| = 6 (LLM.int8 threshold).",
-                f"Histogram of |x|: {F.KIND_TITLES[kind]}",
-            )
-    if "hist-layers" in families:
-        for kind in present:
-            try:
-                fig = F.fig_histograms(profiles, kind, per_layer=True, colors=colors)
-            except DiffquantError:  # only non-layer sites of this kind (e.g. lm_head.input)
-                continue
-            emit(
-                "hist-layers",
-                f"hist-layers-{kind}",
-                fig,
-                f"Histograms of |x| of {F.KIND_TITLES[kind]} ({kind}) per layer (sites of the layer pooled), "
-                f"models overlaid; markers as in hist-{kind}.",
-                f"Histograms of |x| per layer: {F.KIND_TITLES[kind]}",
-            )
-    if "layerwise" in families:
-        for kind in LAYERWISE_KINDS:
-            if kind not in present:
-                continue
-            try:
-                fig = F.fig_layerwise(profiles, kind, colors=colors)
-            except DiffquantError:  # no per-layer site of this kind
-                continue
-            emit(
-                "layerwise",
-                f"layerwise-{kind}",
-                fig,
-                f"Top-1/2/3 and median |x| of {F.KIND_TITLES[kind]} per layer, per model (log scale; "
-                f"massive-activation view, Sun et al. 2024).",
-                f"Largest and median |x| per layer: {F.KIND_TITLES[kind]}",
-            )
-    if "maps" in families and art.maps:
-        layers = _map_layers(art)
-        if not layers:
-            raise DiffquantError(f"{art.run_dir / 'profile'}: the attention-map files share no layer")
-        chosen = layers[len(layers) // 2] if layer is None else layer
-        if chosen not in layers:
-            raise DiffquantError(f"--layer {chosen}: attention maps hold layers {layers[0]}..{layers[-1]}")
-        fig = F.fig_attention_maps(art.maps, chosen, head, colors=colors)
-        emit(
-            "maps",
-            f"maps-L{chosen}-H{head}",
-            fig,
-            f"Attention maps of layer {chosen}, head {head} for one sample: DIFF rows show A1, A2, λ·A2 and "
-            f"A1 − λ·A2 (DIFF V2: λ per query row); the baseline's softmax map on the right. RdBu_r "
-            f"centred at 0; grey = causally masked.",
-            f"Attention maps, layer {chosen}, head {head}",
-        )
-    if "degradation" in families and art.results is not None:
-        assert art.sweep is not None and art.sweep_path is not None
-        for task in art.results["primary"]:
-            try:
-                fig = F.fig_degradation(art.results, art.sweep, task, colors=colors)
-            except DiffquantError as err:
-                if what is None:  # drawing what the artifacts allow: a sweep of `none` alone has no curve
-                    continue
-                msg = _one_line(str(err))
-                raise DiffquantError(f"{art.sweep_path}: {msg}") from None
-            metric = art.results["primary"][task].get("metric")
-            emit(
-                "degradation",
-                f"degradation-{safe_name(task)}",
-                fig,
-                f"{task}: {metric} vs bits per element for single-format plans (one panel per model, all "
-                f"on one y scale; one line per granularity, 16 = unquantized, dotted = unquantized level, "
-                f"grey dashed = chance where the task reports it); other plans as bars of the "
-                f"change vs unquantized.",
-                f"Degradation under quantization: {task} ({metric})",
-            )
-    if "act-scales" in families and profiles:
-        site = F.default_act_site(profiles)
-        if site is not None:
-            fig = F.fig_act_scales(profiles, site, colors=colors)
-            emit(
-                "act-scales",
-                "act-scales",
-                fig,
-                f"Per-channel abs-max of {site} per model (SmoothQuant act scales), by channel and sorted.",
-                f"Per-channel abs-max: {site}",
-            )
-    if "lambda" in families and any(F.lambda_summaries(p) for p in profiles.values()):
-        fig = F.fig_lambda(profiles, colors=colors)
-        emit(
-            "lambda",
-            "lambda",
-            fig,
-            "λ per layer for each DIFF model (V1: the learned scalar; V2: mean of sigmoid(Wx) over tokens and "
-            "heads, band = min..max) and, for DIFF V2, per head (mean ± std, min..max).",
-            "λ per layer and per head",
-        )
+    for family in families:
+        for drawn in FIGURES[family](ctx):
+            paths = save_figure(drawn.figure, out, drawn.name, formats, dpi)
+            drawn.figure.clear()  # release the artists now; a long run draws dozens of figures
+            records.append(FigureRecord(drawn.name, tuple(paths), drawn.caption, family, drawn.title))
+            produced.add(family)
     if what is not None:
         missing = [f for f in families if f not in produced]
         if missing:
@@ -380,15 +319,5 @@ def render_run(
                 f"(drawn: {', '.join(sorted(produced)) or 'none'})"
             )
     if records:
-        index_path = out / INDEX_NAME
-        previous = []
-        if index_path.is_file():  # keep entries of families not redrawn this time
-            try:
-                previous = json.loads(index_path.read_text()).get("figures", [])
-            except (json.JSONDecodeError, AttributeError, OSError):
-                previous = []
-        names = {r.name for r in records}
-        kept = [e for e in previous if isinstance(e, dict) and e.get("name") not in names]
-        entries = kept + [r.to_dict(art.run_dir) for r in records]
-        write_json_atomic(index_path, {"dpi": dpi, "figures": entries})
+        _write_index(art, records, dpi)
     return records

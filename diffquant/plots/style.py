@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from diffquant.models.config import ATTENTION_LABELS
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -29,7 +31,7 @@ KIND_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 # Models of other kinds, or beyond a family's shades, take these in order (none repeats a family hue).
 EXTRA_COLORS = ("#CC78BC", "#CA9161", "#949494", "#D55E00", "#FBAFE4", "#ECE133", "#7F3C8D", "#E73F74")
-KIND_LABELS = {"baseline": "Transformer", "diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}
+KIND_LABELS = ATTENTION_LABELS  # the attention-kind table of models/config.py
 
 FORMATS = ("png", "svg", "pdf")
 DEFAULT_DPI = 150

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
-from diffquant.models.taps import MAP_KINDS, Tap, model_taps, select_taps
+from diffquant.models.sites import KIND_LAYOUTS, MAP_KINDS, SHARING_KINDS, layout_of
+from diffquant.models.taps import Tap, model_taps, select_taps
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
-from diffquant.profile.sites import KIND_LAYOUTS, layout_of
 from diffquant.profile.stats import SiteStats
 from diffquant.textfiles import read_json
 
@@ -28,8 +28,6 @@ from diffquant.textfiles import read_json
 # attention metrics only for the selected map sites, fast paths of the map metrics). Tests turn this off to
 # compare a profile with the plain path's.
 FAST = True
-# Kinds whose taps may see a tensor another tap sees too (q/k/v, maps and lambda are always their own).
-_SHARING_KINDS = ("linear_in", "mlp_act", "attn_out", "resid", "head_out")
 PROFILE_FORMAT = "diffquant-profile"
 PROFILE_VERSION = 1
 _METRIC_TYPES: dict[str, Any] = {
@@ -42,7 +40,12 @@ _METRIC_TYPES: dict[str, Any] = {
 
 @dataclass
 class Profile:
-    """Statistics of one model: per site (``sites``) and per attention map (``attention``), plus metadata."""
+    """Statistics of one model: per site (``sites``) and per attention map (``attention``), plus metadata.
+
+    ``attention`` here is the per-head attention *metrics*: a dict from metric key (a map site such as
+    ``layers.0.attn.probs``, or its ``...span`` / lambda site) to ``(metric type, accumulator)``. It is not
+    the model's attention kind (``ModelConfig.attention``) nor the Profiler's on/off flag of that name.
+    """
 
     sites: dict[str, SiteStats] = field(default_factory=dict)
     attention: dict[str, Any] = field(default_factory=dict)
@@ -87,13 +90,13 @@ class Profile:
                 f"{source}: profile format_version {data.get('format_version')!r} is not supported "
                 f"(expected {PROFILE_VERSION})"
             )
-        attention = {}
+        metrics = {}
         for name, d in data["attention"].items():
             d = dict(d)
-            kind = d.pop("type")
-            attention[name] = (kind, _METRIC_TYPES[kind].from_dict(d))
+            metric_type = d.pop("type")
+            metrics[name] = (metric_type, _METRIC_TYPES[metric_type].from_dict(d))
         sites = {name: SiteStats.from_dict(d) for name, d in data["sites"].items()}
-        return cls(sites=sites, attention=attention, meta=data.get("meta", {}))
+        return cls(sites=sites, attention=metrics, meta=data.get("meta", {}))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -118,8 +121,9 @@ class Profiler:
     Args:
         sites: glob patterns over site names (``layers.*.attn.logits*``) or ``kind:NAME``; ``*`` = all.
         topk: how many largest magnitudes each site keeps, with their locations.
-        attention: per-head attention metrics (entropy, sink mass, DIFF cancellation, lambda). None = on
-            when a map site (logits/probs/diff_map) is selected, since maps are then materialised anyway.
+        attention: a flag: collect per-head attention metrics (entropy, sink mass, DIFF cancellation,
+            lambda) into ``Profile.attention``. None = on when a map site (logits/probs/diff_map) is
+            selected, since maps are then materialised anyway. (Not the attention kind of the model.)
         sample_offset: global index of the first sample of the first batch (set per batch when sharding).
         massive_cap: massive-activation candidates (|x| > 100) kept per site with locations; the count
             stays exact beyond it.
@@ -146,11 +150,12 @@ class Profiler:
         # None: metrics for the selected map / lambda sites (their maps are materialised anyway); True: for
         # every map site of the model, selected or not.
         self._metric_sites: set[str] | None = None
-        if attention is None:
-            attention = any(t.kind in MAP_KINDS for t in self.taps.values())
+        metrics_on = attention
+        if metrics_on is None:
+            metrics_on = any(t.kind in MAP_KINDS for t in self.taps.values())
             if FAST:
                 self._metric_sites = set(self.taps)
-        self.attention_enabled = attention
+        self.attention_enabled = metrics_on
         self.sample_offset = sample_offset
         self.spans: list[tuple[int, int, int] | None] | None = None
         self.tokens_seen = 0
@@ -164,6 +169,7 @@ class Profiler:
             name: SiteStats(name, tap.kind, topk=topk, massive_cap=massive_cap)
             for name, tap in self.taps.items()
         }
+        # metric key -> (metric type, accumulator): becomes Profile.attention
         self._attention: dict[str, tuple[str, Any]] = {}
         self.massive_cap = massive_cap
         # Taps that may share a tensor: per scope (see _share_scope) and layout, the selected sites; a forward's
@@ -172,7 +178,7 @@ class Profiler:
         if FAST:
             members: dict[str, list[str]] = {}
             for name, tap in self.taps.items():
-                if tap.kind in _SHARING_KINDS:
+                if tap.kind in SHARING_KINDS:
                     members.setdefault(f"{_share_scope(name)}|{KIND_LAYOUTS[tap.kind]}", []).append(name)
             for key, names in members.items():
                 if len(names) > 1:
@@ -310,14 +316,14 @@ class Profiler:
     def result(self, **meta: Any) -> Profile:
         """The statistics so far as a Profile (a snapshot: the profiler can keep running)."""
         if FAST:
-            sites, attention = _clone((self._stats, self._attention))
+            sites, metrics = _clone((self._stats, self._attention))
         else:
             sites = {name: SiteStats.from_dict(s.to_dict()) for name, s in self._stats.items()}
-            attention = {
+            metrics = {
                 name: (kind, type(acc).from_dict(acc.to_dict()))
                 for name, (kind, acc) in self._attention.items()
             }
-        return self._profile(sites, attention, meta)
+        return self._profile(sites, metrics, meta)
 
     def take(self, **meta: Any) -> Profile:
         """The statistics as a Profile without copying them: the profiler's hooks are removed and it must
@@ -325,13 +331,13 @@ class Profiler:
         if not FAST:
             return self.result(**meta)
         self.remove()
-        sites, attention = self._stats, self._attention
+        sites, metrics = self._stats, self._attention
         self._stats, self._attention = {}, {}
-        return self._profile(sites, attention, meta)
+        return self._profile(sites, metrics, meta)
 
-    def _profile(self, sites: dict[str, SiteStats], attention: dict[str, Any], meta: dict) -> Profile:
+    def _profile(self, sites: dict[str, SiteStats], metrics: dict[str, Any], meta: dict) -> Profile:
         info = {"tokens": self.tokens_seen, "samples": self.samples_seen, "topk": self.topk, **meta}
-        return Profile(sites=sites, attention=attention, meta=info)
+        return Profile(sites=sites, attention=metrics, meta=info)
 
 
 def merge_profiles(profiles: Iterable[Profile], *, consume: bool = False) -> Profile:

@@ -54,47 +54,77 @@ separately and excluded from all other statistics.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from diffquant.profile.accumulators import (
+    ACCUMULATORS,
+    BINS_PER_OCTAVE,
+    EDGES,
+    FINE_BITS,
+    I_HI,
+    I_LO,
+    INT8_THRESHOLD,
+    LN_R,
+    MASSIVE_FLOOR,
+    MASSIVE_RATIO,
+    N_BINS,
+    QUANTILE_REL_ERROR,
+    SIGMAS,
+    SLOTS,
+    STATE_VERSION,
+    Accumulator,
+    ChannelAbsMax,
+    LogHistogram,
+    Massive,
+    Moments,
+    MomentSums,
+    NonFinite,
+    R,
+    ThresholdCounts,
+    TokenKurtosis,
+    TopK,
+    bin_edges,
+    bin_midpoint,
+    copy_entries,
+    copy_entry,
+)
 from diffquant.profile.sites import Layout, layer_of, layout_of, query_positions
 
-# ------------------------------------------------------------------------------------------ histogram bins
-BINS_PER_OCTAVE = 64
-R = 2.0 ** (1.0 / BINS_PER_OCTAVE)  # nominal bin ratio; the edges are r^j rounded to FINE_BITS mantissa bits
-LN_R = math.log(R)
-FINE_BITS = 9  # mantissa bits of a fine interval: 512 per octave, each inside one bin
-I_LO = -126 * BINS_PER_OCTAVE  # E_(I_LO) = 2^-126, the smallest normal float32
-I_HI = 128 * BINS_PER_OCTAVE - 1  # E_(I_HI + 1) = 2^128 > largest float32
-N_BINS = I_HI - I_LO + 1  # per sign; plus one zero bin
-INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022)
-MASSIVE_FLOOR = 100.0  # Sun et al. 2024: massive activations have |x| > 100 ...
-MASSIVE_RATIO = 1000.0  # ... and |x| > ~1000 x the median magnitude
-SIGMAS = 6.0  # Bondarenko et al. 2023: outliers lie beyond 6 standard deviations
-STATE_VERSION = 2  # 2: 64 bins per octave (bit-pattern binning); 1: r = 1.02 bins
+__all__ = [
+    "BINS_PER_OCTAVE",
+    "FINE_BITS",
+    "I_HI",
+    "I_LO",
+    "INT8_THRESHOLD",
+    "LN_R",
+    "MASSIVE_FLOOR",
+    "MASSIVE_RATIO",
+    "N_BINS",
+    "QUANTILE_REL_ERROR",
+    "R",
+    "SIGMAS",
+    "STATE_VERSION",
+    "SiteStats",
+    "bin_edges",
+    "bin_midpoint",
+]
 
-# In-octave edge mantissas M_k = round(2^FINE_BITS * 2^(k/64)), k = 0 .. 64 (M_64 = 2 * 2^FINE_BITS): E_(64e+k)
-# = 2^e * M_k / 2^FINE_BITS, exact float32 numbers on the fine grid.
+# ------------------------------------------------------------------------------------- histogram binning
+# The bins (edges E_j, I_LO .. I_HI, the zero bin) are defined in diffquant/profile/accumulators.py; here the
+# fast bit-pattern binning of one update: fine codes, folded into bins by a fixed table.
 _FINE = 1 << FINE_BITS
 _M = [round(_FINE * 2.0 ** (k / BINS_PER_OCTAVE)) for k in range(BINS_PER_OCTAVE)] + [2 * _FINE]
-_EDGES = [
-    math.ldexp(_M[(j - I_LO) % BINS_PER_OCTAVE], (j - I_LO) // BINS_PER_OCTAVE - 126 - FINE_BITS)
-    for j in range(I_LO, I_HI + 1)
-] + [2.0**128]
-# Bound on the relative error of a non-zero quantile: sqrt of the widest bin ratio, minus 1 (0.6187 %).
-QUANTILE_REL_ERROR = max(math.sqrt(_M[k + 1] / _M[k]) for k in range(BINS_PER_OCTAVE)) - 1
 
 _MAG_CODES = 1 << (8 + FINE_BITS)  # fine code of a magnitude: 8 exponent bits, FINE_BITS mantissa bits
 _SHIFT32 = 23 - FINE_BITS
-_SLOTS = N_BINS + 1  # dense per-sign histogram: slot 0 = zero bin, slot 1 + j - I_LO = bin j
 
 
 def _fold_table() -> torch.Tensor:
-    """Dense slot (sign * _SLOTS + slot) of every signed fine code (sign bit, exponent, FINE_BITS mantissa)."""
+    """Dense slot (sign * SLOTS + slot) of every signed fine code (sign bit, exponent, FINE_BITS mantissa)."""
     k_of_m = torch.searchsorted(
         torch.tensor(_M[:BINS_PER_OCTAVE]), torch.arange(_FINE, 2 * _FINE), right=True
     ).sub_(1)  # bin within the octave of each fine mantissa
@@ -103,7 +133,7 @@ def _fold_table() -> torch.Tensor:
     slot[0] = 0  # exponent field 0: zeros and subnormals
     slot[255] = N_BINS  # Inf / NaN never get here (excluded); clamp anyway
     slot = slot.reshape(-1)
-    neg = torch.where(slot == 0, 0, slot + _SLOTS)  # negative zero -> the one zero bin
+    neg = torch.where(slot == 0, 0, slot + SLOTS)  # negative zero -> the one zero bin
     return torch.cat([slot, neg])
 
 
@@ -111,24 +141,12 @@ _FOLD = _fold_table()
 _CODE_6 = int(torch.tensor(INT8_THRESHOLD, dtype=torch.float32).view(torch.int32)) >> _SHIFT32
 _CODE_100 = int(torch.tensor(MASSIVE_FLOOR, dtype=torch.float32).view(torch.int32)) >> _SHIFT32
 
-_COORDS = ("pos", "head", "channel", "key")  # location keys that are layout coordinates
 _SCAN_CHUNK = 1 << 20
 _SUBSET_MIN = 1 << 16
 _BLOCK = 1 << 20  # elements per block of the blocked passes (moments: 4x; fewer, larger ops win on CPU)
 # Fast paths that leave every statistic unchanged (masked map chunks gathered once); tests turn this off to
 # compare with the general path.
 FAST = True
-
-
-def bin_edges(j: int) -> tuple[float, float]:
-    """The magnitude range [E_j, E_(j+1)) of histogram bin j."""
-    return _EDGES[j - I_LO], _EDGES[j - I_LO + 1]
-
-
-def bin_midpoint(j: int) -> float:
-    """Geometric midpoint sqrt(E_j E_(j+1)) of bin j: the value reported for every magnitude in the bin."""
-    lo, hi = bin_edges(j)
-    return math.sqrt(lo * hi)
 
 
 def _fine_codes(vals: torch.Tensor) -> torch.Tensor:
@@ -146,7 +164,7 @@ def _fine_codes(vals: torch.Tensor) -> torch.Tensor:
 
 
 def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
-    """(dense signed bin counts (2 * _SLOTS, int64), #|x| >= 6, #|x| >= 100) of the entries of 1-D ``flat``
+    """(dense signed bin counts (2 * SLOTS, int64), #|x| >= 6, #|x| >= 100) of the entries of 1-D ``flat``
     where ``ok`` (None: all; the counted entries must be finite).
 
     Per block, one bincount over the fine bit codes (exact: each fine interval lies in one bin, 6 and 100 are
@@ -163,7 +181,7 @@ def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tenso
         fine = part if fine is None else fine.add_(part)
     assert fine is not None
     fine = fine[:dump]
-    dense = torch.zeros(2 * _SLOTS, dtype=torch.int64).index_add_(0, _FOLD, fine)
+    dense = torch.zeros(2 * SLOTS, dtype=torch.int64).index_add_(0, _FOLD, fine)
     fine = fine.view(2, _MAG_CODES)
     ge6, ge100 = torch.stack([fine[:, _CODE_6:].sum(), fine[:, _CODE_100:].sum()]).tolist()
     return dense, ge6, ge100
@@ -192,39 +210,7 @@ def _masked_extremes(flat: torch.Tensor, ok: torch.Tensor) -> tuple[float, float
     return lo, hi, int(n)
 
 
-def _add_counts(into: dict[int, int], other: dict[int, int]) -> None:
-    for j, n in other.items():
-        into[j] = into.get(j, 0) + n
-
-
 # -------------------------------------------------------------------------------------------- moments
-Moments = tuple[int, float, float, float, float]  # n, mean, M2, M3, M4 (central sums, not divided by n)
-
-
-def _combine_moments(a: Moments, b: Moments) -> Moments:
-    """Central moments of the union of two disjoint sets (Chan et al. 1979 for M2; Pebay 2008, eqs. 3.1 ff.)."""
-    na, ma, m2a, m3a, m4a = a
-    nb, mb, m2b, m3b, m4b = b
-    if na == 0:
-        return b
-    if nb == 0:
-        return a
-    n = na + nb
-    fa, fb, fn = float(na), float(nb), float(n)
-    d = mb - ma
-    mean = ma + d * fb / fn
-    m2 = m2a + m2b + d * d * fa * fb / fn
-    m3 = m3a + m3b + d**3 * fa * fb * (fa - fb) / fn**2 + 3.0 * d * (fa * m2b - fb * m2a) / fn
-    m4 = (
-        m4a
-        + m4b
-        + d**4 * fa * fb * (fa * fa - fa * fb + fb * fb) / fn**3
-        + 6.0 * d * d * (fa * fa * m2b + fb * fb * m2a) / fn**2
-        + 4.0 * d * (fa * m3b - fb * m3a) / fn
-    )
-    return n, mean, m2, m3, m4
-
-
 _TINY_S2 = 2.0**-50  # rows with mean squared deviation below this are redone in float64 (float32 underflow)
 
 
@@ -284,7 +270,7 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
     return n, s, m2, m3, m4
 
 
-def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> Moments:
+def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> MomentSums:
     """Central moments of the union of rows from per-row (n, sum, M2, M3, M4): shift each row's sums from
     its mean to the overall mean (delta = row mean - mean; Sum (e + delta)^k with Sum e = 0), in float64."""
     total = float(n.sum())
@@ -309,51 +295,16 @@ def _histogram_bar(dense: torch.Tensor, k: int) -> tuple[float | None, int]:
     chunk's dense histogram; (None, 0) when the k-th largest magnitude lies in the zero bin (or k < 1)."""
     if k < 1:
         return None, 0
-    mag = dense.view(2, _SLOTS).sum(0)
+    mag = dense.view(2, SLOTS).sum(0)
     from_top = mag[1:].flip(0).cumsum(0)
     i = int(torch.searchsorted(from_top, k))
     if i >= N_BINS:
         return None, 0
     slot = N_BINS - i  # 1-based slot of bin I_LO + slot - 1
-    return _EDGES[slot - 1], int(from_top[i])
+    return EDGES[slot - 1], int(from_top[i])
 
 
 # ------------------------------------------------------------------------------------- top-k entries
-def _entry_key(entry: dict[str, Any]) -> tuple:
-    """The total order of top-k / massive entries: descending |x|, then (site, sample, layout coordinates in
-    layout order, absolute positions), then the signed value (only to make exact duplicates deterministic)."""
-    loc = entry["loc"]
-    coords = tuple(v for k, v in loc.items() if k in _COORDS)  # locations are built in layout order
-    return (-entry["abs"], loc["site"], loc["sample"], *coords, entry["value"])
-
-
-def _earlier_nonfinite(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The earlier of two first-non-finite records (sample, then coordinates, then site)."""
-    if a is None or b is None:
-        return a or b
-
-    def key(entry: dict[str, Any]) -> tuple:
-        loc = entry["loc"]
-        return (loc["sample"], *(v for k, v in loc.items() if k in _COORDS), loc["site"])
-
-    return a if key(a) <= key(b) else b
-
-
-def _copy_entry(entry: dict[str, Any], loc: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A copy of an entry ({abs, value, loc} or a first-non-finite {value, loc}): its values are scalars and
-    ``loc`` a flat dict of scalars, so two levels are a deep copy (copy.deepcopy was 10 % of a profile run).
-    ``loc`` (optional) overrides location keys (another site seeing the same tensor)."""
-    return {k: ({**v, **(loc or {})} if isinstance(v, dict) else v) for k, v in entry.items()}
-
-
-def _copy_entries(entries: list[dict[str, Any]], loc: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    return [_copy_entry(e, loc) for e in entries]
-
-
-def _merge_entries(a: list[dict], b: list[dict], cap: int) -> list[dict]:
-    return sorted(a + b, key=_entry_key)[:cap]
-
-
 def _first_true(mask: torch.Tensor, need: int) -> torch.Tensor:
     """Flat indices of the first ``need`` True entries of 1-D ``mask``, scanning in chunks so that a tensor full
     of ties (e.g. all zeros) does not materialise millions of indices."""
@@ -395,6 +346,10 @@ def _select(
 class SiteStats:
     """Streaming statistics of the activations seen at one site (see the module docstring for definitions).
 
+    The state is one accumulator per statistic (diffquant/profile/accumulators.py); :meth:`update` makes one
+    pass over the tensor (flat values, magnitudes, histogram computed once) and feeds each of them, while
+    :meth:`merge`, :meth:`to_dict` and :meth:`from_dict` loop over them.
+
     Args:
         site: site name (``layers.3.attn.logits``); locations report it and its layer.
         kind: site kind (``q``, ``logits``, ``resid``, ``lambda`` ...), which fixes the tensor layout.
@@ -411,27 +366,99 @@ class SiteStats:
         self.topk = int(topk)
         self.massive_cap = int(massive_cap)
         self.layout: Layout | None = None  # known after the first update
-        self.count = 0  # finite, valid values
-        self.first_nonfinite: dict[str, Any] | None = None  # earliest NaN / Inf entry: {value, loc}
-        self.nan_count = 0
-        self.posinf_count = 0
-        self.neginf_count = 0
-        self.min: float | None = None
-        self.max: float | None = None
-        self._moments: Moments = (0, 0.0, 0.0, 0.0, 0.0)
-        self._tk_sum = 0.0  # sum of per-token kurtosis
-        self._tk_tokens = 0
-        self._tk_skipped = 0  # tokens with a non-finite / invalid channel or zero variance
-        self._top: list[dict[str, Any]] = []
-        self._hist_zero = 0  # |x| < 2^-126
-        self._hist_pos: dict[int, int] = {}
-        self._hist_neg: dict[int, int] = {}
-        self._pending: torch.Tensor | None = None  # dense bin counts of updates not yet folded into the dicts
-        self._absmax: torch.Tensor | None = None  # float64, CPU, flattened
-        self._absmax_shape: tuple[int, ...] | None = None
-        self.count_abs_ge_6 = 0
-        self.count_abs_gt_100 = 0
-        self._massive: list[dict[str, Any]] = []
+        self._absmax_acc = ChannelAbsMax(site)
+        self._moments_acc = Moments()
+        self._nonfinite = NonFinite()
+        self._tk = TokenKurtosis()
+        self._top_acc = TopK(self.topk)
+        self._hist = LogHistogram()
+        self._thresholds = ThresholdCounts()
+        self._massive_acc = Massive(self.massive_cap)
+
+    def _accumulators(self) -> tuple[Accumulator, ...]:
+        """Every accumulator, in the order of :data:`~diffquant.profile.accumulators.ACCUMULATORS`."""
+        return (
+            self._absmax_acc,
+            self._moments_acc,
+            self._nonfinite,
+            self._tk,
+            self._top_acc,
+            self._hist,
+            self._thresholds,
+            self._massive_acc,
+        )
+
+    # ------------------------------------------------------------------------- state, by statistic
+    @property
+    def count(self) -> int:
+        """Finite, valid values seen."""
+        return self._moments_acc.count
+
+    @property
+    def min(self) -> float | None:
+        return self._moments_acc.min
+
+    @property
+    def max(self) -> float | None:
+        return self._moments_acc.max
+
+    @property
+    def _moments(self) -> MomentSums:
+        return self._moments_acc.sums
+
+    @property
+    def nan_count(self) -> int:
+        return self._nonfinite.nan
+
+    @property
+    def posinf_count(self) -> int:
+        return self._nonfinite.posinf
+
+    @property
+    def neginf_count(self) -> int:
+        return self._nonfinite.neginf
+
+    @property
+    def first_nonfinite(self) -> dict[str, Any] | None:
+        """The earliest NaN / Inf entry: {value, loc}."""
+        return self._nonfinite.first
+
+    @property
+    def count_abs_ge_6(self) -> int:
+        return self._thresholds.ge6
+
+    @property
+    def count_abs_gt_100(self) -> int:
+        return self._massive_acc.count
+
+    @property
+    def _top(self) -> list[dict[str, Any]]:
+        return self._top_acc.entries
+
+    @property
+    def _massive(self) -> list[dict[str, Any]]:
+        return self._massive_acc.entries
+
+    @property
+    def _absmax(self) -> torch.Tensor | None:
+        """Channel abs-max, float64, CPU, flattened."""
+        return self._absmax_acc.amax
+
+    @property
+    def _absmax_shape(self) -> tuple[int, ...] | None:
+        return self._absmax_acc.shape
+
+    @property
+    def _zero(self) -> int:
+        return self._hist.zero
+
+    @property
+    def _pos(self) -> dict[int, int]:
+        return self._hist.pos
+
+    @property
+    def _neg(self) -> dict[int, int]:
+        return self._hist.neg
 
     # ------------------------------------------------------------------------------------- update
     def update(
@@ -481,9 +508,7 @@ class SiteStats:
             if vflat is not None:
                 special = [m & vflat for m in special]
             n_nan, n_pinf, n_ninf = torch.stack([torch.count_nonzero(m) for m in special]).tolist()
-            self.nan_count += n_nan
-            self.posinf_count += n_pinf
-            self.neginf_count += n_ninf
+            self._nonfinite.add(n_nan, n_pinf, n_ninf)
             vmask = None if vflat is None else vflat.view(shape)
             self._note_nonfinite(
                 x, finite.view(shape), vmask, valid, layout, tokens, sample_offset, pos_offset
@@ -496,39 +521,35 @@ class SiteStats:
         per_token = bool(layout) and layout[-1] == "channel"
         if n_ok == 0:
             if per_token:  # every token has a non-finite / masked channel (or no channels)
-                self._tk_skipped += math.prod(shape[:-1])
+                self._tk.skip(math.prod(shape[:-1]))
             return
 
-        self.count += n_ok
-        self.min = lo if self.min is None else min(self.min, lo)
-        self.max = hi if self.max is None else max(self.max, hi)
+        self._moments_acc.add_extremes(n_ok, lo, hi)
         dense, ge6, ge100 = _histogram(flat, ok)
-        self._pending = dense if self._pending is None else self._pending.add_(dense)
-        self.count_abs_ge_6 += ge6
+        self._hist.add_dense(dense)
+        self._thresholds.add(ge6)
 
         width = shape[-1] if shape else 1
         rows = flat.view(-1, width)
         row_ok = None if ok is None else ok.view(-1, width)
         n_r, s_r, m2_r, m3_r, m4_r = _row_moments(rows, row_ok)
-        self._moments = _combine_moments(self._moments, _combine_rows(n_r, s_r, m2_r, m3_r, m4_r))
+        self._moments_acc.add_sums(_combine_rows(n_r, s_r, m2_r, m3_r, m4_r))
         if per_token:
-            self._update_token_kurtosis(n_r, m2_r, m4_r, width)
+            self._tk.add_rows(n_r, m2_r, m4_r, width)
 
         qpos = None
         if valid is not None and "key" in layout:
             qpos = query_positions(valid).tolist()
         where = (flat, shape, layout, qpos, tokens, sample_offset, pos_offset)
         bar, n_bar = _histogram_bar(dense, self.topk)
-        top = self._entries(_select(af_flat, self.topk, -0.5, n_ok, bar, n_bar), *where)
-        self._top = _merge_entries(self._top, top, self.topk)
+        self._top_acc.add(self._entries(_select(af_flat, self.topk, -0.5, n_ok, bar, n_bar), *where))
         if ge100:  # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
             cand = (af_flat > MASSIVE_FLOOR).nonzero().squeeze(1)
             gt100 = cand.numel()
-            self.count_abs_gt_100 += gt100
+            self._massive_acc.add_count(gt100)
             if gt100:
                 pick = cand[_select(af_flat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
-                massive = self._entries(pick, *where)
-                self._massive = _merge_entries(self._massive, massive, self.massive_cap)
+                self._massive_acc.add(self._entries(pick, *where))
 
     def _update_map(
         self,
@@ -572,16 +593,14 @@ class SiteStats:
         reduce = [i for i, d in enumerate(layout[:-2]) if d != "head"] + [len(lead)]
         keep = tuple(n for n, d in zip(lead, layout, strict=False) if d == "head")
         amax = af.view(*lead, width).amax(dim=reduce) if reduce else af
-        self._merge_absmax(amax.to("cpu", torch.float64).reshape(-1), keep)
+        self._absmax_acc.add(amax.to("cpu", torch.float64).reshape(-1), keep)
 
-        self.count += n_ok
-        self.min = lo if self.min is None else min(self.min, lo)
-        self.max = hi if self.max is None else max(self.max, hi)
+        self._moments_acc.add_extremes(n_ok, lo, hi)
         vflat = vals.view(-1)
         dense, ge6, ge100 = _histogram(vflat, None)
-        self._pending = dense if self._pending is None else self._pending.add_(dense)
-        self.count_abs_ge_6 += ge6
-        self._moments = _combine_moments(self._moments, _combine_rows(*_row_moments(vals, None)))
+        self._hist.add_dense(dense)
+        self._thresholds.add(ge6)
+        self._moments_acc.add_sums(_combine_rows(*_row_moments(vals, None)))
 
         def to_flat(ci: torch.Tensor) -> torch.Tensor:  # gathered flat index -> the chunk's flat index
             return torch.div(ci, width, rounding_mode="floor") * (t * s) + visible[ci % width]
@@ -590,16 +609,14 @@ class SiteStats:
         where = (flat, tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
         aflat = af.view(-1)
         bar, n_bar = _histogram_bar(dense, self.topk)
-        top = self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where)
-        self._top = _merge_entries(self._top, top, self.topk)
+        self._top_acc.add(self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where))
         if ge100:
             cand = (aflat > MASSIVE_FLOOR).nonzero().squeeze(1)
             gt100 = cand.numel()
-            self.count_abs_gt_100 += gt100
+            self._massive_acc.add_count(gt100)
             if gt100:
                 pick = cand[_select(aflat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
-                massive = self._entries(to_flat(pick), *where)
-                self._massive = _merge_entries(self._massive, massive, self.massive_cap)
+                self._massive_acc.add(self._entries(to_flat(pick), *where))
         return True
 
     def _note_nonfinite(self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset) -> None:
@@ -616,7 +633,7 @@ class SiteStats:
             "value": "nan" if value != value else ("inf" if value > 0 else "-inf"),
             "loc": entry["loc"],
         }
-        self.first_nonfinite = _earlier_nonfinite(self.first_nonfinite, candidate)
+        self._nonfinite.note(candidate)
 
     def _update_absmax(self, af: torch.Tensor, layout: Layout) -> None:
         """SmoothQuant act_scales: max |x| over every dim but head / channel (excluded entries count as 0)."""
@@ -628,38 +645,7 @@ class SiteStats:
             amax = torch.zeros(keep, dtype=torch.float64)
         else:
             amax = (af.amax(dim=reduce) if reduce else af).clamp_min(0.0).to("cpu", torch.float64)
-        self._merge_absmax(amax.reshape(-1), keep)
-
-    def _merge_absmax(
-        self, amax: torch.Tensor | None, shape: tuple[int, ...] | None, other: str = ""
-    ) -> None:
-        if amax is None:
-            return
-        if self._absmax is None:
-            self._absmax, self._absmax_shape = amax.clone(), shape
-        elif self._absmax_shape != shape:
-            raise ValueError(
-                f"site {self.site!r}: channel abs-max shape {self._absmax_shape} does not match "
-                f"{shape}{f' of site {other!r}' if other else ''}"
-            )
-        else:
-            torch.maximum(self._absmax, amax, out=self._absmax)
-
-    def _update_token_kurtosis(self, n: torch.Tensor, m2: torch.Tensor, m4: torch.Tensor, width: int) -> None:
-        """Bondarenko et al. 2023: Pearson kurtosis of each token's vector over channels, summed over tokens,
-        from the per-row central sums of :func:`_row_moments`.
-
-        A token is skipped when a channel is non-finite / masked (n < width) or all its channels are equal
-        (M2 == 0: exact, a constant row is centred at its exact value).
-        """
-        keep = (n == width) & (m2 > 0)
-        kurt = m4 * width / (m2 * m2)  # (m4 / c) / (m2 / c)^2
-        total, kept = torch.stack(
-            [torch.where(keep, kurt, 0.0).sum(), keep.sum(dtype=torch.float64)]
-        ).tolist()
-        self._tk_sum += total
-        self._tk_tokens += int(kept)
-        self._tk_skipped += n.numel() - int(kept)
+        self._absmax_acc.add(amax.reshape(-1), keep)
 
     def _entries(
         self,
@@ -725,32 +711,13 @@ class SiteStats:
         if other._absmax is not None:
             if self.layout is not None and self._absmax is None:
                 raise ValueError(f"site {self.site!r}: has no channel abs-max, site {other.site!r} has one")
-            self._merge_absmax(other._absmax, other._absmax_shape, other.site)
         elif other.layout is not None and self._absmax is not None:
             raise ValueError(f"site {self.site!r}: has a channel abs-max, site {other.site!r} has none")
+        self._absmax_acc.merge(other._absmax_acc)  # first: its shape check raises before any change
         if self.layout is None:
             self.layout = other.layout
-        self.count += other.count
-        self.nan_count += other.nan_count
-        self.posinf_count += other.posinf_count
-        self.neginf_count += other.neginf_count
-        nonfinite = other.first_nonfinite
-        nonfinite = None if nonfinite is None else _copy_entry(nonfinite, loc)
-        self.first_nonfinite = _earlier_nonfinite(self.first_nonfinite, nonfinite)
-        if other.min is not None:
-            self.min = other.min if self.min is None else min(self.min, other.min)
-            self.max = other.max if self.max is None else max(self.max, other.max)
-        self._moments = _combine_moments(self._moments, other._moments)
-        self._tk_sum += other._tk_sum
-        self._tk_tokens += other._tk_tokens
-        self._tk_skipped += other._tk_skipped
-        self._top = _merge_entries(self._top, _copy_entries(other._top, loc), self.topk)
-        self._hist_zero = self._zero + other._zero  # the properties fold pending counts first
-        _add_counts(self._pos, other._pos)
-        _add_counts(self._neg, other._neg)
-        self.count_abs_ge_6 += other.count_abs_ge_6
-        self.count_abs_gt_100 += other.count_abs_gt_100
-        self._massive = _merge_entries(self._massive, _copy_entries(other._massive, loc), self.massive_cap)
+        for mine, theirs in zip(self._accumulators()[1:], other._accumulators()[1:], strict=True):
+            mine.merge(theirs, loc)
         return self
 
     @classmethod
@@ -769,8 +736,11 @@ class SiteStats:
 
     # ------------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        """The whole state as plain JSON types (histogram bins as string keys, sparse)."""
-        n, mean, m2, m3, m4 = self._moments
+        """The whole state as plain JSON types (histogram bins as string keys, sparse): the header, then each
+        accumulator's fields, in the order of ``_FIELDS``."""
+        fields: dict[str, Any] = {}
+        for acc in self._accumulators():
+            fields.update(acc.to_dict())
         return {
             "version": STATE_VERSION,
             "site": self.site,
@@ -778,117 +748,49 @@ class SiteStats:
             "topk": self.topk,
             "massive_cap": self.massive_cap,
             "layout": None if self.layout is None else list(self.layout),
-            "count": self.count,
-            "nan_count": self.nan_count,
-            "posinf_count": self.posinf_count,
-            "neginf_count": self.neginf_count,
-            "first_nonfinite": None if self.first_nonfinite is None else _copy_entry(self.first_nonfinite),
-            "min": self.min,
-            "max": self.max,
-            "moments": {"n": n, "mean": mean, "m2": m2, "m3": m3, "m4": m4},
-            "token_kurtosis": {"sum": self._tk_sum, "tokens": self._tk_tokens, "skipped": self._tk_skipped},
-            "top": _copy_entries(self._top),
-            "hist": {
-                "base": R,
-                "bins_per_octave": BINS_PER_OCTAVE,
-                "fine_bits": FINE_BITS,
-                "zero": self._zero,
-                "pos": {str(j): self._pos[j] for j in sorted(self._pos)},
-                "neg": {str(j): self._neg[j] for j in sorted(self._neg)},
-            },
-            "channel_absmax": None if self._absmax is None else self._absmax.tolist(),
-            "channel_absmax_shape": None if self._absmax_shape is None else list(self._absmax_shape),
-            "count_abs_ge_6": self.count_abs_ge_6,
-            "count_abs_gt_100": self.count_abs_gt_100,
-            "massive": _copy_entries(self._massive),
+            **{name: fields[name] for name in _FIELDS},
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SiteStats:
         """Inverse of :meth:`to_dict` (also after a JSON round trip)."""
-        hist = d.get("hist", {})
-        if (
-            d.get("version") != STATE_VERSION
-            or hist.get("base") != R
-            or (hist.get("bins_per_octave"), hist.get("fine_bits")) != (BINS_PER_OCTAVE, FINE_BITS)
-        ):
+        if not LogHistogram.supports(d):
             raise ValueError(
                 f"site {d.get('site')!r}: unsupported statistics state (version / histogram base)"
             )
         s = cls(d["site"], d["kind"], topk=d["topk"], massive_cap=d["massive_cap"])
         s.layout = None if d["layout"] is None else tuple(d["layout"])
-        s.count, s.nan_count = d["count"], d["nan_count"]
-        s.posinf_count, s.neginf_count = d["posinf_count"], d["neginf_count"]
-        s.first_nonfinite = copy.deepcopy(d.get("first_nonfinite"))  # absent in older profiles
-        s.min, s.max = d["min"], d["max"]
-        m = d["moments"]
-        s._moments = (m["n"], m["mean"], m["m2"], m["m3"], m["m4"])
-        tk = d["token_kurtosis"]
-        s._tk_sum, s._tk_tokens, s._tk_skipped = tk["sum"], tk["tokens"], tk["skipped"]
-        s._top = _copy_entries(d["top"])
-        s._hist_zero = d["hist"]["zero"]
-        s._hist_pos = {int(j): n for j, n in d["hist"]["pos"].items()}
-        s._hist_neg = {int(j): n for j, n in d["hist"]["neg"].items()}
-        if d["channel_absmax"] is not None:
-            s._absmax = torch.tensor(d["channel_absmax"], dtype=torch.float64)
-            s._absmax_shape = tuple(d["channel_absmax_shape"])
-        s.count_abs_ge_6, s.count_abs_gt_100 = d["count_abs_ge_6"], d["count_abs_gt_100"]
-        s._massive = _copy_entries(d["massive"])
+        (
+            s._absmax_acc,
+            s._moments_acc,
+            s._nonfinite,
+            s._tk,
+            s._top_acc,
+            s._hist,
+            s._thresholds,
+            s._massive_acc,
+        ) = (acc.from_dict(d) for acc in ACCUMULATORS)
         return s
-
-    # ------------------------------------------------------------------------------- histogram state
-    def _flush(self) -> None:
-        """Fold the dense counts of recent updates into the sparse {bin: count} dicts (done lazily, so an
-        update adds one dense tensor instead of building dicts)."""
-        if self._pending is None:
-            return
-        dense, self._pending = self._pending, None
-        nz = dense.nonzero().squeeze(1)
-        for slot, n in zip(nz.tolist(), dense[nz].tolist(), strict=True):
-            if slot == 0:
-                self._hist_zero += n
-            elif slot < _SLOTS:
-                j = I_LO + slot - 1
-                self._hist_pos[j] = self._hist_pos.get(j, 0) + n
-            else:
-                j = I_LO + slot - _SLOTS - 1
-                self._hist_neg[j] = self._hist_neg.get(j, 0) + n
-
-    @property
-    def _zero(self) -> int:
-        self._flush()
-        return self._hist_zero
-
-    @property
-    def _pos(self) -> dict[int, int]:
-        self._flush()
-        return self._hist_pos
-
-    @property
-    def _neg(self) -> dict[int, int]:
-        self._flush()
-        return self._hist_neg
 
     # ---------------------------------------------------------------------------- derived numbers
     @property
     def n_bins(self) -> int:
         """Occupied histogram bins (at most 2 * N_BINS + 1: the memory bound of the histogram)."""
-        return len(self._pos) + len(self._neg) + (1 if self._zero else 0)
+        return self._hist.n_bins
 
     @property
     def mean(self) -> float | None:
-        return self._moments[1] if self.count else None
+        return self._moments_acc.mean
 
     @property
     def std(self) -> float | None:
         """Population standard deviation."""
-        return math.sqrt(self._moments[2] / self.count) if self.count else None
+        return self._moments_acc.std
 
     @property
     def kurtosis(self) -> float | None:
         """Pearson kurtosis n * M4 / M2^2 (3 for a Gaussian); None without variance."""
-        n, _, m2, _, m4 = self._moments
-        return n * m4 / (m2 * m2) if n and m2 > 0 else None
+        return self._moments_acc.kurtosis
 
     def quantile(self, q: float) -> float:
         """Quantile of |x| (inverted CDF: the value of rank ceil(q * count) among the sorted magnitudes).
@@ -901,30 +803,12 @@ class SiteStats:
             raise ValueError(f"quantile: q must be in [0, 1], got {q}")
         if self.count == 0:
             return math.nan
-        rank = max(1, math.ceil(q * self.count))  # float product, as numpy's method="inverted_cdf"
-        seen = self._zero
-        if seen >= rank:
-            return 0.0
-        for j in sorted(set(self._pos) | set(self._neg)):
-            seen += self._pos.get(j, 0) + self._neg.get(j, 0)
-            if seen >= rank:
-                return bin_midpoint(j)
-        raise AssertionError("histogram counts do not add up to count")  # pragma: no cover
+        return self._hist.quantile(q, self.count)
 
     def histogram(self, side: str = "abs") -> tuple[list[float], list[int]]:
         """(edges, counts) of the log bins of ``side`` ('pos', 'neg': magnitudes of negative values, 'abs'),
         dense over the occupied range: len(edges) == len(counts) + 1. The zero bin is :attr:`zero_count`."""
-        if side not in ("pos", "neg", "abs"):
-            raise ValueError(f"histogram side must be 'pos', 'neg' or 'abs', got {side!r}")
-        bins = {"pos": self._pos, "neg": self._neg}.get(side)
-        if bins is None:
-            bins = dict(self._pos)
-            _add_counts(bins, self._neg)
-        if not bins:
-            return [], []
-        lo, hi = min(bins), max(bins)
-        edges = _EDGES[lo - I_LO : hi - I_LO + 2]
-        return edges, [bins.get(j, 0) for j in range(lo, hi + 1)]
+        return self._hist.histogram(side)
 
     def signed_histogram(self) -> dict[str, Any]:
         """For plotting: {'pos': (edges, counts), 'neg': (edges, counts), 'zero': count}; negative-side
@@ -943,15 +827,11 @@ class SiteStats:
         mean, std = self.mean, self.std
         if std == 0:
             return 0
-        thr = sigmas * std
-        n = self._zero if abs(mean) > thr else 0
-        n += sum(c for j, c in self._pos.items() if abs(bin_midpoint(j) - mean) > thr)
-        n += sum(c for j, c in self._neg.items() if abs(-bin_midpoint(j) - mean) > thr)
-        return n
+        return self._hist.count_beyond(mean, sigmas * std)
 
     def kth_largest(self, k: int) -> float | None:
         """k-th largest magnitude (1-based), None if fewer than k values were kept."""
-        return self._top[k - 1]["abs"] if 1 <= k <= len(self._top) else None
+        return self._top_acc.kth_largest(k)
 
     def massive(self) -> tuple[list[dict[str, Any]], int, bool]:
         """(massive activations, their count, whether that count is exact) per Sun et al. 2024:
@@ -960,19 +840,11 @@ class SiteStats:
         The count is exact when the 1000 x median bar is at most 100 (then every candidate counts) or when not
         every kept candidate passes the bar (kept candidates are the largest); otherwise it is a lower bound.
         """
-        median = self.quantile(0.5) if self.count else 0.0
-        bar = max(MASSIVE_FLOOR, MASSIVE_RATIO * median)
-        chosen = [_copy_entry(e) for e in self._massive if e["abs"] > bar]
-        if bar == MASSIVE_FLOOR:
-            return chosen, self.count_abs_gt_100, True
-        truncated = self.count_abs_gt_100 > len(self._massive)
-        exact = not truncated or len(chosen) < len(self._massive)
-        return chosen, len(chosen), exact
+        return self._massive_acc.select(self.quantile(0.5) if self.count else 0.0)
 
     def summary(self) -> dict[str, Any]:
         """The derived numbers (plain Python types; None where undefined)."""
         massive, massive_count, massive_exact = self.massive()
-        tk = self._tk_sum / self._tk_tokens if self._tk_tokens else None
         quant = {
             name: (self.quantile(q) if self.count else None)
             for name, q in (("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
@@ -985,16 +857,16 @@ class SiteStats:
             "nan_count": self.nan_count,
             "posinf_count": self.posinf_count,
             "neginf_count": self.neginf_count,
-            "first_nonfinite": None if self.first_nonfinite is None else _copy_entry(self.first_nonfinite),
+            "first_nonfinite": None if self.first_nonfinite is None else copy_entry(self.first_nonfinite),
             "min": self.min,
             "max": self.max,
             "mean": self.mean,
             "std": self.std,
             "kurtosis": self.kurtosis,
-            "token_kurtosis_mean": tk,
-            "token_kurtosis_tokens": self._tk_tokens,
-            "token_kurtosis_skipped": self._tk_skipped,
-            "top": _copy_entries(self._top),
+            "token_kurtosis_mean": self._tk.mean,
+            "token_kurtosis_tokens": self._tk.tokens,
+            "token_kurtosis_skipped": self._tk.skipped,
+            "top": copy_entries(self._top),
             **{f"top{k}": self.kth_largest(k) for k in (1, 2, 3, 10, 100)},
             **quant,
             "count_abs_ge_6": self.count_abs_ge_6,
@@ -1002,8 +874,30 @@ class SiteStats:
             "count_abs_gt_100": self.count_abs_gt_100,
             "massive_count": massive_count,
             "massive_count_exact": massive_exact,
-            "massive_truncated": self.count_abs_gt_100 > len(self._massive),
+            "massive_truncated": self._massive_acc.truncated,
             "massive": massive,
             "channel_absmax": None if self._absmax is None else self._absmax.tolist(),
             "channel_absmax_shape": None if self._absmax_shape is None else list(self._absmax_shape),
         }
+
+
+# The accumulators' fields in the order of a SiteStats state (to_dict), after its header.
+_FIELDS = (
+    "count",
+    "nan_count",
+    "posinf_count",
+    "neginf_count",
+    "first_nonfinite",
+    "min",
+    "max",
+    "moments",
+    "token_kurtosis",
+    "top",
+    "hist",
+    "channel_absmax",
+    "channel_absmax_shape",
+    "count_abs_ge_6",
+    "count_abs_gt_100",
+    "massive",
+)
+assert sorted(_FIELDS) == sorted(f for acc in ACCUMULATORS for f in acc.FIELDS)

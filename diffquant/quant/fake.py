@@ -13,10 +13,10 @@ from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.sites import layout_of
+from diffquant.quant.observers import AbsMaxObserver, MSEObserver, PercentileObserver, clip_observer
 from diffquant.quant.schemes import (
     Scheme,
     apply_scale,
-    masked_absmax,
     quantize_dynamic,
     quantize_dynamic_finite,
     scale_from_absmax,
@@ -27,9 +27,6 @@ WEIGHT_LAYOUT = ("out", "in")
 # Fast path of dynamic symmetric schemes on CPU (quantize_dynamic_finite: same numbers); tests turn it off to
 # compare with the general path.
 FAST = True
-# Log2-spaced calibration histogram: 64 bins per octave over [2^-40, 2^40) (relative bin width 1.1 %).
-_HIST_LO, _HIST_HI, _HIST_PER_OCTAVE = -40, 40, 64
-_HIST_BINS = (_HIST_HI - _HIST_LO) * _HIST_PER_OCTAVE
 
 
 class FakeQuant(nn.Module):
@@ -45,8 +42,7 @@ class FakeQuant(nn.Module):
         self._nan_host = 0
         self._nan_device: torch.Tensor | None = None  # NaNs counted on the input's device, read lazily
         self.calibrating = False
-        self._amax: torch.Tensor | None = None
-        self._hist: torch.Tensor | None = None
+        self._reset_observers()
         self._weight_cache: tuple[tuple, torch.Tensor] | None = None
 
     @property
@@ -139,92 +135,35 @@ class FakeQuant(nn.Module):
         return layout_of(self.kind, x)
 
     # ----------------------------------------------------------------------------- calibration
+    def _reset_observers(self) -> None:
+        """Fresh calibration observers (diffquant/quant/observers.py): the abs-max, and for percentile / MSE
+        calibration the log2 histogram that picks a clip below it."""
+        self._absmax_observer = AbsMaxObserver()
+        self._clip_observer: PercentileObserver | MSEObserver | None = clip_observer(self.scheme)
+
     def start_calibration(self) -> None:
         self.calibrating = True
-        self._amax = None
-        self._hist = None
+        self._reset_observers()
 
     def _observe(self, x: torch.Tensor, valid: torch.Tensor | None) -> None:
         if not self.scheme.is_static:
             return
-        layout = self._layout(x)
-        keep = static_dims(layout, self.scheme.granularity, weight=self.kind == "weight")
-        dims = tuple(i for i in range(x.dim()) if i not in keep)
-        amax = masked_absmax(x, dims, valid)
-        self._amax = amax if self._amax is None else torch.maximum(self._amax, amax)
-        if self.scheme.calibration in ("percentile", "mse"):
-            self._observe_histogram(x, keep, valid)
-
-    def _observe_histogram(self, x: torch.Tensor, keep: tuple[int, ...], valid: torch.Tensor | None) -> None:
-        mag = x.detach().abs().float()
-        ok = torch.isfinite(mag) & (mag > 0)
-        if valid is not None:
-            ok = ok & valid
-        groups = 1 if not keep else x.shape[keep[0]]
-        if keep:  # one histogram per head: move the kept dim first
-            mag, ok = mag.movedim(keep[0], 0).reshape(groups, -1), ok.movedim(keep[0], 0).reshape(groups, -1)
-        else:
-            mag, ok = mag.reshape(1, -1), ok.reshape(1, -1)
-        bins = torch.floor((torch.log2(mag.clamp_min(2.0**_HIST_LO)) - _HIST_LO) * _HIST_PER_OCTAVE)
-        bins = (
-            bins.clamp(0, _HIST_BINS - 1).long() + torch.arange(groups, device=x.device)[:, None] * _HIST_BINS
-        )
-        counts = torch.bincount(bins[ok], minlength=groups * _HIST_BINS).reshape(groups, _HIST_BINS)
-        self._hist = counts if self._hist is None else self._hist + counts
+        keep = static_dims(self._layout(x), self.scheme.granularity, weight=self.kind == "weight")
+        self._absmax_observer.observe(x, valid, keep)
+        if self._clip_observer is not None:
+            self._clip_observer.observe(x, valid, keep)
 
     def finish_calibration(self) -> None:
         """Fix the static scale from what was observed (absmax, percentile clip or MSE-optimal clip)."""
         self.calibrating = False
         if not self.scheme.is_static:
             return
-        if self._amax is None:
+        amax = self._absmax_observer.clip()
+        if amax is None:
             raise DiffquantError(
                 f"{self.site}: calibration saw no data (did the forward pass reach this site?)"
             )
-        amax = self._amax
-        element = self.scheme.element
-        if self.scheme.calibration == "percentile":
-            amax = _percentile_clip(self._hist, self.scheme.percentile).to(amax.dtype).reshape(amax.shape)
-        elif self.scheme.calibration == "mse":
-            amax = _mse_clip(self._hist, amax.reshape(-1), element).to(amax.dtype).reshape(amax.shape)
-        self.scale = scale_from_absmax(amax, element, self.scheme)  # never 0, even if amax / qmax underflows
-        self._amax = self._hist = None
-
-
-def _bin_upper_edges(device: torch.device) -> torch.Tensor:
-    j = torch.arange(1, _HIST_BINS + 1, dtype=torch.float64, device=device)
-    return torch.exp2(_HIST_LO + j / _HIST_PER_OCTAVE)
-
-
-def _bin_midpoints(device: torch.device) -> torch.Tensor:
-    j = torch.arange(_HIST_BINS, dtype=torch.float64, device=device) + 0.5
-    return torch.exp2(_HIST_LO + j / _HIST_PER_OCTAVE)
-
-
-def _percentile_clip(hist: torch.Tensor, percentile: float) -> torch.Tensor:
-    """Per group: the upper edge of the bin holding the percentile rank of |x| (so the clip covers it)."""
-    cum = hist.cumsum(dim=1).double()
-    total = cum[:, -1:].clamp_min(1)
-    rank = torch.ceil(total * percentile / 100.0)
-    idx = torch.searchsorted(cum.contiguous(), rank.contiguous()).clamp_max(_HIST_BINS - 1)
-    return _bin_upper_edges(hist.device)[idx.squeeze(1)]
-
-
-def _mse_clip(hist: torch.Tensor, amax: torch.Tensor, element, n_grid: int = 100) -> torch.Tensor:
-    """Per group: the clip c = amax * r (r on a grid in (0, 1]) minimising the histogram's expected
-    squared quantization error, each bin represented by its midpoint (MSE-optimal clipping, as in
-    Banner et al. 2019 / Sung et al. 2015, searched numerically against the actual codebook)."""
-    mids = _bin_midpoints(hist.device).float()
-    ratios = torch.linspace(1.0 / n_grid, 1.0, n_grid, device=hist.device)
-    best = []
-    for g in range(hist.shape[0]):
-        if amax[g] <= 0:
-            best.append(amax[g])
-            continue
-        used = hist[g] > 0
-        m, w = mids[used], hist[g][used].float()
-        clips = amax[g].float() * ratios  # (n_grid,)
-        scales = (clips / element.max_value)[:, None]
-        err = (element.round(m[None, :] / scales) * scales - m[None, :]).pow(2) @ w
-        best.append(clips[int(torch.argmin(err))])
-    return torch.stack(best)
+        if self._clip_observer is not None:
+            amax = self._clip_observer.clip(amax)
+        self.scale = scale_from_absmax(amax, self.scheme.element, self.scheme)  # never 0, even on underflow
+        self._reset_observers()

@@ -16,37 +16,61 @@ A plan is a list of rules and an optional real backend::
     smooth: {alpha: 0.5}                  # optional: SmoothQuant smoothing before calibration (fake-quant only)
 
 ``apply_plan`` inserts FakeQuant modules at the matching taps and weights (weights are quantized once and
-cached), and swaps matching Linears for the backend's layers, keeping their input taps. ``calibrate``
-smooths first when the plan says so (act-scales on the calibration windows, see
-:mod:`diffquant.quant.smoothquant`), then observes static scales.
+cached), and swaps matching Linears for the backend's layers, keeping their input taps. This module holds
+the schema and ``apply_plan``; re-exported from their own modules: the shipped presets as data
+(:mod:`~diffquant.quant.presets`; ``PRESETS``, ``preset``), ``calibrate``
+(:mod:`~diffquant.quant.calibrate`: smooths first when the plan says so, then observes static scales) and
+``BackendLinear`` with the module lookups (:mod:`~diffquant.quant.modules`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear
 from diffquant.models.taps import Tap, select_taps
-from diffquant.progress import progress
-from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, to_bnb
-from diffquant.quant.backends.quanto import quanto_calibration, to_quanto
+from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, BNB_MODES
+from diffquant.quant.backends.quanto import QUANTO_ACTIVATIONS, QUANTO_WEIGHTS
+from diffquant.quant.calibrate import calibrate
 from diffquant.quant.fake import FakeQuant
+from diffquant.quant.modules import (
+    BackendLinear,
+    apply_backend,
+    fake_quantizers,
+    linear_modules,
+    nan_counts,
+    quantized_taps,
+)
+from diffquant.quant.presets import PRESETS, preset_data
 from diffquant.quant.schemes import Scheme, is_number, type_name
 from diffquant.textfiles import read_yaml_file
 
+# Re-exported: the import path of calibration, the presets and the module lookups stays quant.plan.
+__all__ = [
+    "BACKENDS",
+    "PRESETS",
+    "BackendLinear",
+    "BackendSpec",
+    "QuantPlan",
+    "Rule",
+    "SmoothSpec",
+    "apply_plan",
+    "calibrate",
+    "fake_quantizers",
+    "linear_modules",
+    "nan_counts",
+    "preset",
+    "quantized_taps",
+]
+
 BACKENDS = ("quanto", "bnb")
-QUANTO_WEIGHTS = ("qint8", "qint4", "qfloat8")
-QUANTO_ACTIVATIONS = ("qint8", "qfloat8")
-BNB_MODES = ("int8", "nf4", "fp4")
 
 
 @dataclass
@@ -262,147 +286,12 @@ def _backend(raw: Any, where: str) -> BackendSpec:
     return spec
 
 
-# ------------------------------------------------------------------------------------------- presets
-def _rule(scheme: str | dict, sites=(), weights=(), exclude=()) -> dict[str, Any]:
-    out: dict[str, Any] = {"scheme": scheme}
-    if sites:
-        out["sites"] = list(sites)
-    if weights:
-        out["weights"] = list(weights)
-    if exclude:
-        out["exclude"] = list(exclude)
-    return out
-
-
-_LINEARS = ["layers.*"]  # every Linear inside the blocks; the LM head stays in full precision
-_LINEAR_INPUTS = ["layers.*.input"]
-_PRESET_DATA: dict[str, dict[str, Any]] = {}
-for _bits in (8, 6, 4):
-    for _gran, _suffix in (("tensor", ""), ("head", "-head"), ("row", "-row")):
-        _PRESET_DATA[f"attn-logits-int{_bits}{_suffix}"] = {
-            "description": f"attention logits to int{_bits}, dynamic absmax per {_gran} (DIFF paper, Fig. 8)",
-            "rules": [_rule(f"int{_bits}:{_gran}", sites=["kind:logits"])],
-        }
-_PRESET_DATA.update(
-    {
-        "attn-probs-int8": {
-            "description": "softmax probabilities to asymmetric int8 per row",
-            "rules": [
-                _rule({"format": "int8", "granularity": "row", "symmetric": False}, sites=["kind:probs"])
-            ],
-        },
-        "qk-int8-pv-fp8": {
-            "description": "SageAttention-style: int8 Q/K per 64-token block (K smoothed), "
-            "P in fp8_e4m3 at the static scale 1/448, V in fp8_e4m3 per channel",
-            "rules": [
-                _rule("int8:tokens(64)", sites=["kind:q"]),
-                _rule({"format": "int8", "granularity": "tokens(64)", "smooth": True}, sites=["kind:k"]),
-                _rule({"format": "fp8_e4m3", "scale": 1.0 / 448.0}, sites=["kind:probs"]),
-                _rule("fp8_e4m3:channel", sites=["kind:v"]),
-            ],
-        },
-        "w8a8": {
-            "description": "int8 weights per output channel, int8 Linear inputs per token (dynamic)",
-            "rules": [_rule("int8:channel", weights=_LINEARS), _rule("int8:token", sites=_LINEAR_INPUTS)],
-        },
-        "w8a8-tensor": {
-            "description": "int8 weights per output channel, int8 Linear inputs per tensor (static absmax "
-            "from calibration: SmoothQuant's per-tensor static setting, without smoothing)",
-            "rules": [
-                _rule("int8:channel", weights=_LINEARS),
-                _rule(
-                    {"format": "int8", "granularity": "tensor", "calibration": "absmax"}, sites=_LINEAR_INPUTS
-                ),
-            ],
-        },
-        "w8a8-smoothquant": {
-            "description": "SmoothQuant (Xiao et al. 2023): smoothing alpha 0.5 from calibration act-scales, "
-            "then w8a8-tensor (int8 weights per output channel, int8 Linear inputs per tensor, static absmax)",
-            "smooth": {"alpha": 0.5},
-            "rules": [
-                _rule("int8:channel", weights=_LINEARS),
-                _rule(
-                    {"format": "int8", "granularity": "tensor", "calibration": "absmax"}, sites=_LINEAR_INPUTS
-                ),
-            ],
-        },
-        "w4a8": {
-            "description": "int4 weights in groups of 32, int8 Linear inputs per token (dynamic)",
-            "rules": [_rule("int4:group(32)", weights=_LINEARS), _rule("int8:token", sites=_LINEAR_INPUTS)],
-        },
-        "w4a16": {
-            "description": "int4 weights in groups of 32, activations unquantized",
-            "rules": [_rule("int4:group(32)", weights=_LINEARS)],
-        },
-        "fp8": {
-            "description": "fp8_e4m3 weights per output channel and Linear inputs per token",
-            "rules": [
-                _rule("fp8_e4m3:channel", weights=_LINEARS),
-                _rule("fp8_e4m3:token", sites=_LINEAR_INPUTS),
-            ],
-        },
-        "mxfp4": {
-            "description": "OCP MXFP4 weights and Linear inputs (32-element blocks, E8M0 scales)",
-            "rules": [_rule("mxfp4", weights=_LINEARS), _rule("mxfp4", sites=_LINEAR_INPUTS)],
-        },
-        "nvfp4": {
-            "description": "NVFP4 weights and Linear inputs (16-element blocks, E4M3 scales, fp32 tensor scale)",
-            "rules": [_rule("nvfp4", weights=_LINEARS), _rule("nvfp4", sites=_LINEAR_INPUTS)],
-        },
-        "quanto-w8a8": {
-            "description": "optimum-quanto qint8 weights and qint8 activations (static, calibrated)",
-            "backend": {"name": "quanto", "weights": "qint8", "activations": "qint8"},
-        },
-        "quanto-w8": {
-            "description": "optimum-quanto qint8 weights",
-            "backend": {"name": "quanto", "weights": "qint8"},
-        },
-        "quanto-w4": {
-            "description": "optimum-quanto qint4 weights",
-            "backend": {"name": "quanto", "weights": "qint4"},
-        },
-        "bnb-int8": {
-            "description": "bitsandbytes LLM.int8 (threshold 6.0)",
-            "backend": {"name": "bnb", "mode": "int8", "threshold": 6.0},
-        },
-        "bnb-nf4": {
-            # blocks of 32 so that widths like 672 (a DIFF V2 FFN) divide; bnb 0.50's CPU kernel needs that
-            "description": "bitsandbytes NF4 weights (blocks of 32)",
-            "backend": {"name": "bnb", "mode": "nf4", "blocksize": 32},
-        },
-    }
-)
-PRESETS = tuple(sorted(_PRESET_DATA))
-
-
 def preset(name: str) -> QuantPlan:
-    if name not in _PRESET_DATA:
-        raise DiffquantError(f"unknown plan preset {name!r}; presets: {', '.join(PRESETS)}")
-    return QuantPlan.from_dict({"name": name, **_PRESET_DATA[name]}, source=f"preset {name}")
+    """The shipped plan ``name`` (the table is :data:`diffquant.quant.presets.PRESET_TABLE`)."""
+    return QuantPlan.from_dict(preset_data(name), source=f"preset {name}")
 
 
 # ------------------------------------------------------------------------------------------- apply
-class BackendLinear(nn.Module):
-    """A backend's quantized layer behind the original Linear's input tap.
-
-    ``source_weight`` keeps the float weight (not in the state dict) so the quantized model can be saved
-    as base weights + plan, and rebuilt exactly on load.
-    """
-
-    def __init__(self, linear: Linear, inner: nn.Module, backend: str) -> None:
-        super().__init__()
-        self.input = linear.input
-        self.inner = inner
-        self.backend = backend
-        self.source_weight = linear.weight.detach()
-        self.source_bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(self.input(x))
-
-
-def linear_modules(model: nn.Module) -> dict[str, Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
 def _select_linears(
@@ -488,78 +377,6 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> list[tuple[str, str, str]]:
             linear.weight_quantizer.quantize_weight(linear.weight)  # checks the shape now, not mid-run
             applied.append(("weight", name, rule.scheme.label()))
     if plan.backend is not None:
-        applied += _apply_backend(model, plan.backend, backend_linears)
+        applied += apply_backend(model, plan.backend, backend_linears)
     model.quant_plan = plan
     return applied
-
-
-def _apply_backend(
-    model: nn.Module, spec: BackendSpec, chosen: dict[str, Linear]
-) -> list[tuple[str, str, str]]:
-    applied = []
-    for name, linear in chosen.items():
-        if spec.name == "quanto":
-            inner = to_quanto(linear, weights=spec.weights, activations=spec.activations)
-            label = f"quanto {spec.weights}" + (f"/{spec.activations}" if spec.activations else "")
-        else:
-            inner = to_bnb(linear, mode=spec.mode, threshold=spec.threshold, blocksize=spec.blocksize)
-            label = f"bnb {spec.mode}"
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, BackendLinear(linear, inner, spec.name))
-        applied.append(("linear", name, label))
-    return applied
-
-
-def fake_quantizers(model: nn.Module) -> dict[str, FakeQuant]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuant)}
-
-
-@torch.no_grad()
-def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> int:
-    """Run calibration batches: SmoothQuant smoothing (when the plan has ``smooth``), then static FakeQuant
-    scales and quanto activation scales. Returns tokens seen (0: nothing to calibrate).
-
-    Smoothing comes first and on the float model: act-scales of the Linear inputs with every fake-quantizer
-    detached (:func:`diffquant.quant.smoothquant.collect_act_scales`), then the norm weights and Linear
-    weights are rewritten in place (the weight quantizers quantize the smoothed weights; their caches are
-    dropped), and only then are the static scales observed, on the smoothed activations. The model is
-    smoothed once: a second ``calibrate`` recalibrates the static scales only.
-    """
-    plan: QuantPlan | None = getattr(model, "quant_plan", None)
-    quantizers = [q for q in fake_quantizers(model).values() if q.scheme.is_static]
-    uses_quanto = plan is not None and plan.backend is not None and plan.backend.activations is not None
-    smooth = plan.smooth if plan is not None else None
-    if not quantizers and not uses_quanto and smooth is None:
-        return 0
-    if smooth is not None and getattr(model, "smooth_factors", None) is None:
-        # Local: smoothquant builds on this module (BackendLinear, linear_modules): a cycle inside quant.
-        from diffquant.quant.smoothquant import collect_act_scales, smooth_model  # noqa: PLC0415
-
-        scales = collect_act_scales(model, windows, batch_size=batch_size)
-        model.smooth_factors = smooth_model(model, scales, alpha=smooth.alpha)
-    if not quantizers and not uses_quanto:  # smoothing only: nothing static to observe
-        return windows.numel()
-    for q in quantizers:
-        q.start_calibration()
-    context = nullcontext()
-    if uses_quanto and plan.backend.name == "quanto":
-        context = quanto_calibration()
-    device = next(model.parameters()).device
-
-    with context:
-        starts = range(0, windows.shape[0], batch_size)
-        for start in progress(starts, "calibrate", "batch", leave=False):
-            model(windows[start : start + batch_size].to(device))
-    for q in quantizers:
-        q.finish_calibration()
-    return windows.numel()
-
-
-def nan_counts(model: nn.Module) -> dict[str, int]:
-    """NaNs each quantizer has seen (propagated, not crashed on)."""
-    return {q.site: q.nan_count for q in fake_quantizers(model).values() if q.nan_count}
-
-
-def quantized_taps(model: nn.Module) -> dict[str, Tap]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, Tap) and m.quantizer is not None}

@@ -37,7 +37,7 @@ from diffquant.models.hf_names import hf_key_map
 from diffquant.models.taps import model_taps
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
-from diffquant.quant.plan import BackendLinear, linear_modules
+from diffquant.quant.modules import BackendLinear, linear_modules
 
 NAMINGS = ("hf", "native")
 # Specifiers of models that came from Hugging Face / llama.cpp: their act-scales use HF module names.

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from diffquant.data import ByteTokenizer, token_stream
+from diffquant.data.needles import RetrievalConfig, make_samples
 from diffquant.errors import DiffquantError
-from diffquant.eval.retrieval import RetrievalConfig, make_samples
 
 
 class TrainData:

@@ -34,6 +34,7 @@ from diffquant.eval.retrieval import RetrievalConfig, _check_samples, make_sampl
 from diffquant.io import load_checkpoint, read_config, save_checkpoint
 from diffquant.io.artifacts import sha256_file, write_json_atomic, write_text_atomic
 from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, preset_config
+from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
 
@@ -245,7 +246,7 @@ def _watch_lambda(model) -> list:
 
 
 _CHECKPOINT = re.compile(r"step-(\d{7,})")
-_CHECKPOINT_FILES = ("train_state.pt", "model/config.json", "model/model.safetensors")
+_CHECKPOINT_FILES = ("train_state.pt", f"model/{CONFIG_FILE}", f"model/{WEIGHTS_FILE}")
 
 
 def _latest_checkpoint(out: Path) -> Path | None:
@@ -592,12 +593,12 @@ def _finish(
                 "retrieval_setup": "4 needles, 1 query, depths 0/25/50/75/100 %, candidates = the 4 numbers in "
                 "context, seed 12345",
                 "save_dtype": cfg.save_dtype,
-                "sha256": sha256_file(folder / "model.safetensors"),
+                "sha256": sha256_file(folder / WEIGHTS_FILE),
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
             }
         )
-        write_json_atomic(folder / "card.json", card)
+        write_json_atomic(folder / CARD_FILE, card)
 
     export = copy.deepcopy(model).cpu().to(getattr(torch, cfg.save_dtype))
     save_checkpoint(export, out / "final", overwrite=True, extra=measure)

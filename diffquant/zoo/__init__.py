@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from diffquant.errors import DiffquantError
+from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 
 ZOO_DIR = Path(__file__).resolve().parent
-FILES = ("config.json", "model.safetensors", "card.json")
+FILES = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE)
 
 
 def zoo_names() -> list[str]:
-    return sorted(p.name for p in ZOO_DIR.iterdir() if (p / "config.json").is_file())
+    return sorted(p.name for p in ZOO_DIR.iterdir() if (p / CONFIG_FILE).is_file())
 
 
 def zoo_path(name: str) -> Path:
@@ -33,7 +34,7 @@ def zoo_path(name: str) -> Path:
 
 
 def card(name: str) -> dict[str, Any]:
-    return json.loads((zoo_path(name) / "card.json").read_text())
+    return json.loads((zoo_path(name) / CARD_FILE).read_text())
 
 
 def publish(final_dir: str | Path, name: str) -> Path:

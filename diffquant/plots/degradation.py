@@ -1,0 +1,231 @@
+"""Degradation under quantization: a task's primary metric vs bits per model, other plans as bars."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from diffquant.errors import DiffquantError
+from diffquant.plots.common import legend_proxy
+from diffquant.plots.style import MAX_WIDTH_IN, colors_for, new_figure, style_context
+from diffquant.quant.schemes import Scheme, bits_of
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+_LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 2)))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _granularity_label(scheme: Any) -> str:
+    """The line a single-format plan belongs to: granularity plus anything else that changes the error."""
+    if scheme.is_block_format:
+        return f"{scheme.format} blocks"
+    gran = "row" if scheme.granularity in ("row", "token") else scheme.granularity
+    label = f"per-{gran}"
+    if not scheme.format.startswith(("int", "uint")):
+        label = f"{scheme.format} {label}"
+    if scheme.asymmetric:
+        label += " asym"
+    if scheme.is_static:
+        label += f" {scheme.calibration}"
+    if scheme.smooth:
+        label += " smooth"
+    if scheme.scale is not None:
+        label += " fixed-scale"
+    if scheme.scale_format != "fp32":
+        label += f" {scheme.scale_format}-scales"
+    return label
+
+
+def plan_point(plan: Mapping[str, Any] | None) -> tuple[float, str] | None:
+    """(bits, line label) for a plan made of one number format at one granularity, else None.
+
+    Such plans lie on a bits axis (int8 -> int6 -> int4 per-tensor is one curve); plans mixing formats or
+    granularities (w4a8, w8a8 with per-channel weights and per-token inputs) or using a backend do not,
+    and are shown as bars instead. Raises DiffquantError on a malformed plan.
+    """
+    if plan is None or plan.get("backend") or not plan.get("rules"):
+        return None
+    schemes = [Scheme.parse(rule.get("scheme"), where=f"plan {plan.get('name')!r}") for rule in plan["rules"]]
+    if len({s.format for s in schemes}) != 1:
+        return None
+    labels = {_granularity_label(s) for s in schemes}
+    if len(labels) != 1:
+        return None
+    return bits_of(schemes[0]), labels.pop()
+
+
+def chance_metric(metric: str) -> str:
+    """Name of the metric a task reports as the chance level of ``metric`` (acc_rank -> chance_rank)."""
+    return "chance_" + metric.split("_", 1)[1] if "_" in metric else "chance"
+
+
+def chance_levels(results: Mapping[str, Any], task: str) -> dict[str, float]:
+    """{model: chance level of the task's primary metric}, where the task reports one (retrieval's
+    ``chance_rank``); taken from the unquantized cell, else any cell of the model."""
+    primary = (results.get("primary") or {}).get(task) or {}
+    metric = primary.get("metric")
+    if not metric:
+        return {}
+    names = {chance_metric(metric), "chance"}
+    out: dict[str, float] = {}
+    for r in results.get("rows", []):
+        value = r.get("value")
+        if r.get("task") != task or r.get("metric") not in names:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if number and (r.get("plan") == "none" or r["model"] not in out):
+            out[r["model"]] = float(value)
+    return out
+
+
+def fig_degradation(
+    results: Mapping[str, Any],
+    sweep: Mapping[str, Any],
+    task: str | None = None,
+    colors: Mapping[str, str] | None = None,
+) -> Figure:
+    """The task's primary metric vs bits, one panel per model (one line per granularity); other plans as bars.
+
+    Why: the DIFF paper's Figure 8 claim is that DIFF degrades more gracefully as attention logits lose
+    bits, and per-row scales shift where each architecture breaks. x is bits per element (log2 axis,
+    16 = the unquantized model, also drawn as a dotted horizontal line per model). The model panels share
+    one y scale, so a steeper curve is a larger loss whichever panel it is in; where the task reports a
+    chance level (retrieval), it is drawn as a grey dashed line. Plans that are not one format at one
+    granularity (mixed weight/activation formats, backends) get a panel of their own below: grouped bars
+    of the change vs unquantized, per model. ``results`` / ``sweep``: the contents of results.json /
+    sweep.json (or the sweep's ``spec``). ``fig.axes``: the model panels in order, then the bar panel.
+    """
+    primary = results.get("primary") or {}
+    if task is None:
+        if not primary:
+            raise DiffquantError("sweep results name no task")
+        task = next(iter(primary))
+    if task not in primary:
+        raise DiffquantError(f"sweep results have no task {task!r}; tasks: {', '.join(primary)}")
+    metric, higher = primary[task]["metric"], bool(primary[task]["higher_is_better"])
+    spec = sweep.get("spec", sweep)
+    plans: Mapping[str, Any] = spec.get("plans") or {}
+    rows = [
+        r
+        for r in results.get("rows", [])
+        if r.get("task") == task and r.get("metric") == metric and isinstance(r.get("value"), (int, float))
+    ]
+    if not rows:
+        raise DiffquantError(f"sweep results hold no {metric!r} values for task {task!r}")
+    models = [m for m in spec.get("models", {}) if any(r["model"] == m for r in rows)]
+    models += [m for m in dict.fromkeys(r["model"] for r in rows) if m not in models]
+    kinds = {r["model"]: str(r.get("attention", "")) for r in rows}
+    colors = colors_for(models, kinds, colors)
+    value = {(r["model"], r["plan"]): r for r in rows}
+    chance = chance_levels(results, task)
+
+    points: dict[str, tuple[float, str]] = {}
+    other: list[str] = []
+    taken: set[tuple[float, str]] = set()
+    plan_names = list(plans) + [p for p in dict.fromkeys(r["plan"] for r in rows) if p not in plans]
+    for plan in plan_names:
+        if plan == "none" or not any((m, plan) in value for m in models):
+            continue
+        point = plan_point(plans.get(plan))
+        if point is None or point in taken:  # two plans at one (bits, line): no single curve, use bars
+            other.append(plan)
+        else:
+            taken.add(point)
+            points[plan] = point
+    lines = list(dict.fromkeys(label for _, label in points.values()))
+    if not points and not other:
+        raise DiffquantError(f"sweep results for task {task!r} hold no quantized plan")
+
+    direction = "higher" if higher else "lower"
+    with style_context():
+        # Model panels in rows of at most three (each wide enough to read in the report), the bar panel
+        # below them across the whole width.
+        curve_models = models if points else []
+        ncols = max(1, min(3, len(curve_models)))
+        curve_rows = math.ceil(len(curve_models) / ncols) if curve_models else 0
+        nrows = curve_rows + int(bool(other))
+        width = min(MAX_WIDTH_IN, max(6.4, 3.6 * ncols))
+        fig = new_figure(width, 3.4 * curve_rows + (2.8 if other else 0.0))
+        grid = fig.add_gridspec(nrows, ncols)
+        first: Axes | None = None
+        for k, name in enumerate(curve_models):
+            ax = fig.add_subplot(grid[k // ncols, k % ncols], sharey=first)
+            first = first or ax
+            ticks: set[float] = set()
+            ref = next(
+                (r["unquantized"] for r in rows if r["model"] == name and r["unquantized"] is not None),
+                None,
+            )
+            if ref is None and (name, "none") in value:
+                ref = value[(name, "none")]["value"]
+            for i, line in enumerate(lines):
+                pts = sorted(
+                    (bits, value[(name, plan)]["value"])
+                    for plan, (bits, label) in points.items()
+                    if label == line and (name, plan) in value
+                )
+                if not pts:
+                    continue
+                if ref is not None:
+                    pts.append((16.0, ref))
+                ticks.update(b for b, _ in pts)
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(
+                    xs,
+                    ys,
+                    color=colors[name],
+                    linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+                    marker=_MARKERS[i % len(_MARKERS)],
+                    markersize=5,
+                    label=f"{name} · {line}",
+                )
+            if ref is not None:
+                ax.axhline(ref, color=colors[name], linestyle=":", linewidth=0.9, alpha=0.7, label="_ref")
+            if name in chance:
+                ax.axhline(chance[name], color="0.45", linestyle="--", linewidth=1.0, label="_chance")
+            ax.set_xscale("log", base=2)
+            ticks_sorted = sorted(ticks)
+            ax.set_xticks(ticks_sorted, [("16\n(none)" if t == 16 else f"{t:g}") for t in ticks_sorted])
+            ax.minorticks_off()
+            ax.set_xlabel("bits per element")
+            if k % ncols == 0:
+                ax.set_ylabel(f"{metric} ({direction} is better)")
+            ax.set_title(f"{task}: {name}")
+            ax.ticklabel_format(axis="y", useOffset=False)
+            handles = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+            handles.append(
+                legend_proxy(
+                    color=colors[name],
+                    linestyle=":",
+                    label=f"unquantized ({ref:.4g})" if ref is not None else "unquantized",
+                )
+            )
+            if name in chance:
+                handles.append(
+                    legend_proxy(color="0.45", linestyle="--", label=f"chance ({chance[name]:.3g})")
+                )
+            ax.legend(handles=handles, loc="best")
+        if other:
+            ax = fig.add_subplot(grid[nrows - 1, :])
+            x = np.arange(len(other))
+            bar = 0.8 / max(1, len(models))
+            for i, name in enumerate(models):
+                deltas = []
+                for plan in other:
+                    r = value.get((name, plan))
+                    deltas.append(math.nan if r is None or r.get("delta") is None else r["delta"])
+                ax.bar(x + (i - (len(models) - 1) / 2) * bar, deltas, bar, color=colors[name], label=name)
+            ax.axhline(0.0, color="black", linewidth=0.8)
+            ax.set_xticks(x, other)
+            ax.set_xlabel("plan")
+            ax.set_ylabel(f"Δ {metric}\nvs unquantized")
+            ax.set_title(f"{task}: other plans, change vs unquantized ({direction} is better)")
+            ax.grid(False, axis="x")
+            ax.legend(loc="best")
+    return fig

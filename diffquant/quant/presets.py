@@ -1,0 +1,164 @@
+"""The shipped plan presets, as data: each entry is what a plan file holds (description, rules, backend,
+smooth), read by :func:`diffquant.quant.plan.preset` through ``QuantPlan.from_dict`` like any plan file.
+
+Weights: ``layers.*`` is every Linear inside the blocks (the LM head stays in full precision); sites:
+``layers.*.input`` is the input of every such Linear. Every preset selects only sites all three attention
+kinds have, so each applies to baseline, DIFF V1 and DIFF V2 models alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from diffquant.errors import DiffquantError
+
+PRESET_TABLE: dict[str, dict[str, Any]] = {
+    # ---- attention logits, dynamic absmax per tensor / head / row (DIFF paper, Fig. 8)
+    "attn-logits-int8": {
+        "description": "attention logits to int8, dynamic absmax per tensor (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int8:tensor"}],
+    },
+    "attn-logits-int8-head": {
+        "description": "attention logits to int8, dynamic absmax per head (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int8:head"}],
+    },
+    "attn-logits-int8-row": {
+        "description": "attention logits to int8, dynamic absmax per row (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int8:row"}],
+    },
+    "attn-logits-int6": {
+        "description": "attention logits to int6, dynamic absmax per tensor (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int6:tensor"}],
+    },
+    "attn-logits-int6-head": {
+        "description": "attention logits to int6, dynamic absmax per head (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int6:head"}],
+    },
+    "attn-logits-int6-row": {
+        "description": "attention logits to int6, dynamic absmax per row (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int6:row"}],
+    },
+    "attn-logits-int4": {
+        "description": "attention logits to int4, dynamic absmax per tensor (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int4:tensor"}],
+    },
+    "attn-logits-int4-head": {
+        "description": "attention logits to int4, dynamic absmax per head (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int4:head"}],
+    },
+    "attn-logits-int4-row": {
+        "description": "attention logits to int4, dynamic absmax per row (DIFF paper, Fig. 8)",
+        "rules": [{"sites": ["kind:logits"], "scheme": "int4:row"}],
+    },
+    # ---- attention internals
+    "attn-probs-int8": {
+        "description": "softmax probabilities to asymmetric int8 per row",
+        "rules": [
+            {"sites": ["kind:probs"], "scheme": {"format": "int8", "granularity": "row", "symmetric": False}}
+        ],
+    },
+    "qk-int8-pv-fp8": {
+        "description": "SageAttention-style: int8 Q/K per 64-token block (K smoothed), "
+        "P in fp8_e4m3 at the static scale 1/448, V in fp8_e4m3 per channel",
+        "rules": [
+            {"sites": ["kind:q"], "scheme": "int8:tokens(64)"},
+            {"sites": ["kind:k"], "scheme": {"format": "int8", "granularity": "tokens(64)", "smooth": True}},
+            {"sites": ["kind:probs"], "scheme": {"format": "fp8_e4m3", "scale": 1.0 / 448.0}},
+            {"sites": ["kind:v"], "scheme": "fp8_e4m3:channel"},
+        ],
+    },
+    # ---- weights and Linear inputs
+    "w8a8": {
+        "description": "int8 weights per output channel, int8 Linear inputs per token (dynamic)",
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "int8:channel"},
+            {"sites": ["layers.*.input"], "scheme": "int8:token"},
+        ],
+    },
+    "w8a8-tensor": {
+        "description": "int8 weights per output channel, int8 Linear inputs per tensor (static absmax "
+        "from calibration: SmoothQuant's per-tensor static setting, without smoothing)",
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "int8:channel"},
+            {
+                "sites": ["layers.*.input"],
+                "scheme": {"format": "int8", "granularity": "tensor", "calibration": "absmax"},
+            },
+        ],
+    },
+    "w8a8-smoothquant": {
+        "description": "SmoothQuant (Xiao et al. 2023): smoothing alpha 0.5 from calibration act-scales, "
+        "then w8a8-tensor (int8 weights per output channel, int8 Linear inputs per tensor, static absmax)",
+        "smooth": {"alpha": 0.5},
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "int8:channel"},
+            {
+                "sites": ["layers.*.input"],
+                "scheme": {"format": "int8", "granularity": "tensor", "calibration": "absmax"},
+            },
+        ],
+    },
+    "w4a8": {
+        "description": "int4 weights in groups of 32, int8 Linear inputs per token (dynamic)",
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "int4:group(32)"},
+            {"sites": ["layers.*.input"], "scheme": "int8:token"},
+        ],
+    },
+    "w4a16": {
+        "description": "int4 weights in groups of 32, activations unquantized",
+        "rules": [{"weights": ["layers.*"], "scheme": "int4:group(32)"}],
+    },
+    "fp8": {
+        "description": "fp8_e4m3 weights per output channel and Linear inputs per token",
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "fp8_e4m3:channel"},
+            {"sites": ["layers.*.input"], "scheme": "fp8_e4m3:token"},
+        ],
+    },
+    "mxfp4": {
+        "description": "OCP MXFP4 weights and Linear inputs (32-element blocks, E8M0 scales)",
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "mxfp4"},
+            {"sites": ["layers.*.input"], "scheme": "mxfp4"},
+        ],
+    },
+    "nvfp4": {
+        "description": "NVFP4 weights and Linear inputs (16-element blocks, E4M3 scales, fp32 tensor scale)",
+        "rules": [
+            {"weights": ["layers.*"], "scheme": "nvfp4"},
+            {"sites": ["layers.*.input"], "scheme": "nvfp4"},
+        ],
+    },
+    # ---- real backends
+    "quanto-w8a8": {
+        "description": "optimum-quanto qint8 weights and qint8 activations (static, calibrated)",
+        "backend": {"name": "quanto", "weights": "qint8", "activations": "qint8"},
+    },
+    "quanto-w8": {
+        "description": "optimum-quanto qint8 weights",
+        "backend": {"name": "quanto", "weights": "qint8"},
+    },
+    "quanto-w4": {
+        "description": "optimum-quanto qint4 weights",
+        "backend": {"name": "quanto", "weights": "qint4"},
+    },
+    "bnb-int8": {
+        "description": "bitsandbytes LLM.int8 (threshold 6.0)",
+        "backend": {"name": "bnb", "mode": "int8", "threshold": 6.0},
+    },
+    "bnb-nf4": {
+        # blocks of 32 so that widths like 672 (a DIFF V2 FFN) divide; bnb 0.50's CPU kernel needs that
+        "description": "bitsandbytes NF4 weights (blocks of 32)",
+        "backend": {"name": "bnb", "mode": "nf4", "blocksize": 32},
+    },
+}
+PRESETS = tuple(sorted(PRESET_TABLE))
+
+
+def preset_data(name: str) -> dict[str, Any]:
+    """The plan dict of preset ``name`` (a copy, with its name), as ``QuantPlan.from_dict`` reads it."""
+    if name not in PRESET_TABLE:
+        raise DiffquantError(f"unknown plan preset {name!r}; presets: {', '.join(PRESETS)}")
+    return {"name": name, **copy.deepcopy(PRESET_TABLE[name])}
