@@ -24,6 +24,41 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> DecoderLM:
     return DecoderLM(config).eval()
 
 
+def train_byte_bpe(folder, sentences, *, prepend_bos: bool = False, config: dict | None = None):
+    """A small byte-level BPE trained on ``sentences`` (vocab 300, specials <|endoftext|> = 0, <|bos|> = 1),
+    saved as ``folder``/tokenizer.json + tokenizer_config.json (``config`` adds keys); ``prepend_bos`` makes
+    its post-processor put BOS in front, as Llama tokenizers do. Returns the tokenizer.json path."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|bos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(sentences) * 4, trainer)
+    if prepend_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 1)]
+        )
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    meta = {
+        "bos_token": "<|bos|>",
+        "eos_token": "<|endoftext|>",
+        "add_bos_token": prepend_bos,
+        **(config or {}),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(meta))
+    return path
+
+
 @pytest.fixture(params=["baseline", "diff_v1", "diff_v2"])
 def kind(request) -> str:
     return request.param

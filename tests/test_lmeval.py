@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_byte_bpe
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers", reason="transformers builds the tiny HF Llama")
@@ -48,33 +49,8 @@ SENTENCES = [
 def _tiny_llama(folder: Path, bos_in_front: bool) -> Path:
     """A tiny random Llama folder with its own byte-level BPE (tokenizer.json + tokenizer_config.json, as
     PreTrainedTokenizerFast reads them); with ``bos_in_front`` the tokenizer prepends BOS by default."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|bos|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(SENTENCES * 4, trainer)
-    if bos_in_front:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 1)]
-        )
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|bos|>",
-                "eos_token": "<|endoftext|>",
-                "add_bos_token": bos_in_front,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-            }
-        )
+    train_byte_bpe(
+        folder, SENTENCES, prepend_bos=bos_in_front, config={"tokenizer_class": "PreTrainedTokenizerFast"}
     )
     cfg = transformers.LlamaConfig(
         vocab_size=320,  # larger than the tokenizer's ids, as real checkpoints pad their vocabularies

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_byte_bpe
 
 from diffquant.cli import main
 from diffquant.data import ByteTokenizer, HFTokenizer, load_tokenizer, model_tokenizer, token_windows
@@ -37,24 +38,7 @@ VOCAB = 320  # the embedding: larger than the tokenizer's ids, as in real checkp
 
 
 def _train_tokenizer(folder: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|bos|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(SENTENCES * 4, trainer)
-    path = folder / "tokenizer.json"
-    tok.save(str(path))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|endoftext|>", "add_bos_token": False})
-    )
-    return path
+    return train_byte_bpe(folder, SENTENCES)
 
 
 @pytest.fixture(scope="module")
