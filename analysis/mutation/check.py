@@ -106,10 +106,10 @@ MUTANTS = [
         ("tests/test_presets_reference.py", "tests/test_formats.py"),
     ),
     M(
-        "asymmetric scale: underflow not caught",
+        "asymmetric scale: subnormal step kept",
         "diffquant/formats.py",
+        "scale = torch.where(scale >= _MIN_NORMAL, scale, torch.ones_like(scale))\n    zero_point",
         "scale = torch.where(scale > 0, scale, torch.ones_like(scale))\n    zero_point",
-        "scale = torch.where(hi - lo > 0, scale, torch.ones_like(scale))\n    zero_point",
         ("tests/test_formats.py",),
     ),
     M(
