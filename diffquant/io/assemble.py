@@ -71,6 +71,35 @@ def assemble(
     check_float_dtype(dtype, "requested dtype")
     with torch.device("meta"):
         model = DecoderLM(config)
+    dtype = check_source(model, source, key_map, dtype, optional)
+    state: dict[str, torch.Tensor] = {}
+    # Reading (and for GGUF dequantizing) a large checkpoint takes a while: periodic lines after 5 s.
+    for native, src in show_progress(list(key_map.items()), "load", "tensor"):
+        tensor = source.get(src)
+        if native in transforms:
+            tensor = transforms[native](tensor)
+        state[native] = tensor.to(device=device, dtype=dtype).contiguous()
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:  # a key map that misses a parameter is a bug in the converter, not a user error
+        raise AssertionError(f"converter left parameters unassigned: {left}")
+    return model.eval()
+
+
+def check_source(
+    model: DecoderLM,
+    source: Any,
+    key_map: dict[str, str],
+    dtype: torch.dtype | None = None,
+    optional: frozenset[str] = frozenset(),
+) -> torch.dtype:
+    """Check ``source`` against ``model`` (a meta-device skeleton) from the file headers alone: every
+    tensor of ``key_map`` present, none left over (but RoPE buffers and ``optional``), shapes and floating
+    dtypes; one-line DiffquantErrors. Returns the dtype to compute in (``dtype``, else the embedding's).
+    Shared by :func:`assemble` and the layer-streamed run (:mod:`diffquant.stream`), which materialises
+    the tensors one layer at a time."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     available = set(source.keys())
     missing = [src for native, src in key_map.items() if src not in available]
@@ -78,7 +107,7 @@ def assemble(
         extra = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise DiffquantError(
             f"{_where(source)}: missing tensor {missing[0]}{extra} (expected by the config for a "
-            f"{config.attention} model)"
+            f"{model.config.attention} model)"
         )
     used = set(key_map.values())
     unexpected = sorted(
@@ -88,7 +117,7 @@ def assemble(
         raise DiffquantError(
             f"{source.file(unexpected[0])}: unexpected tensor {unexpected[0]}"
             + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else "")
-            + f" (the native {config.attention} model has no place for it)"
+            + f" (the native {model.config.attention} model has no place for it)"
         )
     for native, src in key_map.items():
         got, want = source.shape(src), expected[native]
@@ -104,20 +133,7 @@ def assemble(
             )
     if dtype is None:
         dtype = _DTYPE_BY_TAG[source.dtype_tag(key_map["embed.weight"])]
-    state: dict[str, torch.Tensor] = {}
-    # Reading (and for GGUF dequantizing) a large checkpoint takes a while: periodic lines after 5 s.
-    for native, src in show_progress(list(key_map.items()), "load", "tensor"):
-        tensor = source.get(src)
-        if native in transforms:
-            tensor = transforms[native](tensor)
-        state[native] = tensor.to(device=device, dtype=dtype).contiguous()
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
-    if left:  # a key map that misses a parameter is a bug in the converter, not a user error
-        raise AssertionError(f"converter left parameters unassigned: {left}")
-    return model.eval()
+    return dtype
 
 
 def _where(source: Any) -> str:

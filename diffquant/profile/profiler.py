@@ -160,6 +160,8 @@ class Profiler:
         self.spans: list[tuple[int, int, int] | None] | None = None
         self.tokens_seen = 0
         self.samples_seen = 0
+        # True: the hooks stay attached but record nothing (a streamed run's calibration passes).
+        self.paused = False
         self._tokens: torch.Tensor | None = None
         self._pos_offset = 0
         self._last_batch = 0
@@ -210,6 +212,27 @@ class Profiler:
         """Give the next new batch global sample indices offset, offset + 1, ... (for sharded data)."""
         self._next_offset = offset
 
+    def begin_batch(self, input_ids: torch.Tensor, sample_offset: int, count: bool = True) -> None:
+        """Start a batch of new sequences without a whole-model forward: for runs that call the model's
+        modules themselves (the layer-streamed run of :mod:`diffquant.stream` calls one layer at a time
+        over every batch). The taps that fire until :meth:`end_batch` see ``input_ids`` (B, T) as the
+        tokens and ``sample_offset`` as the global index of row 0, as in a forward after
+        :meth:`start_samples_at`; ``count`` adds the batch to the tokens and samples seen (once per batch,
+        not once per layer)."""
+        self._tokens = input_ids
+        self._pos_offset = 0
+        self.sample_offset, self._next_offset = sample_offset, None
+        self._last_batch = input_ids.shape[0]
+        if count:
+            self.samples_seen += input_ids.shape[0]
+            self.tokens_seen += input_ids.numel()
+        self._shared.clear()
+        self._fired.clear()
+
+    def end_batch(self) -> None:
+        """End a batch begun with :meth:`begin_batch` (what the end of a whole-model forward does)."""
+        self._after_forward(None, None, None)
+
     def _before_forward(self, module, args, kwargs):
         input_ids = args[0] if args else kwargs.get("input_ids")
         cache = args[1] if len(args) > 1 else kwargs.get("cache")
@@ -238,6 +261,8 @@ class Profiler:
         group = self._groups.get(stats.site)
 
         def hook(module, args, output):
+            if self.paused:
+                return
             valid = args[1] if len(args) > 1 else None
             with torch.no_grad():
                 if group is not None and valid is None:
@@ -301,6 +326,8 @@ class Profiler:
         self._attention[key] = (kind, acc)
 
         def hook(module, args, output):
+            if self.paused:
+                return
             with torch.no_grad():
                 if kind == "lambda":
                     acc.update(output.detach())

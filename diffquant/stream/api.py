@@ -1,0 +1,169 @@
+"""The public face of the layer-streamed run: profile and evaluate a checkpoint that need not fit in memory,
+with the same numbers as the whole-model :func:`~diffquant.profile.runner.profile_model` and
+:func:`~diffquant.eval.perplexity.evaluate_stream` (same sites, sample indices, batches and arithmetic)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffquant.data.scoring import StreamScorer, gather_logprobs
+from diffquant.data.tokenizer import Tokenizer
+from diffquant.errors import DiffquantError
+from diffquant.profile.profiler import Profile, Profiler
+from diffquant.quant.plan import QuantPlan
+from diffquant.stream.executor import DEFAULT_HIDDEN_BUDGET, open_streamed
+
+
+def _plan(plan: QuantPlan | str | Path | None) -> QuantPlan | None:
+    return QuantPlan.load(plan) if isinstance(plan, (str, Path)) else plan
+
+
+def _calibration_batches(
+    plan: QuantPlan | None, calibration: torch.Tensor | None, default: torch.Tensor, batch_size: int
+) -> list[torch.Tensor] | None:
+    """The calibration windows cut in batches as :func:`~diffquant.quant.calibrate.calibrate` cuts them
+    (None: the plan has no static scales)."""
+    if plan is None or not plan.uses_static:
+        return None
+    windows = default if calibration is None else calibration
+    if windows.dim() != 2:
+        raise DiffquantError(f"calibration windows: expected shape (n, seq_len), got {tuple(windows.shape)}")
+    return [windows[s : s + batch_size] for s in range(0, windows.shape[0], batch_size)]
+
+
+def profile_streamed(
+    spec: str | Path,
+    windows: torch.Tensor,
+    *,
+    sites: str | Sequence[str] = "*",
+    batch_size: int = 8,
+    topk: int = 100,
+    attention: bool | None = None,
+    plan: QuantPlan | str | Path | None = None,
+    calibration: torch.Tensor | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    hidden_budget: int | None = DEFAULT_HIDDEN_BUDGET,
+    stats: dict[str, Any] | None = None,
+) -> Profile:
+    """The Profile :func:`~diffquant.profile.runner.profile_model` gives for ``load_model(spec)`` over
+    ``windows`` (N, L), computed one layer at a time (batch i = windows [i*batch_size, (i+1)*batch_size),
+    its rows at their global sample indices). ``plan``: a QuantPlan (or preset name / file) applied first;
+    static scales are calibrated on ``calibration`` (default: ``windows``) stage by stage. ``stats`` (a
+    dict) receives the run's memory numbers (largest stage's weight bytes, hidden-state bytes)."""
+    if windows.dim() != 2:
+        raise DiffquantError(f"windows: expected shape (n, seq_len), got {tuple(windows.shape)}")
+    if batch_size < 1:
+        raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
+    plan = _plan(plan)
+    calib = _calibration_batches(plan, calibration, windows, batch_size)
+    with open_streamed(spec, device, dtype, plan) as streamed:
+        if windows.shape[1] > streamed.config.max_seq_len:
+            raise DiffquantError(
+                f"windows of {windows.shape[1]} tokens exceed the max_seq_len {streamed.config.max_seq_len} "
+                f"of {spec}"
+            )
+        starts = list(range(0, windows.shape[0], batch_size))
+        prof = Profiler(streamed.model, sites=sites, topk=topk, attention=attention)
+        with prof:
+            info = streamed.run(
+                [windows[s : s + batch_size] for s in starts],
+                profiler=prof,
+                sample_offsets=starts,
+                calibration=calib,
+                hidden_budget=hidden_budget,
+            )
+        if stats is not None:
+            stats.update(info, stage_bytes=dict(streamed.stage_bytes))
+        return prof.take()
+
+
+def evaluate_streamed(
+    spec: str | Path,
+    stream_or_windows: torch.Tensor,
+    *,
+    tokenizer: Tokenizer | None = None,
+    seq_len: int | None = None,
+    stride: int | None = None,
+    windows: str | None = None,
+    batch_size: int = 8,
+    plan: QuantPlan | str | Path | None = None,
+    calibration: torch.Tensor | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    hidden_budget: int | None = DEFAULT_HIDDEN_BUDGET,
+    stats: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`~diffquant.eval.perplexity.evaluate_stream` of ``load_model(spec)``, one layer at a time:
+    perplexity and bits per byte of a token stream (1-D), or of windows (N, L) scored as disjoint windows
+    of L tokens. Same schedule, batches and tally (:class:`~diffquant.data.scoring.StreamScorer`); each
+    batch's logits become target log-probabilities as they leave the LM head, so no logits are kept."""
+    data = torch.as_tensor(stream_or_windows)
+    if data.dim() == 2:
+        if seq_len not in (None, data.shape[1]) or stride is not None or windows not in (None, "disjoint"):
+            raise DiffquantError(
+                "windows (N, L) are scored as disjoint windows of L tokens: pass a 1-D stream"
+            )
+        seq_len, windows, data = data.shape[1], "disjoint", data.flatten()
+    plan = _plan(plan)
+    with open_streamed(spec, device, dtype, plan) as streamed:
+        scorer = StreamScorer(
+            streamed.model,
+            data,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            stride=stride,
+            windows=windows,
+            batch_size=batch_size,
+        )
+        default = scorer.batches[0][1] if calibration is None else calibration
+        if calibration is None and plan is not None and plan.uses_static:
+            default = torch.cat(
+                [ids for _, ids in scorer.batches if ids.shape[1] == scorer.seq_len] or [default]
+            )
+        calib = _calibration_batches(plan, calibration, default, batch_size)
+
+        def score(k: int, logits: torch.Tensor) -> None:
+            batch, ids = scorer.batches[k]
+            scorer.add(batch, ids, gather_logprobs(logits[:, :-1], ids[:, 1:]))
+
+        info = streamed.run(
+            [ids for _, ids in scorer.batches],
+            on_logits=score,
+            calibration=calib,
+            hidden_budget=hidden_budget,
+        )
+        if stats is not None:
+            stats.update(info, stage_bytes=dict(streamed.stage_bytes))
+    return scorer.result()
+
+
+def logits_streamed(
+    spec: str | Path,
+    windows: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    plan: QuantPlan | str | Path | None = None,
+    calibration: torch.Tensor | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    hidden_budget: int | None = DEFAULT_HIDDEN_BUDGET,
+) -> torch.Tensor:
+    """The logits (N, L, vocab) of ``windows`` (N, L), streamed (on the CPU; for small vocabularies and
+    tests: the logits of all windows are held)."""
+    plan = _plan(plan)
+    calib = _calibration_batches(plan, calibration, windows, batch_size)
+    out: dict[int, torch.Tensor] = {}
+    with open_streamed(spec, device, dtype, plan) as streamed:
+        batches = [windows[s : s + batch_size] for s in range(0, windows.shape[0], batch_size)]
+        streamed.run(
+            batches,
+            on_logits=lambda k, logits: out.__setitem__(k, logits.cpu()),
+            calibration=calib,
+            hidden_budget=hidden_budget,
+        )
+    return torch.cat([out[k] for k in range(len(out))])
