@@ -19,7 +19,6 @@ from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import MODEL_FORMS
 from diffquant.models.config import ATTENTION_KINDS
 from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not quant.plan.PRESETS)
-from diffquant.names import DTYPE_NAMES
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -95,44 +94,37 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from diffquant.distributed import init_from_env, shutdown
     from diffquant.io.runfolder import claim_run_folder
     from diffquant.profile.runner import check_profile
+    from diffquant.schema import check_args
+    from diffquant.stages import ProfileStage
 
     _, world = init_from_env()
     try:
-        _positive(args, "tokens", "seq_len", "batch_size", "topk")
+        cfg = check_args(ProfileStage, args)
         models: dict = {}
         for spec in args.checkpoints:
             models[_unique_name(spec, models)] = (spec, _load(args, spec))
         out = Path(args.out)
         identity = {
             "checkpoints": {n: str(s) for n, (s, _) in models.items()},
-            **{k: getattr(args, k) for k in ("data", "tokens", "seq_len", "batch_size", "sites", "topk")},
-            **{k: getattr(args, k) for k in ("no_attention_metrics", "device", "dtype", "tokenizer")},
+            **{k: cfg[k] for k in ("data", "tokens", "seq_len", "batch_size", "sites", "topk")},
+            "no_attention_metrics": not cfg["attention_metrics"],
+            **{k: getattr(args, k) for k in ("device", "dtype", "tokenizer")},
         }
-        check_profile(models, args.seq_len, args.data, args.sites)  # before the folder is claimed (created)
+        check_profile(models, cfg["seq_len"], cfg["data"], cfg["sites"])  # before the folder is claimed
         with claim_run_folder(out, "profile", identity, force=args.force):
-            return _profile_into(args, models, out, world)
+            return _profile_into(args, cfg, models, out, world)
     finally:
         shutdown()
 
 
-def _profile_into(args: argparse.Namespace, models: dict, out, world: int) -> int:
-    """Profile into a claimed run folder; the manifest is written last, once the profiles exist."""
+def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world: int) -> int:
+    """Profile into a claimed run folder (the recipes' profile stage); the manifest is written last, once the
+    profiles exist."""
     from diffquant.data import fingerprint
     from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
-    from diffquant.profile.runner import profile_stage
+    from diffquant.stages import run_profile
 
-    header, text, n_tokens = profile_stage(
-        models,
-        data=args.data,
-        tokens=args.tokens,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        sites=args.sites,
-        topk=args.topk,
-        attention=False if args.no_attention_metrics else None,
-        out=out,
-        progress=sys.stderr.isatty(),
-    )
+    header, text, n_tokens = run_profile(models, cfg, out, progress=sys.stderr.isatty())
     if not header:  # not rank 0
         return 0
     data = header.rsplit(" from ", 1)[1]
@@ -151,10 +143,10 @@ def _profile_into(args: argparse.Namespace, models: dict, out, world: int) -> in
             data={"source": data, "fingerprint": fingerprint(data), "tokens": n_tokens},
             device=args.device,
             dtype=args.dtype,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            sites=args.sites,
-            topk=args.topk,
+            seq_len=cfg["seq_len"],
+            batch_size=cfg["batch_size"],
+            sites=cfg["sites"],
+            topk=cfg["topk"],
             world_size=world,
         ),
     )
@@ -191,27 +183,27 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from diffquant.distributed import init_from_env, shutdown
-    from diffquant.eval.sweep import SweepSpec, format_results, run_sweep
+    from diffquant.eval.sweep import format_results, run_sweep
     from diffquant.eval.tasks import parse_task
+    from diffquant.schema import check_args
+    from diffquant.stages import CALIB_FLAGS, CalibData, EvalStage, sweep_spec
 
     init_from_env()
     try:
-        _positive(args, "batch_size", "calib_tokens", "calib_seq_len")
+        calib = check_args(CalibData, args, flags=CALIB_FLAGS)
+        batch_size = check_args(EvalStage, args)["batch_size"]
         models: dict = {}
         for spec in args.models:
             models[_unique_name(spec, models)] = spec
         tasks = [parse_task(t, where=f"--task {t!r}") for t in args.task]
-        spec = SweepSpec(
-            models=models,
-            plans=list(args.plan),
-            tasks=tasks,
-            calib_data=args.calib_data,
-            calib_tokens=args.calib_tokens,
-            calib_seq_len=args.calib_seq_len,
-            batch_size=args.batch_size,
-            device=args.device,
-            dtype=args.dtype,
-            tokenizers={name: args.tokenizer for name in models} if args.tokenizer else {},
+        spec = sweep_spec(
+            models,
+            args.plan,
+            tasks,
+            calib,
+            batch_size,
+            {"device": args.device, "dtype": args.dtype},
+            {name: args.tokenizer for name in models} if args.tokenizer else {},
         )
         out = Path(args.out)
         results = run_sweep(
@@ -403,20 +395,13 @@ def _tokenizer_line(model, spec: str) -> str:
 
 
 def _add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPE_NAMES,
-        help="compute dtype (default: the checkpoint's)",
+    """--device, --dtype (and --tokenizer): the fields of io.options.ModelOptions, a recipe's keys too."""
+    from diffquant.io.options import ModelOptions
+    from diffquant.schema import add_options
+
+    add_options(
+        parser, ModelOptions, only=("device", "dtype", "tokenizer") if tokenizer else ("device", "dtype")
     )
-    if tokenizer:
-        parser.add_argument(
-            "--tokenizer",
-            default=None,
-            metavar="PATH",
-            help="'byte', a tokenizer.json or its folder; overrides the model's own tokenizer",
-        )
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -429,12 +414,13 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _task_help() -> str:
-    """The --task help: every task type with its keys, from the task table itself (so it cannot drift)."""
-    from diffquant.eval.tasks import REQUIRED, TASK_PARAMS
+    """The --task help: every task type with its keys, from the task registry itself (so it cannot drift)."""
+    from diffquant.eval.tasks import TASK_TYPES
+    from diffquant.schema import fields_of, is_required
 
     types = "; ".join(
-        f"{name} ({', '.join(k + ('' if v is not REQUIRED else ' [required]') for k, v in params.items())})"
-        for name, params in TASK_PARAMS.items()
+        f"{name} ({', '.join(f.name + (' [required]' if is_required(f) else '') for f, _ in fields_of(t.params))})"
+        for name, t in TASK_TYPES.items()
     )
     return (
         "a task TYPE or TYPE:key=value,key=value (repeatable), e.g. ppl:data=wikitext2:test,seq_len=1024; "
@@ -444,6 +430,9 @@ def _task_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffquant.schema import add_options
+    from diffquant.stages import CALIB_FLAGS, CalibData, EvalStage, ProfileStage
+
     parser = argparse.ArgumentParser(
         prog="diffquant",
         description="Quantization and activation-outlier analysis of Differential Transformers.",
@@ -485,18 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECKPOINT",
         help=f"one or more models, each {MODEL_FORMS}",
     )
-    prof.add_argument(
-        "--data",
-        default=None,
-        help="wikitext2:test, wikitext2:validation, stdlib[:train|:validation], a text file or a folder "
-        "(default: wikitext2:test when a model has its own tokenizer, else stdlib:validation)",
-    )
-    prof.add_argument("--tokens", type=int, default=16384, help="tokens to profile (default: 16384)")
-    prof.add_argument("--seq-len", type=int, default=256, help="window length (default: 256)")
-    prof.add_argument("--batch-size", type=int, default=8)
-    prof.add_argument("--sites", nargs="+", default=["*"], help="site globs or kind:NAME (default: all)")
-    prof.add_argument("--topk", type=int, default=100, help="largest magnitudes kept per site")
-    prof.add_argument("--no-attention-metrics", action="store_true", help="skip per-head attention metrics")
+    add_options(prof, ProfileStage)
     prof.add_argument("--out", default="runs/profile", help="run folder (default: runs/profile)")
     prof.add_argument("--force", action="store_true", help="start clean in a folder of another run")
     _add_model_options(prof)
@@ -546,15 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=_task_help(),
     )
     ev.add_argument("--plan", nargs="+", default=["none"], help="plans: none, preset names or YAML files")
-    ev.add_argument(
-        "--calib-data",
-        default=None,
-        help="calibration text for static plans (default: wikitext2:validation when a model has its own "
-        "tokenizer, else stdlib:train)",
-    )
-    ev.add_argument("--calib-tokens", type=int, default=4096)
-    ev.add_argument("--calib-seq-len", type=int, default=256)
-    ev.add_argument("--batch-size", type=int, default=8)
+    add_options(ev, CalibData, flags=CALIB_FLAGS)
+    add_options(ev, EvalStage)
     ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
     ev.add_argument("--force", action="store_true", help="start clean in a folder of another run")
     _add_model_options(ev)

@@ -7,7 +7,6 @@ parsed as YAML), e.g. ``--set models.baseline=init:baseline:tiny --set eval.task
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,7 @@ import torch
 from diffquant.data import fingerprint
 from diffquant.data.corpus import iter_documents
 from diffquant.errors import DiffquantError
-from diffquant.eval.multiple_choice import load_mc_jsonl
-from diffquant.eval.sweep import SweepSpec, format_results, run_sweep
+from diffquant.eval.sweep import format_results, run_sweep
 from diffquant.eval.tasks import default_text, parse_task
 from diffquant.io import check_model_spec, load_model
 from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
@@ -26,57 +24,24 @@ from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.quantize import quantize_checkpoint
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.plots import render_run
-from diffquant.profile.runner import profile_stage
 from diffquant.quant.plan import QuantPlan
 from diffquant.report import write_report
+from diffquant.schema import check
+from diffquant.stages import Recipe, run_profile, sweep_spec
 from diffquant.textfiles import apply_override, read_yaml  # noqa: F401 (public here too)
 
-# Schema: key -> (python types, default[, minimum]) or a nested dict schema. REQUIRED keys have no default;
-# integers with a minimum are checked against it (and against 2**63, what torch and numpy take).
-_REQUIRED = object()
-_CALIB = {"source": ((str, type(None)), None), "tokens": ((int,), 4096, 1), "seq_len": ((int,), 256, 2)}
-SCHEMA: dict[str, Any] = {
-    "name": ((str,), _REQUIRED),
-    "description": ((str,), ""),
-    "seed": ((int,), 0, 0),
-    "models": ((dict,), _REQUIRED),
-    # Where and how models run, and which tokenizer they read: a path for all models, or {model: path}.
-    "device": ((str,), "cpu"),
-    "dtype": ((str, type(None)), None),
-    "tokenizer": ((str, dict, type(None)), None),
-    "data": {"calib": _CALIB},
-    "profile": {
-        "enabled": ((bool,), True),
-        "data": ((str, type(None)), None),
-        "tokens": ((int,), 16384, 1),
-        "seq_len": ((int,), 256, 1),
-        "batch_size": ((int,), 8, 1),
-        "sites": ((list, str), ["*"]),
-        "topk": ((int,), 100, 1),
-        "attention_metrics": ((bool,), True),
-    },
-    "quantize": {"plans": ((list,), []), "eval_tokens": ((int,), 2048, 1), "batch_size": ((int,), 8, 1)},
-    "eval": {"tasks": ((list,), [{"type": "bpb"}]), "batch_size": ((int,), 8, 1)},
-    "sweep": {"plans": ((list,), [])},
-    "plots": {"enabled": ((bool,), True), "formats": ((list,), ["png"]), "dpi": ((int,), 150, 1)},
-    "output": {"dir": ((str, type(None)), None)},
-}
-_INT_LIMIT = 2**63
 _OPTIONAL_STAGES = ("profile", "quantize", "eval", "sweep", "plots")
 
 
 def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
-    """The recipe with defaults filled in; raises a one-line DiffquantError naming the bad key's path."""
-    if not isinstance(raw, dict):
-        raise DiffquantError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
-    recipe = _check(raw, SCHEMA, source, "")
-    for name, spec in recipe["models"].items():
-        if not isinstance(spec, str):
-            raise DiffquantError(f"{source}: models.{name}: expected a model specifier string, got {spec!r}")
+    """The recipe with defaults filled in; raises a one-line DiffquantError naming the bad key's path.
+
+    The schema is :class:`diffquant.stages.Recipe` (one dataclass per stage, shared with the command line)."""
+    recipe = check(Recipe, raw, source)
     tokenizer = recipe["tokenizer"]
     if isinstance(tokenizer, dict):
         for name, path in tokenizer.items():
-            if name not in recipe["models"] or not isinstance(path, str):
+            if name not in recipe["models"]:
                 raise DiffquantError(
                     f"{source}: tokenizer.{name}: expected a model name from 'models' mapped to a tokenizer "
                     f"path, got {name!r}: {path!r}"
@@ -90,53 +55,11 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
     for i, task in enumerate(recipe["eval"]["tasks"]):
         parse_task(task, where=f"{source}: eval.tasks[{i}]")
     for stage in ("quantize", "sweep"):
-        for i, plan in enumerate(recipe[stage]["plans"]):
-            if not isinstance(plan, str):
-                raise DiffquantError(
-                    f"{source}: {stage}.plans[{i}]: expected a preset name or a plan file path"
-                )
+        for plan in recipe[stage]["plans"]:
             if plan != "none":
                 QuantPlan.load(plan)
     recipe["_present"] = [s for s in _OPTIONAL_STAGES if s in raw]
     return recipe
-
-
-def _check(raw: dict[str, Any], schema: dict[str, Any], source: str, prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in raw:
-        if key not in schema:
-            path = f"{prefix}{key}"
-            raise DiffquantError(
-                f"{source}: unknown key '{path}'; allowed keys{' under ' + prefix[:-1] if prefix else ''}: "
-                f"{', '.join(schema)}"
-            )
-    for key, rule in schema.items():
-        path = f"{prefix}{key}"
-        if isinstance(rule, dict):
-            value = raw.get(key)
-            if value is None:
-                value = {}
-            if not isinstance(value, dict):
-                hint = f" (to turn the stage off: {path}: {{enabled: false}})" if "enabled" in rule else ""
-                raise DiffquantError(f"{source}: {path}: expected a mapping, got {value!r}{hint}")
-            out[key] = _check(value, rule, source, f"{path}.")
-            continue
-        types, default, *minimum = rule
-        if key not in raw:
-            if default is _REQUIRED:
-                raise DiffquantError(f"{source}: missing required key '{path}'")
-            out[key] = copy.deepcopy(default)
-            continue
-        value = raw[key]
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            names = " or ".join(t.__name__ for t in types)
-            raise DiffquantError(f"{source}: {path}: expected {names}, got {value!r}")
-        if minimum and isinstance(value, int) and not minimum[0] <= value < _INT_LIMIT:
-            raise DiffquantError(
-                f"{source}: {path}: expected an integer in [{minimum[0]}, 2**63), got {value!r}"
-            )
-        out[key] = value
-    return out
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -165,8 +88,9 @@ def run_recipe(
     if "profile" in present and recipe["profile"]["enabled"]:
         sources.add(recipe["profile"]["data"] or texts["profile"])
     for task in recipe["eval"]["tasks"]:
-        if isinstance(task, dict) and task.get("type", "bpb") in ("bpb", "ppl"):
-            sources.add(task.get("data") or texts["eval"])
+        spec = parse_task(task)
+        if spec.reads_text:
+            sources.add(spec.params["data"] or texts["eval"])
     record = manifest(
         "run",
         recipe=clean,
@@ -229,10 +153,7 @@ def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
     }:
         iter_documents(source)  # raises at once for a missing source
     for t in tasks:
-        if t.type in ("bpb", "ppl") and t.params["data"]:
-            iter_documents(t.params["data"])
-        if t.type == "mc":
-            load_mc_jsonl(t.params["path"])
+        t.preflight()
     return texts
 
 
@@ -267,23 +188,18 @@ def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:
 
 
 def _stage_profile(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    cfg = recipe["profile"]
     models = _load_models(recipe)
-    header, table, _ = profile_stage(
-        models,
-        data=cfg["data"],
-        tokens=cfg["tokens"],
-        seq_len=cfg["seq_len"],
-        batch_size=cfg["batch_size"],
-        sites=cfg["sites"],
-        topk=cfg["topk"],
-        attention=None if cfg["attention_metrics"] else False,
-        out=out,
-        progress=progress,
+    header, table, _ = run_profile(
+        models, recipe["profile"], out, progress=progress, name=_key_name("profile")
     )
     if header:
         log(header)
         log(table)
+
+
+def _key_name(section: str) -> Callable[[str], str]:
+    """How a recipe names a stage's key in an error: ``profile.seq_len``."""
+    return lambda key: f"{section}.{key}"
 
 
 def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
@@ -309,18 +225,14 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
 
 
 def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    calib = recipe["data"]["calib"]
-    spec = SweepSpec(
-        models=dict(recipe["models"]),
-        plans=list(recipe["sweep"]["plans"]),
-        tasks=[parse_task(t) for t in recipe["eval"]["tasks"]],
-        calib_data=calib["source"],
-        calib_tokens=calib["tokens"],
-        calib_seq_len=calib["seq_len"],
-        batch_size=recipe["eval"]["batch_size"],
-        device=recipe["device"],
-        dtype=recipe["dtype"],
-        tokenizers=model_tokenizer_paths(recipe),
+    spec = sweep_spec(
+        recipe["models"],
+        recipe["sweep"]["plans"],
+        [parse_task(t) for t in recipe["eval"]["tasks"]],
+        recipe["data"]["calib"],
+        recipe["eval"]["batch_size"],
+        recipe,
+        model_tokenizer_paths(recipe),
     )
     results = run_sweep(spec, out / "sweep", progress=progress, log=log)
     if results is not None:

@@ -340,7 +340,7 @@ def run_sweep(
         if say is not None:
             for name, tok in runner.tokenizers.items():
                 say(f"sweep: {name} reads tokenizer {tok.describe()}")
-            if any(t.type in ("bpb", "ppl") and not t.params.get("data") for t in spec.tasks):
+            if any(t.reads_text and not t.params.get("data") for t in spec.tasks):
                 say(
                     f"sweep: text tasks without 'data' read {runner.eval_data} (the default for these tokenizers)"
                 )

@@ -30,10 +30,11 @@ or a ``path`` mapping in a recipe.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from diffquant.data.corpus import default_text  # noqa: F401 (moved down for profile and quant)
+from diffquant.data.corpus import default_text, iter_documents
 from diffquant.data.tokenizer import model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.eval import retrieval as retrieval_mod  # tests patch the module attribute
@@ -41,48 +42,8 @@ from diffquant.eval.lmeval import run_lmeval
 from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.eval.retrieval import RetrievalConfig
+from diffquant.schema import Style, check, field_default, fields_of, is_required, key
 from diffquant.textfiles import parse_yaml
-
-# type -> {parameter: default}; a default of REQUIRED must be given.
-REQUIRED = object()
-_TEXT_PARAMS = {"data": None, "tokens": 16384, "seq_len": None, "stride": None, "windows": None}
-TASK_PARAMS: dict[str, dict[str, Any]] = {
-    "bpb": dict(_TEXT_PARAMS),
-    "ppl": dict(_TEXT_PARAMS),
-    "retrieval": {
-        "needles": 1,
-        "queries": 1,
-        "depths": [0, 25, 50, 75, 100],
-        "samples_per_depth": 10,
-        "context_bytes": None,  # None: the model's max_seq_len - 128 (room for the question and answer)
-        "digits": 4,
-        "seed": 0,
-        "attention": True,
-    },
-    "mc": {"path": REQUIRED, "limit": None},
-    "lmeval": {
-        "tasks": REQUIRED,
-        "path": None,
-        "limit": None,
-        "num_fewshot": None,
-        "include_path": None,
-        "max_length": None,
-        "metric": None,
-    },
-}
-_INT_LIMIT = 2**63
-
-
-def _int(low: int, high: int = _INT_LIMIT - 1, optional: bool = False):
-    def check(v: Any) -> str | None:
-        if v is None and optional:
-            return None
-        if isinstance(v, int) and not isinstance(v, bool) and low <= v <= high:
-            return None
-        top = "2**63 - 1" if high == _INT_LIMIT - 1 else str(high)
-        return f"an integer in [{low}, {top}]" + (" or null" if optional else "")
-
-    return check
 
 
 def _text(optional: bool):
@@ -93,10 +54,6 @@ def _text(optional: bool):
     )
 
 
-def _choice(*values: Any):
-    return lambda v: None if v in values else "one of " + ", ".join(repr(x) for x in values)
-
-
 def _depths(v: Any) -> str | None:
     ok = (
         isinstance(v, list)
@@ -104,10 +61,6 @@ def _depths(v: Any) -> str | None:
         and all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 100 for d in v)
     )
     return None if ok else "a non-empty list of percentages in [0, 100]"
-
-
-def _bool(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "true or false"
 
 
 _NAME_SEPARATORS = ("+", ",")  # a string of lm-eval task names: "a+b" (the command line), "a,b" (YAML)
@@ -152,45 +105,6 @@ def _paths(v: Any) -> str | None:
     return None if ok else "a folder or file of task YAMLs, a list of them, or null"
 
 
-# type -> {parameter: check}: what each parameter must be (a message of what was expected, or None).
-_TEXT_CHECKS = {
-    "data": _text(True),
-    "tokens": _int(2),
-    "seq_len": _int(2, optional=True),
-    "stride": _int(1, optional=True),
-    "windows": _choice(None, "disjoint", "chained"),
-}
-TASK_CHECKS: dict[str, dict[str, Any]] = {
-    "bpb": _TEXT_CHECKS,
-    "ppl": _TEXT_CHECKS,
-    "retrieval": {
-        "needles": _int(1),
-        "queries": _int(1),
-        "depths": _depths,
-        "samples_per_depth": _int(1),
-        "context_bytes": _int(0, optional=True),
-        "digits": _int(1, 18),  # distinct candidates must exist, and numbers stay machine-sized
-        "seed": _int(0),
-        "attention": _bool,
-    },
-    "mc": {"path": _text(False), "limit": _int(1, optional=True)},
-    "lmeval": {
-        "tasks": _lm_tasks,
-        "path": _lm_path,
-        "limit": _int(1, optional=True),
-        "num_fewshot": _int(0, optional=True),
-        "include_path": _paths,
-        "max_length": _int(2, optional=True),
-        "metric": _text(True),
-    },
-}
-# type -> (primary metric, higher is better); lmeval's depends on its tasks (see LMEVAL_METRICS)
-PRIMARY: dict[str, tuple[str, bool]] = {
-    "bpb": ("bits_per_byte", False),
-    "ppl": ("perplexity", False),
-    "retrieval": ("acc_rank", True),
-    "mc": ("acc_norm", True),
-}
 # lm-eval task name pattern -> its main metric, first match wins (``metric`` overrides)
 LMEVAL_METRICS: list[tuple[str, str]] = [
     ("wikitext*", "word_perplexity"),
@@ -213,6 +127,194 @@ def lmeval_primary(params: dict[str, Any]) -> tuple[str, bool]:
     return key, base not in LMEVAL_LOWER_IS_BETTER and not base.endswith("perplexity")
 
 
+# ----------------------------------------------------------------------------- parameters, one dataclass each
+@dataclass
+class TextParams:
+    """``bpb`` / ``ppl``: a text source cut into windows."""
+
+    data: str | None = key(None, check=_text(True))
+    tokens: int = key(16384, min=2)
+    seq_len: int | None = key(None, min=2)
+    stride: int | None = key(None, min=1)
+    windows: Literal["disjoint", "chained"] | None = key(None)
+
+
+@dataclass
+class RetrievalParams:
+    needles: int = key(1, min=1)
+    queries: int = key(1, min=1)
+    depths: list[float] = key([0, 25, 50, 75, 100], check=_depths)
+    samples_per_depth: int = key(10, min=1)
+    context_bytes: int | None = key(None, min=0)  # None: max_seq_len - 128 (room for the question, answer)
+    digits: int = key(4, min=1, max=18)  # distinct candidates must exist, and numbers stay machine-sized
+    seed: int = key(0, min=0)
+    attention: bool = key(True)
+
+
+@dataclass
+class MCParams:
+    path: str = key(check=_text(False))
+    limit: int | None = key(None, min=1)
+
+
+@dataclass
+class LMEvalParams:
+    tasks: list[str] | str = key(check=_lm_tasks)
+    path: str | dict[str, str] | None = key(None, check=_lm_path)
+    limit: int | None = key(None, min=1)
+    num_fewshot: int | None = key(None, min=0)
+    include_path: list[str] | str | None = key(None, check=_paths)
+    max_length: int | None = key(None, min=2)
+    metric: str | None = key(None, check=_text(True))
+
+
+# --------------------------------------------------------------------------------------------- the registry
+Runner = Callable[..., dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TaskType:
+    """One task type (lm-eval's registry habit): its parameters, how it runs, and its primary metric
+    ((metric, higher is better), or a function of the parameters). ``reads_text``: its ``data`` is a text
+    source (None: the default text for the models' tokenizers); ``prepare`` normalises checked parameters;
+    ``preflight`` fails early on a missing input file."""
+
+    name: str
+    params: type
+    run: Runner
+    primary: tuple[str, bool] | Callable[[dict[str, Any]], tuple[str, bool]]
+    reads_text: bool = False
+    prepare: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+    preflight: Callable[[dict[str, Any]], Any] | None = None
+
+
+TASK_TYPES: dict[str, TaskType] = {}
+
+
+def task_type(name: str, params: type, primary: Any, **extra: Any) -> Callable[[Runner], Runner]:
+    """Register the decorated runner ``run(model, params, *, batch_size, progress, default_data)``."""
+
+    def register(run: Runner) -> Runner:
+        TASK_TYPES[name] = TaskType(name, params, run, primary, **extra)
+        return run
+
+    return register
+
+
+class _TaskStyle(Style):
+    """Task messages name the parameter of its type: ``bpb parameter 'tokens': expected ...``."""
+
+    type_names = False
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def name(self, path: str) -> str:
+        return f"{self.kind} parameter '{path}'"
+
+    def unknown(self, prefix: str, key: str, allowed: Sequence[str]) -> str:
+        keys = ", ".join(["name", "type", *allowed])
+        return f"unknown key '{key}' for task type {self.kind}; allowed keys: {keys}"
+
+    def missing(self, path: str) -> str:
+        return f"task type {self.kind} needs '{path}'"
+
+
+def _text_files(p: dict[str, Any]) -> None:
+    if p["data"]:
+        iter_documents(p["data"])
+
+
+# registered bottom-up: bpb first (the order of the --help text and of messages)
+@task_type("ppl", TextParams, ("perplexity", False), reads_text=True, preflight=_text_files)
+@task_type("bpb", TextParams, ("bits_per_byte", False), reads_text=True, preflight=_text_files)
+def _run_text(model, p, *, batch_size, progress, default_data):
+    tokenizer = model_tokenizer(model)
+    return evaluate_bpb(
+        model,
+        p["data"] or default_data or default_text([tokenizer]),
+        max_tokens=int(p["tokens"]),
+        seq_len=p["seq_len"],
+        stride=p["stride"],
+        windows=p["windows"],
+        batch_size=batch_size,
+        progress=progress,
+        tokenizer=tokenizer,
+    )
+
+
+def _prepare_retrieval(p: dict[str, Any], where: str) -> dict[str, Any]:
+    return {**p, "depths": [float(d) for d in p["depths"]]}
+
+
+@task_type("retrieval", RetrievalParams, ("acc_rank", True), prepare=_prepare_retrieval)
+def _run_retrieval(model, p, *, batch_size, progress, default_data):
+    cfg = RetrievalConfig(
+        n_needles=int(p["needles"]),
+        n_queries=int(p["queries"]),
+        depths=tuple(p["depths"]),
+        samples_per_depth=int(p["samples_per_depth"]),
+        context_bytes=int(p["context_bytes"] or model.config.max_seq_len - 128),
+        digits=int(p["digits"]),
+        seed=int(p["seed"]),
+    )
+    result = retrieval_mod.evaluate_retrieval(
+        model, cfg, batch_size=batch_size, attention=bool(p["attention"]), progress=progress
+    )
+    by_depth = result.pop("by_depth", {})
+    for depth, values in by_depth.items():
+        result[f"acc_rank@{float(depth):g}"] = values["acc_rank"]
+    return result
+
+
+@task_type("mc", MCParams, ("acc_norm", True), preflight=lambda p: load_mc_jsonl(p["path"]))
+def _run_mc(model, p, *, batch_size, progress, default_data):
+    return evaluate_mc(model, load_mc_jsonl(p["path"]), batch_size=batch_size, limit=p["limit"])
+
+
+def _prepare_lmeval(p: dict[str, Any], where: str) -> dict[str, Any]:
+    p = {**p, "tasks": _task_names(p["tasks"])}
+    path = p["path"]
+    if isinstance(path, str) and len(p["tasks"]) > 1:
+        raise DiffquantError(
+            f"{where}: lmeval parameter 'path': one file for {len(p['tasks'])} tasks; give a mapping "
+            "{task: file} in a recipe, or one --task per task"
+        )
+    if isinstance(path, dict):
+        stray = [k for k in path if k not in p["tasks"]]
+        if stray:
+            raise DiffquantError(
+                f"{where}: lmeval parameter 'path': {stray[0]!r} is not among the tasks {p['tasks']}"
+            )
+    if isinstance(p["include_path"], str):
+        p["include_path"] = [p["include_path"]]
+    return p
+
+
+@task_type("lmeval", LMEvalParams, lmeval_primary, prepare=_prepare_lmeval)
+def _run_lmeval(model, p, *, batch_size, progress, default_data):
+    results = run_lmeval(
+        model,
+        p["tasks"],
+        include_path=p["include_path"],
+        limit=p["limit"],
+        num_fewshot=p["num_fewshot"],
+        batch_size=batch_size,
+        data_files=p["path"],
+        max_length=p["max_length"],
+        progress=progress,
+    )
+    return flatten_lmeval(results, p["tasks"])
+
+
+# type -> {parameter: default}, REQUIRED where a task must give it (derived from the registry)
+REQUIRED = object()
+TASK_PARAMS: dict[str, dict[str, Any]] = {
+    name: {f.name: REQUIRED if is_required(f) else field_default(f) for f, _ in fields_of(t.params)}
+    for name, t in TASK_TYPES.items()
+}
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     type: str
@@ -227,7 +329,19 @@ class TaskSpec:
 
     @property
     def primary(self) -> tuple[str, bool]:
-        return lmeval_primary(self.params) if self.type == "lmeval" else PRIMARY[self.type]
+        primary = TASK_TYPES[self.type].primary
+        return primary(self.params) if callable(primary) else primary
+
+    @property
+    def reads_text(self) -> bool:
+        """A text task (``bpb`` / ``ppl``): ``params['data']`` is a text source, None for the default one."""
+        return TASK_TYPES[self.type].reads_text
+
+    def preflight(self) -> None:
+        """Fail now on an input file the task would read and cannot (before a run writes anything)."""
+        check_files = TASK_TYPES[self.type].preflight
+        if check_files is not None:
+            check_files(self.params)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type, **({"name": self.name} if self.name else {}), **self.params}
@@ -241,54 +355,21 @@ def parse_task(value: Any, where: str = "task") -> TaskSpec:
         kind, _, rest = value.partition(":")
         data: dict[str, Any] = {"type": kind}
         for item in filter(None, rest.split(",")):
-            key, eq, raw = item.partition("=")
+            key_, eq, raw = item.partition("=")
             if not eq:
                 raise DiffquantError(f"{where}: {item!r} is not key=value (in {value!r})")
-            data[key.strip()] = parse_yaml(raw, f"{where}: {key.strip()}") if raw else None
+            data[key_.strip()] = parse_yaml(raw, f"{where}: {key_.strip()}") if raw else None
         value = data
     if not isinstance(value, dict):
         raise DiffquantError(f"{where}: expected a mapping or 'TYPE[:key=value,...]', got {value!r}")
     kind = value.get("type")
-    if kind not in TASK_PARAMS:
-        raise DiffquantError(f"{where}.type: {kind!r}; valid task types: {', '.join(TASK_PARAMS)}")
-    allowed = TASK_PARAMS[kind]
-    params = {}
-    for key, val in value.items():
-        if key in ("type", "name"):
-            continue
-        if key not in allowed:
-            raise DiffquantError(
-                f"{where}: unknown key '{key}' for task type {kind}; allowed keys: "
-                f"{', '.join(['name', 'type', *allowed])}"
-            )
-        params[key] = val
-    for key, default in allowed.items():
-        if key not in params:
-            if default is REQUIRED:
-                raise DiffquantError(f"{where}: task type {kind} needs '{key}'")
-            params[key] = default
-    for key, val in params.items():
-        expected = TASK_CHECKS[kind][key](val)
-        if expected is not None:
-            raise DiffquantError(f"{where}: {kind} parameter '{key}': expected {expected}, got {val!r}")
-    if kind == "retrieval":
-        params["depths"] = [float(d) for d in params["depths"]]
-    if kind == "lmeval":
-        params["tasks"] = _task_names(params["tasks"])
-        path = params["path"]
-        if isinstance(path, str) and len(params["tasks"]) > 1:
-            raise DiffquantError(
-                f"{where}: lmeval parameter 'path': one file for {len(params['tasks'])} tasks; give a mapping "
-                "{task: file} in a recipe, or one --task per task"
-            )
-        if isinstance(path, dict):
-            stray = [k for k in path if k not in params["tasks"]]
-            if stray:
-                raise DiffquantError(
-                    f"{where}: lmeval parameter 'path': {stray[0]!r} is not among the tasks {params['tasks']}"
-                )
-        if isinstance(params["include_path"], str):
-            params["include_path"] = [params["include_path"]]
+    if kind not in TASK_TYPES:
+        raise DiffquantError(f"{where}.type: {kind!r}; valid task types: {', '.join(TASK_TYPES)}")
+    task = TASK_TYPES[kind]
+    raw = {k: v for k, v in value.items() if k not in ("type", "name")}
+    params = check(task.params, raw, where, style=_TaskStyle(kind))
+    if task.prepare is not None:
+        params = task.prepare(params, where)
     return TaskSpec(kind, params, str(value.get("name", "")))
 
 
@@ -299,54 +380,8 @@ def run_task(
 
     ``default_data`` is the text of a ``bpb`` / ``ppl`` task that names none (see :func:`default_text`).
     """
-    p = task.params
-    if task.type in ("bpb", "ppl"):
-        tokenizer = model_tokenizer(model)
-        return evaluate_bpb(
-            model,
-            p["data"] or default_data or default_text([tokenizer]),
-            max_tokens=int(p["tokens"]),
-            seq_len=p["seq_len"],
-            stride=p["stride"],
-            windows=p["windows"],
-            batch_size=batch_size,
-            progress=progress,
-            tokenizer=tokenizer,
-        )
-    if task.type == "retrieval":
-        cfg = RetrievalConfig(
-            n_needles=int(p["needles"]),
-            n_queries=int(p["queries"]),
-            depths=tuple(p["depths"]),
-            samples_per_depth=int(p["samples_per_depth"]),
-            context_bytes=int(p["context_bytes"] or model.config.max_seq_len - 128),
-            digits=int(p["digits"]),
-            seed=int(p["seed"]),
-        )
-        result = retrieval_mod.evaluate_retrieval(
-            model, cfg, batch_size=batch_size, attention=bool(p["attention"]), progress=progress
-        )
-        by_depth = result.pop("by_depth", {})
-        for depth, values in by_depth.items():
-            result[f"acc_rank@{float(depth):g}"] = values["acc_rank"]
-        return result
-    if task.type == "mc":
-        items = load_mc_jsonl(p["path"])
-        return evaluate_mc(model, items, batch_size=batch_size, limit=p["limit"])
-    if task.type == "lmeval":
-        results = run_lmeval(
-            model,
-            p["tasks"],
-            include_path=p["include_path"],
-            limit=p["limit"],
-            num_fewshot=p["num_fewshot"],
-            batch_size=batch_size,
-            data_files=p["path"],
-            max_length=p["max_length"],
-            progress=progress,
-        )
-        return flatten_lmeval(results, p["tasks"])
-    raise AssertionError(task.type)
+    run = TASK_TYPES[task.type].run
+    return run(model, task.params, batch_size=batch_size, progress=progress, default_data=default_data)
 
 
 def flatten_lmeval(results: dict[str, dict[str, Any]], tasks: list[str]) -> dict[str, Any]:

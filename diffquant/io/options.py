@@ -5,10 +5,13 @@ One parser for both, so a typo reads the same from the command line and from a r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.names import DTYPE_NAMES
+from diffquant.schema import key
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # float32, bfloat16, float16
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -41,3 +44,18 @@ def parse_device(name: str | None) -> str:
             )
         return text
     raise DiffquantError(f"device {text!r}: expected cpu, cuda or cuda:N")
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """Where and how models run, and which tokenizer they read: the recipe keys ``device`` / ``dtype`` /
+    ``tokenizer`` and the command-line options ``--device`` / ``--dtype`` / ``--tokenizer`` (one place each).
+    A recipe's ``tokenizer`` is a path for all models or ``{model: path}``."""
+
+    device: str = key("cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    dtype: str | None = key(None, choices=DTYPE_NAMES, help="compute dtype (default: the checkpoint's)")
+    tokenizer: str | dict[str, str] | None = key(
+        None,
+        metavar="PATH",
+        help="'byte', a tokenizer.json or its folder; overrides the model's own tokenizer",
+    )

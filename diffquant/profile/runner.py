@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -59,16 +59,21 @@ def check_profile(
     seq_len: int,
     data: str | None,
     sites: str | Sequence[str] = "*",
+    key_name: Callable[[str], str] = lambda key: "--" + key.replace("_", "-"),
 ) -> dict:
     """What a profile would refuse, refused before it writes anything: each model's tokenizer (and its
-    fit), the site patterns, the window length, the text source. Returns the tokenizers by model name."""
+    fit), the site patterns, the window length, the text source. Returns the tokenizers by model name.
+    ``key_name`` says how the user wrote a key (``--seq-len`` on the command line, ``profile.seq_len`` in a recipe).
+    """
     tokenizers = {}
-    for name, (spec, model) in models.items():
-        tokenizers[name] = model_tokenizer(model, str(spec))
+    for model_name, (spec, model) in models.items():
+        tokenizers[model_name] = model_tokenizer(model, str(spec))
         select_taps(model, sites)  # a pattern that matches nothing is a one-line error
         cfg = model.config
         if seq_len > cfg.max_seq_len:
-            raise DiffquantError(f"--seq-len {seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}")
+            raise DiffquantError(
+                f"{key_name('seq_len')} {seq_len} exceeds the max_seq_len {cfg.max_seq_len} of {spec}"
+            )
     if data:
         iter_documents(data)  # a missing source fails here
     return tokenizers
@@ -87,6 +92,7 @@ def profile_stage(
     out: Path,
     progress: bool = False,
     map_len: int = 64,
+    key_name: Callable[[str], str] = lambda key: "--" + key.replace("_", "-"),
 ) -> tuple[str, str, int]:
     """Profile each (spec, model) on the same text; write profile/NAME.json, table5.{txt,json}.
 
@@ -97,7 +103,7 @@ def profile_stage(
     first window (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens of the first
     model) on rank 0 and ("", "", tokens) elsewhere. Shared by `diffquant profile` and recipes.
     """
-    tokenizers = check_profile(models, seq_len, data, sites)
+    tokenizers = check_profile(models, seq_len, data, sites, key_name)
     data = data or default_text(tokenizers.values(), "profile")
     by_tokenizer: dict[str, torch.Tensor] = {}
     rank, _ = rank_and_world()
