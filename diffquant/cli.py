@@ -32,6 +32,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from diffquant.kernels.dispatch import planned_paths
 
     tokenizer = _tokenizer_line(model, args.checkpoint)
+    from diffquant.io.options import parse_device
+    from diffquant.stream import would_stream
+
+    device = parse_device(args.device)
+    streams, size, reason = would_stream(args.checkpoint, device)
     if args.json:
         plan = getattr(model, "quant_plan", None)
         info = {
@@ -40,6 +45,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "quant_plan": None if plan is None else plan.to_dict(),
             "config": cfg.to_dict(),
             "parameters": {**groups, "total": sum(groups.values())},
+            "weights_bytes": size,
+            "stream": {"device": device, "would_stream": streams, "reason": reason},
             "sites": {**sites, "total": sum(sites.values())},
             "attention_paths": {
                 "cuda": planned_paths(model, cuda=True),
@@ -60,6 +67,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for name, count in groups.items():
         if count:
             print(f"  {name:<11}{count:>12,}  {100 * count / total:5.1f} %")
+    print(f"weights      {size:,} bytes ({size / 2**20:.1f} MiB)")
+    print(f"stream       --stream auto on {device}: {'streamed' if streams else 'whole'} ({reason})")
     print(f"sites        {sum(sites.values())} ({', '.join(f'{k} {n}' for k, n in sites.items())})")
     from diffquant.kernels.dispatch import planned_paths
 
@@ -92,17 +101,21 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from diffquant.distributed import init_from_env, shutdown
+    from diffquant.io.options import ModelOptions
     from diffquant.io.runfolder import claim_run_folder
     from diffquant.profile.runner import check_profile
     from diffquant.schema import check_args
-    from diffquant.stages import ProfileStage
+    from diffquant.stages import ProfileStage, load_models
 
     _, world = init_from_env()
     try:
         cfg = check_args(ProfileStage, args)
-        models: dict = {}
+        env = check_args(ModelOptions, args)
+        specs: dict = {}
         for spec in args.checkpoints:
-            models[_unique_name(spec, models)] = (spec, _load(args, spec))
+            specs[_unique_name(spec, specs)] = spec
+        tokenizers = dict.fromkeys(specs, args.tokenizer) if args.tokenizer else {}
+        models = load_models(specs, env, tokenizers)
         out = Path(args.out)
         identity = {
             "checkpoints": {n: str(s) for n, (s, _) in models.items()},
@@ -124,10 +137,12 @@ def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world:
     from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
     from diffquant.stages import run_profile
 
-    header, text, n_tokens = run_profile(models, cfg, out, progress=sys.stderr.isatty())
+    env = {k: getattr(args, k) for k in ("device", "dtype")}
+    header, text, n_tokens = run_profile(models, cfg, out, progress=sys.stderr.isatty(), env=env)
     if not header:  # not rank 0
         return 0
     data = header.rsplit(" from ", 1)[1]
+    streamed = [n for n, (_, m) in models.items() if getattr(m, "streamed", None) is not None]
     write_json_atomic(
         out / "manifest.json",
         manifest(
@@ -148,6 +163,7 @@ def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world:
             sites=cfg["sites"],
             topk=cfg["topk"],
             world_size=world,
+            **({"streamed": streamed} if streamed else {}),
         ),
     )
     print(header)
@@ -157,23 +173,15 @@ def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from diffquant.io.quantize import quantize_checkpoint
+    from diffquant.schema import check_args
+    from diffquant.stages import QUANTIZE_CALIB_FLAGS, CalibData, QuantizeStage, run_quantize
 
-    _positive(args, "calib_tokens", "eval_tokens", "seq_len", "batch_size")
+    calib = check_args(CalibData, args, flags=QUANTIZE_CALIB_FLAGS)
+    cfg = check_args(QuantizeStage, args)
+    env = {"device": args.device, "dtype": args.dtype}
     _refuse_overwriting_input(args.checkpoint, args.out)
-    summary = quantize_checkpoint(
-        args.checkpoint,
-        args.plan,
-        calib_data=args.calib_data,
-        calib_tokens=args.calib_tokens,
-        eval_tokens=args.eval_tokens,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        out=args.out,
-        force=args.force,
-        device=args.device,
-        dtype=args.dtype,
-        tokenizer=args.tokenizer,
+    summary = run_quantize(
+        args.checkpoint, args.plan, calib, cfg, args.out, env, force=args.force, tokenizer=args.tokenizer
     )
     print(summary["text"])
     return 0
@@ -202,7 +210,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             tasks,
             calib,
             batch_size,
-            {"device": args.device, "dtype": args.dtype},
+            {"device": args.device, "dtype": args.dtype, "stream": args.stream},
             {name: args.tokenizer for name in models} if args.tokenizer else {},
         )
         out = Path(args.out)
@@ -394,14 +402,14 @@ def _tokenizer_line(model, spec: str) -> str:
         return f"none ({err})"
 
 
-def _add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True) -> None:
-    """--device, --dtype (and --tokenizer): the fields of io.options.ModelOptions, a recipe's keys too."""
+def _add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True, stream: bool = False) -> None:
+    """--device, --dtype (and --tokenizer, --stream): the fields of io.options.ModelOptions, a recipe's keys
+    too."""
     from diffquant.io.options import ModelOptions
     from diffquant.schema import add_options
 
-    add_options(
-        parser, ModelOptions, only=("device", "dtype", "tokenizer") if tokenizer else ("device", "dtype")
-    )
+    only = ("device", "dtype") + (("tokenizer",) if tokenizer else ()) + (("stream",) if stream else ())
+    add_options(parser, ModelOptions, only=only)
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -431,7 +439,14 @@ def _task_help() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from diffquant.schema import add_options
-    from diffquant.stages import CALIB_FLAGS, CalibData, EvalStage, ProfileStage
+    from diffquant.stages import (
+        CALIB_FLAGS,
+        QUANTIZE_CALIB_FLAGS,
+        CalibData,
+        EvalStage,
+        ProfileStage,
+        QuantizeStage,
+    )
 
     parser = argparse.ArgumentParser(
         prog="diffquant",
@@ -477,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(prof, ProfileStage)
     prof.add_argument("--out", default="runs/profile", help="run folder (default: runs/profile)")
     prof.add_argument("--force", action="store_true", help="start clean in a folder of another run")
-    _add_model_options(prof)
+    _add_model_options(prof, stream=True)
     prof.set_defaults(func=_cmd_profile)
 
     quant = sub.add_parser(
@@ -490,16 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument(
         "--plan", required=True, help="a preset name (list them with `diffquant presets`) or a YAML plan file"
     )
-    quant.add_argument(
-        "--calib-data",
-        default=None,
-        help="calibration text (default: wikitext2:validation for models with their own tokenizer, else "
-        "stdlib:train)",
-    )
-    quant.add_argument("--calib-tokens", type=int, default=4096)
-    quant.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens for the error report")
-    quant.add_argument("--seq-len", type=int, default=256)
-    quant.add_argument("--batch-size", type=int, default=8)
+    add_options(quant, CalibData, flags=QUANTIZE_CALIB_FLAGS)
+    add_options(quant, QuantizeStage)
     quant.add_argument("--out", required=True, help="output folder")
     quant.add_argument("--force", action="store_true", help="replace an existing output folder")
     _add_model_options(quant)
@@ -528,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(ev, EvalStage)
     ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
     ev.add_argument("--force", action="store_true", help="start clean in a folder of another run")
-    _add_model_options(ev)
+    _add_model_options(ev, stream=True)
     ev.set_defaults(func=_cmd_eval)
 
     run = sub.add_parser("run", help="run a YAML recipe (profile, quantize, eval, sweep) into a run folder")

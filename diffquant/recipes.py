@@ -18,16 +18,15 @@ from diffquant.data.corpus import iter_documents
 from diffquant.errors import DiffquantError
 from diffquant.eval.sweep import format_results, run_sweep
 from diffquant.eval.tasks import default_text, parse_task
-from diffquant.io import check_model_spec, load_model
+from diffquant.io import check_model_spec
 from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
 from diffquant.io.options import parse_device, parse_dtype
-from diffquant.io.quantize import quantize_checkpoint
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.plots import render_run
 from diffquant.quant.plan import QuantPlan
 from diffquant.report import write_report
 from diffquant.schema import check
-from diffquant.stages import Recipe, run_profile, sweep_spec
+from diffquant.stages import Recipe, load_models, run_profile, run_quantize, sweep_spec
 from diffquant.textfiles import apply_override, read_yaml  # noqa: F401 (public here too)
 
 _OPTIONAL_STAGES = ("profile", "quantize", "eval", "sweep", "plots")
@@ -103,12 +102,13 @@ def run_recipe(
     )
 
     # What decides the results; cosmetic keys (description, plots, output) may change between reruns.
-    identity = {k: v for k, v in clean.items() if k not in ("description", "plots", "output")}
+    # (stream: how models run, not what they give: a streamed run gives the whole-model numbers)
+    identity = {k: v for k, v in clean.items() if k not in ("description", "plots", "output", "stream")}
     with claim_run_folder(out, "run", identity, force=force):
         torch.manual_seed(recipe["seed"])
         write_json_atomic(out / "manifest.json", record)
         try:
-            _run_stages(recipe, out, progress, log)
+            _run_stages(recipe, out, progress, log, record)
         except BaseException as err:  # the run folder says it is incomplete, whatever stopped it
             message = str(err).splitlines()[0] if str(err) else type(err).__name__
             write_json_atomic(out / "manifest.json", {**record, "status": f"failed: {message}"})
@@ -157,11 +157,15 @@ def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
     return texts
 
 
-def _run_stages(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
+def _run_stages(
+    recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None], record: dict[str, Any]
+) -> None:
     present = recipe["_present"]
     log(f"run {recipe['name']} -> {out}")
     if "profile" in present and recipe["profile"]["enabled"]:
-        _stage_profile(recipe, out, progress, log)
+        streamed = _stage_profile(recipe, out, progress, log)
+        if streamed:  # the manifest says which profiles have no attention maps (plots skip them)
+            record["streamed"] = streamed
     if "quantize" in present and recipe["quantize"]["plans"]:
         _stage_quantize(recipe, out, log)
     if "eval" in present or "sweep" in present:
@@ -179,22 +183,22 @@ def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
 
 
 def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    paths = model_tokenizer_paths(recipe)
-    device, dtype = parse_device(recipe["device"]), parse_dtype(recipe["dtype"])
-    return {
-        name: (spec, load_model(spec, device=device, dtype=dtype, tokenizer=paths.get(name)))
-        for name, spec in recipe["models"].items()
-    }
+    """The recipe's models; those its ``stream`` key streams as skeletons (see :func:`stages.load_models`)."""
+    return load_models(recipe["models"], recipe, model_tokenizer_paths(recipe), name=lambda key: key)
 
 
-def _stage_profile(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
+def _stage_profile(
+    recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]
+) -> list[str]:
+    """Profile the recipe's models; returns the names of those profiled layer-streamed."""
     models = _load_models(recipe)
     header, table, _ = run_profile(
-        models, recipe["profile"], out, progress=progress, name=_key_name("profile")
+        models, recipe["profile"], out, progress=progress, name=_key_name("profile"), env=recipe
     )
     if header:
         log(header)
         log(table)
+    return [n for n, (_, m) in models.items() if getattr(m, "streamed", None) is not None]
 
 
 def _key_name(section: str) -> Callable[[str], str]:
@@ -207,18 +211,14 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
     for name, spec in recipe["models"].items():
         for plan in cfg["plans"]:
             target = out / "quantized" / f"{name}--{Path(plan).stem}"
-            summary = quantize_checkpoint(
+            summary = run_quantize(
                 spec,
                 plan,
-                calib_data=calib["source"],
-                calib_tokens=calib["tokens"],
-                eval_tokens=cfg["eval_tokens"],
-                seq_len=calib["seq_len"],
-                batch_size=cfg["batch_size"],
-                out=target,
+                calib,
+                cfg,
+                target,
+                recipe,
                 force=True,
-                device=recipe["device"],
-                dtype=recipe["dtype"],
                 tokenizer=model_tokenizer_paths(recipe).get(name),
             )
             log(f"quantize {name} with {plan}: model logits SQNR {summary['logits_sqnr_db']} dB -> {target}")

@@ -73,8 +73,62 @@ class Style:
         """What a value must be, in words (:func:`describe`)."""
         return describe(tp, meta)
 
+    def got(self, value: Any, expected: str) -> str:
+        """How a refused value is shown after ``got``."""
+        return repr(value)
+
+    def bad(self, path: str, expected: str, value: Any) -> str:
+        """The message of a refused value: ``KEY: expected WHAT, got VALUE``."""
+        return f"{self.name(path)}: expected {expected}, got {self.got(value, expected)}"
+
 
 PATHS = Style()
+
+
+def type_name(value: Any) -> str:
+    """'a string', 'an integer', ... : a YAML value's type in words."""
+    names = {bool: "a boolean", str: "a string", int: "an integer", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+class AssignStyle(Style):
+    """Messages of a config whose keys are fields: ``'steps' = True, expected an integer >= 1`` (with
+    ``field=True``: ``field 'steps' = ...``); bounds in words, lower bounds as ``>= N``."""
+
+    type_names = False
+
+    def __init__(self, field: bool = False) -> None:
+        self.field = field
+
+    def bad(self, path: str, expected: str, value: Any) -> str:
+        return f"{'field ' if self.field else ''}'{path}' = {value!r}, expected {expected}"
+
+    def words(self, tp: Any, meta: Mapping[str, Any]) -> str:
+        return at_least_words(tp, meta)
+
+
+class DocStyle(Style):
+    """Messages of a document read as a whole (a quantization plan, a scheme): ``rules[0]: unknown key 'x';
+    allowed keys: a, b`` (sorted), a value shown with its type (``got '0.5' (a string)``), a non-mapping by
+    its type name (``expected a mapping, got float``), bounds in words."""
+
+    type_names = False
+
+    def unknown(self, prefix: str, key: str, allowed: Sequence[str]) -> str:
+        head = f"{prefix[:-1]}: " if prefix else ""
+        return f"{head}unknown key '{key}'; allowed keys: {', '.join(sorted(allowed))}"
+
+    def missing(self, path: str) -> str:
+        parent, _, leaf = path.rpartition(".")
+        return f"{parent}: missing key '{leaf}'" if parent else f"missing key '{leaf}'"
+
+    def got(self, value: Any, expected: str) -> str:
+        if expected == "a mapping":
+            return type(value).__name__
+        return f"{value!r} ({type_name(value)})"
+
+
+DOCS = DocStyle()
 
 
 def fields_of(cls: type) -> list[tuple[dataclasses.Field, Any]]:
@@ -103,7 +157,8 @@ def check(cls: type, raw: Any, where: str, *, style: Style = PATHS, prefix: str 
             if not isinstance(value, Mapping):
                 enabled = any(g.name == "enabled" for g in dataclasses.fields(tp))
                 hint = f" (to turn the stage off: {path}: {{enabled: false}})" if enabled else ""
-                raise _error(where, f"{style.name(path)}: expected a mapping, got {value!r}{hint}")
+                got = style.got(value, "a mapping")
+                raise _error(where, f"{style.name(path)}: expected a mapping, got {got}{hint}")
             out[f.name] = check(tp, value, where, style=style, prefix=f"{path}.")
             continue
         if f.name not in raw:
@@ -129,12 +184,12 @@ def check_value(
     if own is not None:
         expected = own(value)
         if expected is not None:
-            raise _error(where, f"{style.name(path)}: expected {expected}, got {value!r}")
+            raise _error(where, style.bad(path, expected, value))
         return value
     matched = _match(value, tp)
     if matched is None:
         what = meta.get("what") or (_type_names(tp) if style.type_names else style.words(tp, meta))
-        raise _error(where, f"{style.name(path)}: expected {what}, got {value!r}")
+        raise _error(where, style.bad(path, what, value))
     if _is_dataclass(matched):
         return check(matched, value, where, style=style, prefix=f"{path}.")
     origin, args = get_origin(matched), get_args(matched)
@@ -145,8 +200,21 @@ def check_value(
         item = {"what": meta.get("each")}
         return {k: check_value(v, args[1], item, where, f"{path}.{k}", style) for k, v in value.items()}
     if matched in (int, float) and not _in_range(value, meta):
-        raise _error(where, f"{style.name(path)}: expected {style.words(tp, meta)}, got {value!r}")
+        what = style.words(tp, meta)
+        raise _error(where, style.bad(path, what, value))
     return value
+
+
+def at_least_words(tp: Any, meta: Mapping[str, Any]) -> str:
+    """:func:`describe`, a lower bound alone as ``an integer >= 1``."""
+    if (
+        not meta.get("what")
+        and meta.get("min") is not None
+        and meta.get("max") is None
+        and tp in (int, float)
+    ):
+        return f"{'an integer' if tp is int else 'a number'} >= {meta['min']:g}"
+    return describe(tp, meta)
 
 
 def describe(tp: Any, meta: Mapping[str, Any] | None = None) -> str:
@@ -294,9 +362,7 @@ class FlagStyle(Style):
         return self.flags.get(path) or "--" + path.replace("_", "-")
 
     def words(self, tp: Any, meta: Mapping[str, Any]) -> str:
-        if meta.get("min") is not None and meta.get("max") is None and tp in (int, float):
-            return f"{'an integer' if tp is int else 'a number'} >= {meta['min']:g}"
-        return describe(tp, meta)
+        return at_least_words(tp, meta)
 
 
 def check_args(

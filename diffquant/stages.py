@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffquant.distributed import rank_and_world
+from diffquant.errors import DiffquantError
 from diffquant.eval.sweep import SweepSpec
 from diffquant.eval.tasks import TaskSpec
-from diffquant.io.options import ModelOptions
+from diffquant.io import load_model
+from diffquant.io.options import ModelOptions, parse_device, parse_dtype
+from diffquant.io.quantize import quantize_checkpoint
 from diffquant.profile.runner import profile_stage
 from diffquant.schema import key
+from diffquant.stream import choose_stream, profile_streamed, stream_skeleton
 
 DATA_HELP = "wikitext2:test, wikitext2:validation, stdlib[:train|:validation], a text file or a folder"
 Namer = Callable[[str], str]
@@ -43,6 +48,7 @@ class CalibData:
 
 
 CALIB_FLAGS = {"source": "--calib-data", "tokens": "--calib-tokens", "seq_len": "--calib-seq-len"}
+QUANTIZE_CALIB_FLAGS = {**CALIB_FLAGS, "seq_len": "--seq-len"}  # one window length: calibration and report
 
 
 @dataclass
@@ -120,6 +126,31 @@ class Recipe(ModelOptions):
     output: OutputSection = field(default_factory=OutputSection)
 
 
+def load_models(
+    specs: dict[str, str],
+    env: dict[str, Any],
+    tokenizers: dict[str, str] | None = None,
+    *,
+    name: Namer = flag_name,
+) -> dict[str, tuple[str, Any]]:
+    """Each model by name as (spec, model) on ``env['device']`` in ``env['dtype']`` (checked ModelOptions),
+    with its tokenizer override; a model ``env['stream']`` streams (:func:`diffquant.stream.choose_stream`)
+    is a weightless skeleton (:func:`diffquant.stream.stream_skeleton`) that :func:`run_profile` streams."""
+    tokenizers = tokenizers or {}
+    device, dtype = parse_device(env["device"]), parse_dtype(env["dtype"])
+    mode = env.get("stream", "off")
+    models: dict[str, tuple[str, Any]] = {}
+    for model_name, spec in specs.items():
+        if choose_stream(spec, mode, device, what=name("stream")):
+            models[model_name] = (spec, stream_skeleton(spec, tokenizers.get(model_name)))
+        else:
+            models[model_name] = (
+                spec,
+                load_model(spec, device=device, dtype=dtype, tokenizer=tokenizers.get(model_name)),
+            )
+    return models
+
+
 def run_profile(
     models: dict[str, tuple[str, Any]],
     cfg: dict[str, Any],
@@ -127,9 +158,39 @@ def run_profile(
     *,
     progress: bool,
     name: Namer = flag_name,
+    env: dict[str, Any] | None = None,
 ) -> tuple[str, str, int]:
     """The profile stage (a checked :class:`ProfileStage` as a dict) into ``out``: profile/NAME.json and
-    table5.{txt,json}; returns (header, table, tokens) on rank 0 (see :func:`profile_stage`)."""
+    table5.{txt,json}; returns (header, table, tokens) on rank 0 (see :func:`profile_stage`). Models that
+    :func:`load_models` left as skeletons are profiled layer-streamed on ``env['device']`` in
+    ``env['dtype']``: the same profile, without attention maps."""
+    env = env or {}
+    attention = None if cfg["attention_metrics"] else False
+    streamed = {}
+    for model_name, (spec, model) in models.items():
+        if getattr(model, "streamed", None) is None:
+            continue
+        if rank_and_world()[1] > 1:
+            raise DiffquantError(
+                f"{name('stream')}: a streamed profile runs in one process (not under torchrun)"
+            )
+
+        def profile(windows, spec=spec):
+            stats: dict[str, Any] = {}
+            prof = profile_streamed(
+                spec,
+                windows,
+                sites=cfg["sites"],
+                batch_size=cfg["batch_size"],
+                topk=cfg["topk"],
+                attention=attention,
+                device=parse_device(env.get("device")),
+                dtype=parse_dtype(env.get("dtype")),
+                stats=stats,
+            )
+            return prof, stats["attention_paths"]
+
+        streamed[model_name] = profile
     return profile_stage(
         models,
         data=cfg["data"],
@@ -138,10 +199,11 @@ def run_profile(
         batch_size=cfg["batch_size"],
         sites=cfg["sites"],
         topk=cfg["topk"],
-        attention=None if cfg["attention_metrics"] else False,
+        attention=attention,
         out=out,
         progress=progress,
         key_name=name,
+        streamed=streamed,
     )
 
 
@@ -166,4 +228,35 @@ def sweep_spec(
         device=env["device"],
         dtype=env["dtype"],
         tokenizers=tokenizers,
+        stream=env.get("stream", "off"),
+    )
+
+
+def run_quantize(
+    checkpoint: str,
+    plan: str,
+    calib: dict[str, Any],
+    cfg: dict[str, Any],
+    out: str | Path,
+    env: dict[str, Any],
+    *,
+    force: bool,
+    tokenizer: str | None,
+) -> dict[str, Any]:
+    """The quantize stage for one model and plan (a checked :class:`CalibData` and :class:`QuantizeStage`
+    as dicts, and ModelOptions' device / dtype): the quantized checkpoint in ``out``; returns its summary.
+    ``diffquant quantize`` and a recipe's ``quantize`` stage run it."""
+    return quantize_checkpoint(
+        checkpoint,
+        plan,
+        calib_data=calib["source"],
+        calib_tokens=calib["tokens"],
+        eval_tokens=cfg["eval_tokens"],
+        seq_len=calib["seq_len"],
+        batch_size=cfg["batch_size"],
+        out=out,
+        force=force,
+        device=env["device"],
+        dtype=env["dtype"],
+        tokenizer=tokenizer,
     )

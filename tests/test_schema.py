@@ -53,3 +53,46 @@ def test_errors_name_the_key_path(raw, message):
     with pytest.raises(DiffquantError) as err:
         check(Outer, raw, "r")
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------ document / field styles
+@dataclass
+class _Smooth:
+    alpha: float = key(0.5, min=0, max=1)
+
+
+@dataclass
+class _Doc:
+    rules: list[Inner] = key([])
+    smooth: _Smooth | None = key(None, what="a mapping")
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"smooth": {"alpha": "1"}}, "p: smooth.alpha: expected a number in [0, 1], got '1' (a string)"),
+        ({"smooth": 0.5}, "p: smooth: expected a mapping, got float"),
+        ({"smooth": {"beta": 1}}, "p: smooth: unknown key 'beta'; allowed keys: alpha"),
+    ],
+)
+def test_doc_style_messages(doc, message):
+    from diffquant.schema import DOCS
+
+    with pytest.raises(DiffquantError) as err:
+        check(_Doc, doc, "p", style=DOCS)
+    assert str(err.value) == message
+
+
+def test_assign_style_messages():
+    from diffquant.schema import AssignStyle
+
+    @dataclass
+    class Cfg:
+        steps: int = key(1, min=1)
+
+    with pytest.raises(DiffquantError) as err:
+        check(Cfg, {"steps": True}, "r", style=AssignStyle())
+    assert str(err.value) == "r: 'steps' = True, expected an integer >= 1"
+    with pytest.raises(DiffquantError) as err:
+        check(Cfg, {"steps": 0}, "m", style=AssignStyle(field=True))
+    assert str(err.value) == "m: field 'steps' = 0, expected an integer >= 1"

@@ -30,6 +30,7 @@ tokens scored:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,6 +118,7 @@ def evaluate_bpb(
     batch_size: int = 8,
     progress: bool = False,
     tokenizer: Tokenizer | None = None,
+    evaluate: Callable[..., dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Token perplexity and bits per byte of ``model`` on the first ``max_tokens`` tokens of ``source``.
 
@@ -132,13 +134,14 @@ def evaluate_bpb(
     Returns a flat dict: ``bits_per_byte`` (nll_bits / n_bytes), ``perplexity`` (exp of the mean natural
     NLL per scored token), ``nll_bits``, ``n_tokens_scored``, ``n_bytes`` (UTF-8 bytes of the scored
     tokens), ``n_windows``, ``tokens`` (stream length read), ``seq_len``, ``stride``, ``windows`` and
-    ``tokenizer``.
+    ``tokenizer``. ``evaluate`` replaces :func:`evaluate_stream` (same arguments), e.g. with the
+    layer-streamed run of a weightless skeleton (:func:`diffquant.stream.evaluate_streamed`).
     """
     _check_int("max_tokens", max_tokens, 2)
     _check_settings(model, seq_len, stride, batch_size, windows)  # fail before reading any data
     tokenizer = tokenizer or model_tokenizer(model)
     stream = token_stream(source, max_tokens, tokenizer)
-    return evaluate_stream(
+    return (evaluate or evaluate_stream)(
         model,
         stream,
         tokenizer=tokenizer,

@@ -59,6 +59,7 @@ from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
 from diffquant.progress import progress as show_progress
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
+from diffquant.stream import choose_stream, evaluate_streamed, stream_mode, stream_skeleton
 
 NONE_PLAN = "none"
 RESULT_COLUMNS = ("model", "attention", "plan", "task", "metric", "value", "unquantized", "delta")
@@ -91,6 +92,8 @@ class SweepSpec:
     device: str = "cpu"
     dtype: str | None = None
     tokenizers: dict[str, str] = field(default_factory=dict)
+    # off / on / auto: text tasks run layer-streamed (diffquant.stream). Not in to_dict: the same numbers.
+    stream: str | bool = "off"
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -255,11 +258,18 @@ class _Runner:
     Models with different tokenizers read the same text, each cut into windows of its own tokens.
     """
 
-    def __init__(self, spec: SweepSpec, tokenizers: dict[str, Any], plans: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        spec: SweepSpec,
+        tokenizers: dict[str, Any],
+        plans: dict[str, Any],
+        streams: dict[str, bool] | None = None,
+    ) -> None:
         self.spec = spec
         self.plans = plans
         self.tokenizers = tokenizers
         self._calib: dict[str, torch.Tensor] = {}
+        self._streams: dict[str, bool] = dict(streams or {})
         self.calib_data = spec.calib_data or default_text(tokenizers.values(), "calib")
         self.eval_data = default_text(tokenizers.values(), "eval")
 
@@ -271,7 +281,45 @@ class _Runner:
             )
         return self._calib[key]
 
-    def model(self, cell: Cell):
+    def streams(self, name: str) -> bool:
+        """Whether model ``name``'s text tasks run layer-streamed (decided once, see ``choose_stream``)."""
+        if name not in self._streams:
+            path = self.spec.models[name]
+            self._streams[name] = choose_stream(
+                path, self.spec.stream, parse_device(self.spec.device), what="stream"
+            )
+        return self._streams[name]
+
+    def streamed_model(self, cell: Cell):
+        """A weightless skeleton of the cell's model whose ``stream_eval`` scores a token stream
+        layer-streamed, under the cell's plan (static scales calibrated as :meth:`model` calibrates)."""
+        spec, path = self.spec, self.spec.models[cell.model]
+        model = stream_skeleton(path)
+        model.tokenizer = model_tokenizer(model, cell.model, spec.tokenizers.get(cell.model))
+        plan = None if cell.plan == NONE_PLAN else copy.deepcopy(self.plans[cell.plan])
+        calib = self.calibration_windows(model.tokenizer) if plan is not None and plan.uses_static else None
+
+        def stream_eval(_model, stream, *, progress=False, **settings):
+            stats: dict[str, Any] = {}
+            result = evaluate_streamed(
+                path,
+                stream,
+                plan=plan,
+                calibration=calib,
+                device=parse_device(spec.device),
+                dtype=parse_dtype(spec.dtype),
+                stats=stats,
+                **settings,
+            )
+            model.stream_paths = stats["attention_paths"]
+            return result
+
+        model.stream_eval = stream_eval
+        return model
+
+    def model(self, cell: Cell, task: TaskSpec | None = None):
+        if task is not None and task.reads_text and self.streams(cell.model):
+            return self.streamed_model(cell)
         model = load_for_sweep(self.spec, cell.model)
         if cell.plan != NONE_PLAN:
             plan = copy.deepcopy(self.plans[cell.plan])  # the plan the cell's ident was computed from
@@ -314,6 +362,7 @@ def run_sweep(
     out = Path(out)
     rank, world = rank_and_world()
     say = log if log is not None and rank == 0 else None
+    streams = _check_stream(spec)  # before the folder is claimed
     with claim_run_folder(out, "sweep", spec.identity(), force=force):
         plans = load_plans(spec)
         if rank == 0:
@@ -336,7 +385,7 @@ def run_sweep(
                 if index.isdigit() and int(index) >= world:
                     _drop_torn_tail(extra)
         mine = [c for i, c in enumerate(cells) if i % world == rank and c.key not in done]
-        runner = _Runner(spec, sweep_tokenizers(spec), plans)
+        runner = _Runner(spec, sweep_tokenizers(spec), plans, streams)
         if say is not None:
             for name, tok in runner.tokenizers.items():
                 say(f"sweep: {name} reads tokenizer {tok.describe()}")
@@ -350,7 +399,7 @@ def run_sweep(
         for cell in show_progress(mine, "sweep", "cell", bar=progress, enabled=rank == 0):
             start = time.perf_counter()
             with torch.no_grad():
-                model = runner.model(cell)
+                model = runner.model(cell, tasks[cell.task])
                 metrics = run_task(
                     model, tasks[cell.task], batch_size=spec.batch_size, default_data=runner.eval_data
                 )
@@ -364,7 +413,7 @@ def run_sweep(
                 "plan": cell.plan,
                 "task": cell.task,
                 "metrics": _clean(metrics),
-                "attention_paths": path_summary(model),
+                "attention_paths": getattr(model, "stream_paths", None) or path_summary(model),
                 "seconds": time.perf_counter() - start,
             }
             _append(path, record)
@@ -385,6 +434,23 @@ def run_sweep(
                 f"(first: {missing[0]}); run the sweep again to compute them"
             )
         return results
+
+
+def _check_stream(spec: SweepSpec) -> dict[str, bool]:
+    """Which models' text tasks stream, decided before anything is written: ``stream: on`` with a task
+    that needs the whole model, or a model that cannot stream, is a one-line error now."""
+    mode = stream_mode(spec.stream)
+    if mode == "on":
+        whole = [t.label for t in spec.tasks if not t.reads_text]
+        if whole:
+            raise DiffquantError(
+                f"stream on: task {whole[0]} needs the whole model; a streamed eval runs the text tasks "
+                "(bpb, ppl) only"
+            )
+    if mode == "off" or not any(t.reads_text for t in spec.tasks):
+        return {}
+    device = parse_device(spec.device)
+    return {name: choose_stream(path, mode, device, what="stream") for name, path in spec.models.items()}
 
 
 def _check_marker(path: Path) -> None:

@@ -240,6 +240,7 @@ def _run_text(model, p, *, batch_size, progress, default_data):
         batch_size=batch_size,
         progress=progress,
         tokenizer=tokenizer,
+        evaluate=getattr(model, "stream_eval", None),  # a skeleton the sweep streams (diffquant.stream)
     )
 
 

@@ -6,6 +6,7 @@ One parser for both, so a typo reads the same from the command line and from a r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -49,8 +50,10 @@ def parse_device(name: str | None) -> str:
 @dataclass(kw_only=True)
 class ModelOptions:
     """Where and how models run, and which tokenizer they read: the recipe keys ``device`` / ``dtype`` /
-    ``tokenizer`` and the command-line options ``--device`` / ``--dtype`` / ``--tokenizer`` (one place each).
-    A recipe's ``tokenizer`` is a path for all models or ``{model: path}``."""
+    ``tokenizer`` / ``stream`` and the command-line options ``--device`` / ``--dtype`` / ``--tokenizer`` /
+    ``--stream`` (one place each). A recipe's ``tokenizer`` is a path for all models or ``{model: path}``;
+    ``stream`` (``diffquant profile`` / ``eval`` and a recipe's profile / eval stages) runs models
+    layer-streamed (:mod:`diffquant.stream`)."""
 
     device: str = key("cpu", help="cpu, cuda or cuda:N (default: cpu)")
     dtype: str | None = key(None, choices=DTYPE_NAMES, help="compute dtype (default: the checkpoint's)")
@@ -58,4 +61,10 @@ class ModelOptions:
         None,
         metavar="PATH",
         help="'byte', a tokenizer.json or its folder; overrides the model's own tokenizer",
+    )
+    stream: Literal["off", "on", "auto"] | bool = key(
+        "off",
+        help="run models one decoder layer at a time from their safetensors files (larger than memory, same "
+        "numbers): on, off, or auto (stream only models whose weights do not fit; said on stderr) "
+        "(default: off; in a recipe also true / false)",
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from diffquant.errors import DiffquantError
+from diffquant.schema import AssignStyle, check, key
 
 
 @dataclass(frozen=True)
@@ -57,65 +58,48 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
 @dataclass
 class ModelConfig:
     # The attention *kind*: one of ATTENTION_KINDS (not a flag, not a table of metrics).
-    attention: str = "baseline"
-    vocab_size: int = 259
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    head_dim: int = 32
-    ffn_dim: int = 352
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
+    attention: str = key("baseline", check=lambda v: _one_of(v, ATTENTION_KINDS))
+    vocab_size: int = key(259, min=1)
+    d_model: int = key(128, min=1)
+    n_layers: int = key(4, min=1)
+    n_heads: int = key(4, min=1)
+    n_kv_heads: int = key(4, min=1)
+    head_dim: int = key(32, min=1)
+    ffn_dim: int = key(352, min=1)
+    max_seq_len: int = key(512, min=1)
+    rope_theta: float = key(10000.0, check=lambda v: _number(v, 1, None, "a number > 1"))
     # None = plain RoPE. Else {"rope_type": "linear", "factor": F} or {"rope_type": "llama3", "factor": F,
     # "low_freq_factor": L, "high_freq_factor": H, "original_max_position_embeddings": N}.
-    rope_scaling: dict[str, Any] | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    rope_scaling: dict[str, Any] | None = key(None, check=lambda v: _scaling_problem(v))
+    norm_eps: float = key(1e-5, check=lambda v: _number(v, 0, 1, "a number in (0, 1)"))
+    tie_embeddings: bool = key(False)
+    init_std: float = key(0.02, check=lambda v: _number(v, 0, None, "a number > 0"))
     # DIFF V1 only: learnable weight on the per-head RMSNorm (unilm has one; HF DiffLlama has none).
-    v1_norm_affine: bool = True
+    v1_norm_affine: bool = key(True)
     # DIFF V1 only: eps of the per-head RMSNorm (unilm hard-codes 1e-5; HF DiffLlama uses rms_norm_eps).
-    v1_norm_eps: float = 1e-5
+    v1_norm_eps: float = key(1e-5, check=lambda v: _number(v, 0, 1, "a number in (0, 1)"))
     # DIFF V1 only: None = the paper's schedule 0.8 - 0.6 exp(-0.3 depth); a number = that constant.
-    v1_lambda_init: float | None = None
+    v1_lambda_init: float | None = key(None, check=lambda v: _lambda_init_problem(v))
 
     def __post_init__(self) -> None:
         self.validate()
 
     # ----------------------------------------------------------------------------------------- checks
     def validate(self) -> None:
+        """Each field's type and range (the schema checker, :mod:`diffquant.schema`), then how they agree."""
+        check(ModelConfig, dataclasses.asdict(self), "model config", style=_FIELDS)
+
         def need(ok: bool, field: str, expected: str) -> None:
             if not ok:
                 raise DiffquantError(
                     f"model config: field '{field}' = {getattr(self, field)!r}, expected {expected}"
                 )
 
-        need(self.attention in ATTENTION_KINDS, "attention", f"one of {', '.join(ATTENTION_KINDS)}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
-            value = getattr(self, name)
-            need(
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an integer >= 1"
-            )
-        need(isinstance(self.max_seq_len, int) and self.max_seq_len >= 1, "max_seq_len", "an integer >= 1")
         need(self.head_dim % 2 == 0, "head_dim", "an even integer (RoPE rotates pairs of channels)")
         need(
             self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0,
             "n_kv_heads",
             f"a divisor of n_heads={self.n_heads}",
-        )
-        need(_is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1")
-        problem = rope_scaling_problem(self.rope_scaling)
-        need(problem is None, "rope_scaling", f"null or a supported scaling ({problem})")
-        need(_is_number(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps", "a number in (0, 1)")
-        need(_is_number(self.v1_norm_eps) and 0 < self.v1_norm_eps < 1, "v1_norm_eps", "a number in (0, 1)")
-        need(_is_number(self.init_std) and self.init_std > 0, "init_std", "a number > 0")
-        need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false")
-        need(isinstance(self.v1_norm_affine, bool), "v1_norm_affine", "true or false")
-        need(
-            self.v1_lambda_init is None or (_is_number(self.v1_lambda_init) and 0 <= self.v1_lambda_init < 1),
-            "v1_lambda_init",
-            "null (depth schedule) or a number in [0, 1)",
         )
 
     # ------------------------------------------------------------------------------ derived widths
@@ -155,11 +139,7 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise DiffquantError(f"{source}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DiffquantError(
-                f"{source}: unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(sorted(known))}"
-            )
+        check(cls, data, source, style=_FIELDS)  # unknown keys, types and ranges
         missing = sorted(known - set(data) - set(OPTIONAL_FIELDS)) if complete else []
         if missing:
             raise DiffquantError(f"{source}: missing key(s) {', '.join(missing)}")
@@ -195,6 +175,29 @@ OPTIONAL_FIELDS = {"rope_scaling": None, "v1_norm_eps": 1e-5}
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _one_of(value: Any, names: tuple[str, ...]) -> str | None:
+    return None if isinstance(value, str) and value in names else f"one of {', '.join(names)}"
+
+
+def _number(value: Any, low: float, high: float | None, expected: str) -> str | None:
+    """None when ``value`` is a finite number in the open interval (low, high), else ``expected``."""
+    ok = _is_number(value) and value > low and (high is None or value < high)
+    return None if ok else expected
+
+
+def _scaling_problem(value: Any) -> str | None:
+    problem = rope_scaling_problem(value)
+    return None if problem is None else f"null or a supported scaling ({problem})"
+
+
+def _lambda_init_problem(value: Any) -> str | None:
+    ok = value is None or (_is_number(value) and 0 <= value < 1)
+    return None if ok else "null (depth schedule) or a number in [0, 1)"
+
+
+_FIELDS = AssignStyle(field=True)
 
 
 def rope_scaling_problem(scaling: Any) -> str | None:

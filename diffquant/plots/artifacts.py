@@ -12,6 +12,7 @@ A damaged artifact is a user error naming the file.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +158,22 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
     art.order += [n for n in sorted(art.profiles) if n not in art.order]
     art.profiles = {n: art.profiles[n] for n in art.ordered(art.profiles)}
     if maps:
+        streamed = _streamed_models(Path(run_dir))
         for name in art.profiles:
             path = art.profile_paths[name].with_name(f"{art.profile_paths[name].stem}.maps.safetensors")
+            if name in streamed and not path.exists():
+                continue  # a layer-streamed profile captures no maps (they need the whole model)
             art.maps[name] = load_map_file(path)
     return art
+
+
+def _streamed_models(run_dir: Path) -> set[str]:
+    """Models the run profiled layer-streamed (the manifest's ``streamed`` list; empty without one)."""
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        return set()
+    try:
+        names = json.loads(path.read_text()).get("streamed") or []
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {str(n) for n in names} if isinstance(names, list) else set()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -93,6 +94,7 @@ def profile_stage(
     progress: bool = False,
     map_len: int = 64,
     key_name: Callable[[str], str] = lambda key: "--" + key.replace("_", "-"),
+    streamed: Mapping[str, Callable[[torch.Tensor], tuple[Profile, dict[str, int]]]] | None = None,
 ) -> tuple[str, str, int]:
     """Profile each (spec, model) on the same text; write profile/NAME.json, table5.{txt,json}.
 
@@ -102,7 +104,12 @@ def profile_stage(
     tokenizer, tokens and bytes. Also saves the attention maps of the first ``map_len`` positions of the
     first window (profile/NAME.maps.safetensors) for figures. Returns (header, table, tokens of the first
     model) on rank 0 and ("", "", tokens) elsewhere. Shared by `diffquant profile` and recipes.
+
+    ``streamed`` maps a model name (its model a weightless skeleton) to a function profiling the windows
+    layer-streamed (:func:`diffquant.stream.profile_streamed`): (profile, attention paths). Its attention maps
+    need the whole model and are not captured (said on stderr).
     """
+    streamed = streamed or {}
     tokenizers = check_profile(models, seq_len, data, sites, key_name)
     data = data or default_text(tokenizers.values(), "profile")
     by_tokenizer: dict[str, torch.Tensor] = {}
@@ -120,17 +127,21 @@ def profile_stage(
             "windows": windows.shape[0],
             "bytes": count_bytes(windows, tokenizer),
         }
-        device = next(model.parameters()).device
-        profile = profile_model(
-            model,
-            windows.to(device),
-            batch_size=batch_size,
-            sites=sites,
-            topk=topk,
-            attention=attention,
-            progress=progress,
-            desc=name,
-        )
+        if name in streamed:
+            profile, paths = streamed[name](windows)
+        else:
+            device = next(model.parameters()).device
+            profile = profile_model(
+                model,
+                windows.to(device),
+                batch_size=batch_size,
+                sites=sites,
+                topk=topk,
+                attention=attention,
+                progress=progress,
+                desc=name,
+            )
+            paths = path_summary(model)
         if profile is None:
             continue
         profile.meta.update(
@@ -139,18 +150,24 @@ def profile_stage(
             attention=model.config.attention,
             config=model.config.to_dict(),
             data=data,
-            attention_paths=path_summary(model),
+            attention_paths=paths,
             **counts[name],
         )
         write_json_atomic(out / "profile" / f"{name}.json", profile.to_dict())
-        sample = windows[0, :map_len].to(device)
-        save_maps(
-            out / "profile" / f"{name}.maps.safetensors",
-            capture_maps(model, sample),
-            model=name,
-            attention=model.config.attention,
-            tokens=sample.tolist(),
-        )
+        if name in streamed:
+            print(
+                f"diffquant: profile {name}: streamed; attention maps not captured (they need the whole model)",
+                file=sys.stderr,
+            )
+        else:
+            sample = windows[0, :map_len].to(device)
+            save_maps(
+                out / "profile" / f"{name}.maps.safetensors",
+                capture_maps(model, sample),
+                model=name,
+                attention=model.config.attention,
+                tokens=sample.tolist(),
+            )
         tables[name] = table5(profile)
         summaries[name] = {
             "table5": tables[name],

@@ -49,7 +49,8 @@ from diffquant.quant.modules import (
     quantized_taps,
 )
 from diffquant.quant.presets import PRESETS, preset_data
-from diffquant.quant.schemes import Scheme, is_number, type_name
+from diffquant.quant.schemes import Scheme, is_number
+from diffquant.schema import DOCS, check, key
 from diffquant.textfiles import read_yaml_file
 
 # Re-exported: the import path of calibration, the presets and the module lookups stays quant.plan.
@@ -73,6 +74,31 @@ __all__ = [
 BACKENDS = ("quanto", "bnb")
 
 
+def _pattern_list(value: Any) -> str | None:
+    """The check of a pattern list key: a glob, or a list of them (what was expected, or None)."""
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return None
+    return "a pattern or a list of patterns"
+
+
+def _finite_at_least_0(value: Any) -> str | None:
+    return None if is_number(value) and math.isfinite(value) and value >= 0 else "a finite number >= 0"
+
+
+def _patterns(value: list[str] | str) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+@dataclass(kw_only=True)
+class RuleDoc:
+    """The schema of a plan's rule (its scheme is checked by :meth:`Scheme.parse`)."""
+
+    sites: list[str] = key([], check=_pattern_list)
+    weights: list[str] = key([], check=_pattern_list)
+    exclude: list[str] = key([], check=_pattern_list)
+    scheme: Any = key()
+
+
 @dataclass
 class Rule:
     scheme: Scheme
@@ -82,23 +108,28 @@ class Rule:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for key in ("sites", "weights", "exclude"):
-            if getattr(self, key):
-                out[key] = list(getattr(self, key))
+        for name in ("sites", "weights", "exclude"):
+            if getattr(self, name):
+                out[name] = list(getattr(self, name))
         out["scheme"] = self.scheme.to_dict()
         return out
 
 
 @dataclass
 class BackendSpec:
-    name: str
-    modules: list[str] = field(default_factory=lambda: ["layers.*"])
-    exclude: list[str] = field(default_factory=list)
-    weights: str = "qint8"  # quanto
-    activations: str | None = None  # quanto
-    mode: str = "int8"  # bnb
-    threshold: float = 6.0  # bnb LLM.int8 outlier threshold (Dettmers et al. 2022)
-    blocksize: int = 64  # bnb 4-bit
+    """A plan's ``backend`` section; also its schema (:func:`diffquant.schema.check`), which reads a single
+    pattern as a list of one."""
+
+    name: str = key()
+    modules: list[str] = key(["layers.*"], check=_pattern_list)
+    exclude: list[str] = key([], check=_pattern_list)
+    weights: str = key("qint8")  # quanto
+    activations: str | None = key(None)  # quanto
+    mode: str = key("int8")  # bnb
+    # bnb LLM.int8 outlier threshold (Dettmers et al. 2022). No coercion: float("6") would accept a string.
+    threshold: float = key(6.0, check=_finite_at_least_0)
+    # bnb 4-bit; an integral float (64.0) is refused too: int(64.7) / int(True) would truncate or read a bool
+    blocksize: int = key(64, what="an integer")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "modules": list(self.modules)}
@@ -115,10 +146,21 @@ class BackendSpec:
 class SmoothSpec:
     """SmoothQuant smoothing (Xiao et al. 2023): migration strength ``alpha`` in [0, 1]."""
 
-    alpha: float = 0.5
+    alpha: float = key(0.5, min=0, max=1)  # no coercion: a string, a boolean or a NaN is refused
 
     def to_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha}
+
+
+@dataclass
+class PlanDoc:
+    """The schema of a plan document (:meth:`QuantPlan.from_dict`); name and description are read as text."""
+
+    name: Any = key("custom")
+    description: Any = key("")
+    rules: list[RuleDoc] = key([])
+    backend: BackendSpec | None = key(None, what="a mapping")
+    smooth: SmoothSpec | None = key(None, what="a mapping")
 
 
 @dataclass
@@ -143,35 +185,32 @@ class QuantPlan:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> QuantPlan:
-        data = _mapping(data, source, {"name", "description", "rules", "backend", "smooth"})
+        """A plan document checked against :class:`PlanDoc`; errors name ``SOURCE: rules[0].scheme: ...``."""
+        if not isinstance(data, dict):
+            raise DiffquantError(f"{source}: expected a mapping, got {type(data).__name__}")
+        doc = check(PlanDoc, data, source, style=DOCS)
         rules = []
-        raw_rules = data.get("rules", [])
-        if not isinstance(raw_rules, list):
-            raise DiffquantError(f"{source}: 'rules' must be a list")
-        for i, raw in enumerate(raw_rules):
+        for i, raw in enumerate(doc["rules"]):
             where = f"{source}: rules[{i}]"
-            raw = _mapping(raw, where, {"sites", "weights", "exclude", "scheme"})
-            if "scheme" not in raw:
-                raise DiffquantError(f"{where}: missing key 'scheme'")
-            sites, weights = _patterns(raw, "sites", where), _patterns(raw, "weights", where)
+            sites, weights = _patterns(raw["sites"]), _patterns(raw["weights"])
             if not sites and not weights:
                 raise DiffquantError(f"{where}: give 'sites' (taps) and/or 'weights' (Linear modules)")
             scheme = Scheme.parse(raw["scheme"], where=f"{where}.scheme")
-            rules.append(Rule(scheme, sites, weights, _patterns(raw, "exclude", where)))
+            rules.append(Rule(scheme, sites, weights, _patterns(raw["exclude"])))
         backend = None
-        if data.get("backend") is not None:
-            backend = _backend(data["backend"], f"{source}: backend")
+        if doc["backend"] is not None:
+            backend = _backend(doc["backend"], set(data["backend"]), f"{source}: backend")
         if not rules and backend is None:
             raise DiffquantError(f"{source}: a plan needs at least one rule or a backend")
         smooth = None
-        if data.get("smooth") is not None:
-            smooth = _smooth(data["smooth"], f"{source}: smooth")
+        if doc["smooth"] is not None:
+            smooth = SmoothSpec(alpha=float(doc["smooth"]["alpha"]))
             if backend is not None:
                 raise DiffquantError(
                     f"{source}: smooth: works with fake-quant rules only; the backend {backend.name} converts "
                     "its Linears when the plan is applied, before calibration could smooth them"
                 )
-        return cls(str(data.get("name", "custom")), str(data.get("description", "")), rules, backend, smooth)
+        return cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth)
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
@@ -202,55 +241,19 @@ class QuantPlan:
         )
 
 
-def _mapping(data: Any, where: str, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise DiffquantError(f"{where}: expected a mapping, got {type(data).__name__}")
-    for key in data:
-        if key not in allowed:
-            raise DiffquantError(f"{where}: unknown key '{key}'; allowed keys: {', '.join(sorted(allowed))}")
-    return data
-
-
-def _patterns(raw: dict[str, Any], key: str, where: str) -> list[str]:
-    value = raw.get(key, [])
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise DiffquantError(f"{where}.{key}: expected a pattern or a list of patterns, got {value!r}")
-    return value
-
-
-def _smooth(raw: Any, where: str) -> SmoothSpec:
-    raw = _mapping(raw, where, {"alpha"})
-    alpha = raw.get("alpha", 0.5)
-    # No coercion, as for the backend options: a string, a boolean or a NaN is refused, not read as a number.
-    if not is_number(alpha) or not math.isfinite(alpha) or not 0.0 <= alpha <= 1.0:
-        raise DiffquantError(
-            f"{where}.alpha: expected a number in [0, 1], got {alpha!r} ({type_name(alpha)})"
-        )
-    return SmoothSpec(alpha=float(alpha))
-
-
-def _backend(raw: Any, where: str) -> BackendSpec:
-    raw = _mapping(
-        raw, where, {"name", "modules", "exclude", "weights", "activations", "mode", "threshold", "blocksize"}
-    )
-    name = raw.get("name")
+def _backend(raw: dict[str, Any], given: set[str], where: str) -> BackendSpec:
+    """A checked backend section (``given``: the keys the plan wrote) whose names and options agree."""
+    name = raw["name"]
     if name not in BACKENDS:
         raise DiffquantError(f"{where}.name: {name!r}; valid backends: {', '.join(BACKENDS)}")
-    spec = BackendSpec(
-        name=name,
-        modules=_patterns(raw, "modules", where) or ["layers.*"],
-        exclude=_patterns(raw, "exclude", where),
-    )
+    spec = BackendSpec(**{**raw, "modules": _patterns(raw["modules"]) or ["layers.*"]})
+    spec.exclude = _patterns(raw["exclude"])
     if name == "quanto":
-        extra = sorted(set(raw) & {"mode", "threshold", "blocksize"})
+        extra = sorted(given & {"mode", "threshold", "blocksize"})
         if extra:
             raise DiffquantError(
                 f"{where}: '{extra[0]}' is a bnb option; quanto takes weights and activations"
             )
-        spec.weights = raw.get("weights", "qint8")
-        spec.activations = raw.get("activations")
         if spec.weights not in QUANTO_WEIGHTS:
             raise DiffquantError(f"{where}.weights: {spec.weights!r}; valid: {', '.join(QUANTO_WEIGHTS)}")
         if spec.activations is not None and spec.activations not in QUANTO_ACTIVATIONS:
@@ -258,31 +261,18 @@ def _backend(raw: Any, where: str) -> BackendSpec:
                 f"{where}.activations: {spec.activations!r}; valid: {', '.join(QUANTO_ACTIVATIONS)} or null"
             )
     else:
-        extra = sorted(set(raw) & {"weights", "activations"})
+        extra = sorted(given & {"weights", "activations"})
         if extra:
             raise DiffquantError(
                 f"{where}: '{extra[0]}' is a quanto option; bnb takes mode, threshold, blocksize"
             )
-        spec.mode = raw.get("mode", "int8")
         if spec.mode not in BNB_MODES:
             raise DiffquantError(f"{where}.mode: {spec.mode!r}; valid: {', '.join(BNB_MODES)}")
-        # No coercion: float("6") or int(64.7) / int(True) would accept a string, truncate, or read a
-        # boolean as a number. Integral floats (64.0) are refused too: blocksize is an integer field.
-        threshold = raw.get("threshold", 6.0)
-        if not is_number(threshold) or not math.isfinite(threshold) or threshold < 0:
+        if spec.blocksize not in BNB_BLOCKSIZES:
             raise DiffquantError(
-                f"{where}.threshold: expected a finite number >= 0, got {threshold!r} ({type_name(threshold)})"
+                f"{where}.blocksize: {spec.blocksize}; valid: {', '.join(map(str, BNB_BLOCKSIZES))}"
             )
-        blocksize = raw.get("blocksize", 64)
-        if isinstance(blocksize, bool) or not isinstance(blocksize, int):
-            raise DiffquantError(
-                f"{where}.blocksize: expected an integer, got {blocksize!r} ({type_name(blocksize)})"
-            )
-        if blocksize not in BNB_BLOCKSIZES:
-            raise DiffquantError(
-                f"{where}.blocksize: {blocksize}; valid: {', '.join(map(str, BNB_BLOCKSIZES))}"
-            )
-        spec.threshold, spec.blocksize = float(threshold), blocksize
+        spec.threshold = float(spec.threshold)
     return spec
 
 

@@ -37,6 +37,7 @@ from diffquant.quant.formats import (
     int_format,
     quantize_blocks,
 )
+from diffquant.schema import DOCS, check, key
 
 CALIBRATIONS = ("dynamic", "absmax", "percentile", "mse")
 SCALE_FORMATS = ("fp32", "e8m0", "fp8_e4m3")
@@ -44,20 +45,23 @@ _FIXED = ("tensor", "head", "row", "token", "channel")
 _SIZED = re.compile(r"^(block|tokens|group)\((\d+)\)$")
 GRANULARITIES = (*_FIXED, "block(n)", "tokens(n)", "group(n)")
 STATIC_GRANULARITIES = ("tensor", "head", "channel")
+_BOOL = "a boolean (YAML true or false)"
 
 
 @dataclass(frozen=True)
 class Scheme:
     """How one site (or one weight) is quantized. See the module docstring for the vocabulary."""
 
-    format: str = "int8"
-    granularity: str = "tensor"
-    symmetric: bool = True
-    calibration: str = "dynamic"
-    percentile: float = 99.99
-    scale_format: str = "fp32"
-    smooth: bool = False  # SageAttention K smoothing: quantize x - mean over positions, add the mean back
-    scale: float | None = None  # a fixed scale (e.g. 1/448 for softmax probabilities in fp8_e4m3)
+    format: str = key("int8", what="a string")
+    granularity: str = key("tensor", what="a string")
+    symmetric: bool = key(True, what=_BOOL)
+    calibration: str = key("dynamic", what="a string")
+    percentile: float = key(99.99, what="a number")
+    scale_format: str = key("fp32", what="a string")
+    # SageAttention K smoothing: quantize x - mean over positions, add the mean back
+    smooth: bool = key(False, what=_BOOL)
+    # a fixed scale (e.g. 1/448 for softmax probabilities in fp8_e4m3)
+    scale: float | None = key(None, what="a number")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,17 +80,11 @@ class Scheme:
             value = data
         if not isinstance(value, dict):
             raise DiffquantError(f"{where}: expected a mapping or 'FORMAT[:GRANULARITY]', got {value!r}")
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - allowed)
-        if unknown:
-            raise DiffquantError(
-                f"{where}: unknown key '{unknown[0]}'; allowed keys: {', '.join(sorted(allowed))}"
-            )
+        # the fields' types (nothing coerced) and unknown keys: the schema checker; the rest: validate()
+        checked = check(cls, value, where, style=DOCS)
         try:
-            return cls(**value)
+            return cls(**checked)
         except DiffquantError as err:
-            raise DiffquantError(f"{where}: {err}") from None
-        except TypeError as err:
             raise DiffquantError(f"{where}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,25 +140,10 @@ class Scheme:
             raise DiffquantError(f"symmetric: false applies to int formats only (format {self.format})")
 
     def _check_types(self) -> None:
-        """Each field has its own type; nothing is coerced. A YAML ``smooth: "no"`` is the string "no", which
-        Python would take as true, so booleans must be real booleans (YAML true / false); numbers must be
-        numbers (a bool is not one), strings strings."""
-        for name in ("format", "granularity", "calibration", "scale_format"):
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise DiffquantError(f"{name}: expected a string, got {value!r} ({type_name(value)})")
-        for name in ("symmetric", "smooth"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise DiffquantError(
-                    f"{name}: expected a boolean (YAML true or false), got {value!r} ({type_name(value)})"
-                )
-        for name in ("percentile", "scale"):
-            value = getattr(self, name)
-            if name == "scale" and value is None:
-                continue
-            if not is_number(value):
-                raise DiffquantError(f"{name}: expected a number, got {value!r} ({type_name(value)})")
+        """Each field has its own type (the schema checker, :mod:`diffquant.schema`); nothing is coerced. A
+        YAML ``smooth: "no"`` is the string "no", which Python would take as true, so booleans must be real
+        booleans (YAML true / false); numbers must be numbers (a bool is not one), strings strings."""
+        check(Scheme, {f.name: getattr(self, f.name) for f in fields(self)}, "", style=DOCS)
 
     # ------------------------------------------------------------------------------- properties
     @property
@@ -196,12 +179,6 @@ class Scheme:
 def is_number(value: Any) -> bool:
     """An int or float that is not a bool (YAML ``true`` is no number)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def type_name(value: Any) -> str:
-    """'a string', 'an integer', ... for error messages about YAML values."""
-    names = {bool: "a boolean", str: "a string", int: "an integer", float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
 
 
 # ------------------------------------------------------------------------------------------ reduction

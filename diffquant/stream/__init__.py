@@ -2,7 +2,15 @@
 whole-model run's numbers: profiles, logits, perplexity / bits per byte, quantization plans with static
 calibration. See :mod:`diffquant.stream.executor` for the design."""
 
-from diffquant.stream.api import evaluate_streamed, logits_streamed, profile_streamed
+from diffquant.stream.api import (
+    STREAM_MODES,
+    choose_stream,
+    evaluate_streamed,
+    logits_streamed,
+    profile_streamed,
+    stream_mode,
+    stream_skeleton,
+)
 from diffquant.stream.executor import (
     HiddenStore,
     StreamedModel,
@@ -14,14 +22,18 @@ from diffquant.stream.executor import (
 )
 
 __all__ = [
+    "STREAM_MODES",
     "HiddenStore",
     "StreamedModel",
     "available_bytes",
+    "choose_stream",
     "evaluate_streamed",
     "logits_streamed",
     "open_streamed",
     "profile_streamed",
     "resolve_stream_spec",
+    "stream_mode",
+    "stream_skeleton",
     "weights_bytes",
     "would_stream",
 ]

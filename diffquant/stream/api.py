@@ -4,6 +4,7 @@ with the same numbers as the whole-model :func:`~diffquant.profile.runner.profil
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,20 @@ from typing import Any
 import torch
 
 from diffquant.data.scoring import StreamScorer, gather_logprobs
-from diffquant.data.tokenizer import Tokenizer
+from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
+from diffquant.kernels.dispatch import path_summary
+from diffquant.models.transformer import DecoderLM
 from diffquant.profile.profiler import Profile, Profiler
 from diffquant.quant.plan import QuantPlan
-from diffquant.stream.executor import DEFAULT_HIDDEN_BUDGET, open_streamed
+from diffquant.stream.executor import (
+    DEFAULT_HIDDEN_BUDGET,
+    open_streamed,
+    resolve_stream_spec,
+    would_stream,
+)
+
+STREAM_MODES = ("off", "on", "auto")
 
 
 def _plan(plan: QuantPlan | str | Path | None) -> QuantPlan | None:
@@ -78,7 +88,9 @@ def profile_streamed(
                 hidden_budget=hidden_budget,
             )
         if stats is not None:
-            stats.update(info, stage_bytes=dict(streamed.stage_bytes))
+            stats.update(
+                info, stage_bytes=dict(streamed.stage_bytes), attention_paths=path_summary(streamed.model)
+            )
         return prof.take()
 
 
@@ -138,7 +150,9 @@ def evaluate_streamed(
             hidden_budget=hidden_budget,
         )
         if stats is not None:
-            stats.update(info, stage_bytes=dict(streamed.stage_bytes))
+            stats.update(
+                info, stage_bytes=dict(streamed.stage_bytes), attention_paths=path_summary(streamed.model)
+            )
     return scorer.result()
 
 
@@ -167,3 +181,52 @@ def logits_streamed(
             hidden_budget=hidden_budget,
         )
     return torch.cat([out[k] for k in range(len(out))])
+
+
+# ------------------------------------------------------------------------ --stream off / on / auto
+def stream_mode(value: Any) -> str:
+    """The ``stream`` option / recipe key as ``off``, ``on`` or ``auto`` (YAML's true / false: on / off)."""
+    if value is True:
+        return "on"
+    if value is False or value is None:
+        return "off"
+    if value in STREAM_MODES:
+        return str(value)
+    raise DiffquantError(f"stream: expected one of off, on, auto (or true / false), got {value!r}")
+
+
+def choose_stream(
+    spec: str | Path, mode: Any, device: str | torch.device = "cpu", *, what: str = "--stream"
+) -> bool:
+    """Whether model ``spec`` runs layer-streamed under ``mode``: ``off`` never; ``on`` always (a specifier
+    that cannot stream is a one-line DiffquantError saying why); ``auto`` when :func:`would_stream` says its
+    weights do not fit ``device`` (said in one line on stderr; a model that fits, or cannot stream, runs
+    whole)."""
+    mode = stream_mode(mode)
+    if mode == "off":
+        return False
+    if mode == "on":
+        try:
+            resolve_stream_spec(spec)
+        except DiffquantError as err:
+            raise DiffquantError(f"{what} on: {err}") from None
+        return True
+    streams, _, reason = would_stream(spec, device)
+    if streams:
+        print(f"diffquant: {spec}: {reason} ({what} auto)", file=sys.stderr)
+    return streams
+
+
+def stream_skeleton(spec: str | Path, tokenizer: str | Path | None = None) -> DecoderLM:
+    """A streamable checkpoint as a meta-device :class:`DecoderLM` (config, taps, tokenizer, no weights):
+    what a run checks before it streams (tokenizer fit, site patterns, window lengths). ``tokenizer``
+    overrides the checkpoint's, as :func:`~diffquant.io.load_model` does. Marked ``model.streamed = spec``."""
+    resolved = resolve_stream_spec(spec)
+    with torch.device("meta"):
+        model = DecoderLM(resolved.config).eval()
+    model.tokenizer = resolved.tokenizer
+    model.trained_seq_len = resolved.trained_seq_len
+    if tokenizer is not None:
+        model.tokenizer = model_tokenizer(model, str(spec), override=tokenizer)
+    model.streamed = str(spec)
+    return model

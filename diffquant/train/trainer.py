@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +35,7 @@ from diffquant.io import load_checkpoint, read_config, save_checkpoint
 from diffquant.io.artifacts import sha256_file, write_json_atomic, write_text_atomic
 from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, preset_config
 from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
+from diffquant.schema import AssignStyle, check, key
 from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
 
@@ -45,34 +46,38 @@ RETRIEVAL_RESERVE = 128  # tokens of seq_len the final retrieval evaluation keep
 class TrainConfig:
     """A training recipe (``recipes/zoo-*.yaml``): every field is a YAML key, all validated."""
 
-    name: str
-    kind: str = "baseline"
-    preset: str = "small"
-    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides applied to the preset
-    data: str = "stdlib:train"
-    data_tokens: int | None = 4_000_000
-    needle_fraction: float = 0.2
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 500
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_data: str = "stdlib:validation"
-    eval_tokens: int = 16384
-    retrieval_samples: int = 4  # per depth (5 depths) in the final evaluation
-    checkpoint_every: int = 100
-    save_dtype: str = "bfloat16"  # dtype of the final exported weights
-    threads: int | None = None
-    device: str = "auto"
-    out: str | None = None
+    name: str = key(check=lambda v: _run_name(v))
+    kind: str = key("baseline", check=lambda v: _one_of(v, ATTENTION_KINDS))
+    preset: str = key("small", check=lambda v: _one_of(v, PRESETS))
+    # ModelConfig overrides applied to the preset
+    model: dict[str, Any] = key({}, what="a mapping of model config keys (or {})")
+    data: str = key("stdlib:train", check=lambda v: _data_source(v))
+    data_tokens: int | None = key(4_000_000, min=1, what="an integer >= 1 or null (all of the data)")
+    needle_fraction: float = key(0.2, min=0, max=1)
+    seq_len: int = key(256, min=1)
+    batch_size: int = key(16, min=1)
+    steps: int = key(500, min=1)
+    lr: float = key(3e-3, check=lambda v: _positive_number(v))
+    min_lr: float = key(3e-4)  # in [0, lr]: validate()
+    warmup: int = key(50)  # in [0, steps]: validate()
+    weight_decay: float = key(0.1, check=lambda v: None if _is_number(v) and v >= 0 else "a number >= 0")
+    beta1: float = key(0.9, check=lambda v: _fraction(v))
+    beta2: float = key(0.95, check=lambda v: _fraction(v))
+    grad_clip: float = key(1.0, check=lambda v: _positive_number(v))
+    seed: int = key(0, min=0)
+    log_every: int = key(10, min=1)
+    eval_every: int = key(100, min=1)
+    eval_data: str = key("stdlib:validation", check=lambda v: _data_source(v))
+    eval_tokens: int = key(16384, min=2)
+    retrieval_samples: int = key(4, min=1)  # per depth (5 depths) in the final evaluation
+    checkpoint_every: int = key(100, min=1)
+    # dtype of the final exported weights
+    save_dtype: str = key(
+        "bfloat16", check=lambda v: _one_of(v, ("bfloat16", "float32"), "bfloat16 or float32")
+    )
+    threads: int | None = key(None, min=1, what="an integer >= 1 or null")
+    device: str = key("auto", check=lambda v: _one_of(v, ("auto", "cpu", "cuda"), "auto, cpu or cuda"))
+    out: str | None = key(None, check=lambda v: _folder(v))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,70 +91,13 @@ class TrainConfig:
             if not ok:
                 raise DiffquantError(f"train recipe: '{key}' = {getattr(self, key)!r}, expected {expected}")
 
-        need(
-            isinstance(self.name, str)
-            and self.name not in ("", ".", "..")
-            and not set("/\\") & set(self.name),
-            "name",
-            "a non-empty name without '/' or '\\' (it names the run folder)",
-        )
-        need(
-            isinstance(self.kind, str) and self.kind in ATTENTION_KINDS,
-            "kind",
-            f"one of {', '.join(ATTENTION_KINDS)}",
-        )
-        need(
-            isinstance(self.preset, str) and self.preset in PRESETS, "preset", f"one of {', '.join(PRESETS)}"
-        )
-        need(isinstance(self.model, dict), "model", "a mapping of model config keys (or {})")
-        for key in ("data", "eval_data"):
-            need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, "a data source")
-        for key in (
-            "seq_len",
-            "batch_size",
-            "steps",
-            "log_every",
-            "eval_every",
-            "checkpoint_every",
-            "retrieval_samples",
-        ):
-            need(_is_int(getattr(self, key)) and getattr(self, key) >= 1, key, "an integer >= 1")
-        need(_is_int(self.eval_tokens) and self.eval_tokens >= 2, "eval_tokens", "an integer >= 2")
-        need(
-            self.data_tokens is None or (_is_int(self.data_tokens) and self.data_tokens >= 1),
-            "data_tokens",
-            "an integer >= 1 or null (all of the data)",
-        )
-        need(
-            _is_int(self.warmup) and 0 <= self.warmup <= self.steps,
-            "warmup",
-            f"an integer in [0, steps={self.steps}]",
-        )
-        need(_is_number(self.lr) and self.lr > 0, "lr", "a number > 0")
+        # types and ranges: the schema checker (diffquant.schema); then how the fields agree
+        check(TrainConfig, {f.name: getattr(self, f.name) for f in fields(self)}, "train recipe", style=_KEYS)
+        need(0 <= self.warmup <= self.steps, "warmup", f"an integer in [0, steps={self.steps}]")
         need(
             _is_number(self.min_lr) and 0 <= self.min_lr <= self.lr,
             "min_lr",
             f"a number in [0, lr={self.lr}]",
-        )
-        need(_is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
-        for key in ("beta1", "beta2"):
-            need(_is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1, key, "a number in [0, 1)")
-        need(_is_number(self.grad_clip) and self.grad_clip > 0, "grad_clip", "a number > 0")
-        need(
-            _is_number(self.needle_fraction) and 0 <= self.needle_fraction <= 1,
-            "needle_fraction",
-            "a number in [0, 1]",
-        )
-        need(_is_int(self.seed) and self.seed >= 0, "seed", "an integer >= 0")
-        need(
-            self.threads is None or (_is_int(self.threads) and self.threads >= 1),
-            "threads",
-            "an integer >= 1 or null",
-        )
-        need(self.save_dtype in ("bfloat16", "float32"), "save_dtype", "bfloat16 or float32")
-        need(self.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
-        need(
-            self.out is None or (isinstance(self.out, str) and self.out != ""), "out", "a folder path or null"
         )
         model = self.model_config()
         need(
@@ -173,12 +121,7 @@ class TrainConfig:
         raw = read_yaml(path, overrides)
         if not isinstance(raw, dict):
             raise DiffquantError(f"{path}: expected a mapping at the top level")
-        allowed = [f.name for f in fields(cls)]
-        for key in raw:
-            if key not in allowed:
-                raise DiffquantError(f"{path}: unknown key '{key}'; allowed keys: {', '.join(allowed)}")
-        if "name" not in raw:
-            raise DiffquantError(f"{path}: missing required key 'name'")
+        check(cls, raw, str(path), style=_KEYS)  # unknown keys, a missing name, types and ranges
         try:
             return cls(**raw)
         except DiffquantError as err:
@@ -192,6 +135,34 @@ class TrainConfig:
         base = preset_config(self.preset, self.kind).to_dict()
         base.update(self.model)
         return ModelConfig.from_dict(base, source="train recipe 'model'")
+
+
+def _run_name(value: Any) -> str | None:
+    ok = isinstance(value, str) and value not in ("", ".", "..") and not set("/\\") & set(value)
+    return None if ok else "a non-empty name without '/' or '\\' (it names the run folder)"
+
+
+def _one_of(value: Any, names: tuple[str, ...], words: str | None = None) -> str | None:
+    return None if isinstance(value, str) and value in names else words or f"one of {', '.join(names)}"
+
+
+def _data_source(value: Any) -> str | None:
+    return None if isinstance(value, str) and value != "" else "a data source"
+
+
+def _folder(value: Any) -> str | None:
+    return None if value is None or (isinstance(value, str) and value != "") else "a folder path or null"
+
+
+def _positive_number(value: Any) -> str | None:
+    return None if _is_number(value) and value > 0 else "a number > 0"
+
+
+def _fraction(value: Any) -> str | None:
+    return None if _is_number(value) and 0 <= value < 1 else "a number in [0, 1)"
+
+
+_KEYS = AssignStyle()
 
 
 def _is_int(value: Any) -> bool:
@@ -392,13 +363,13 @@ def _eval_streams(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """The token streams of the evaluations (validation during and after the run, train bpb at the end),
     read once, before the first step, so a bad source fails before any work is done."""
     streams = {}
-    for key, source in (("eval_data", cfg.eval_data), ("data", cfg.data)):
+    for name, source in (("eval_data", cfg.eval_data), ("data", cfg.data)):
         stream = token_stream(source, cfg.eval_tokens)
         if stream.numel() < 2:
             raise DiffquantError(
-                f"train recipe: '{key}' = {source!r} has {stream.numel()} token(s); evaluation needs at least 2"
+                f"train recipe: '{name}' = {source!r} has {stream.numel()} token(s); evaluation needs at least 2"
             )
-        streams[key] = stream
+        streams[name] = stream
     return streams
 
 
