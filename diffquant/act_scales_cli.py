@@ -14,13 +14,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from diffquant.cli_options import add_model_options as _add_model_options
+from diffquant.cli_options import check_positive as _positive
+from diffquant.cli_options import load_for_args as _load
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import MODEL_FORMS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``diffquant act-scales`` (its handler is :func:`run`)."""
-    from diffquant.cli import _add_model_options
 
     parser = subparsers.add_parser(
         "act-scales",
@@ -57,7 +59,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from diffquant.cli import _load, _positive
     from diffquant.data import token_windows
     from diffquant.eval.tasks import default_text
     from diffquant.profile.runner import check_profile

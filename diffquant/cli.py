@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from diffquant import __version__
+from diffquant.cli_options import add_model_options as _add_model_options
+from diffquant.cli_options import load_for_args as _load
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import MODEL_FORMS
 from diffquant.models.config import ATTENTION_KINDS
@@ -340,14 +342,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            raise DiffquantError(
-                f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}"
-            )
-
-
 def _unique_name(spec: str, taken: dict) -> str:
 
     text = str(spec)
@@ -365,19 +359,6 @@ def _unique_name(spec: str, taken: dict) -> str:
     while name in taken:
         name, i = f"{base}-{i}", i + 1
     return name
-
-
-def _load(args: argparse.Namespace, spec: str):
-    """A model on ``--device`` in ``--dtype`` with ``--tokenizer`` (where the command has those options)."""
-    from diffquant.io import load_model
-    from diffquant.io.options import parse_device, parse_dtype
-
-    return load_model(
-        spec,
-        device=parse_device(getattr(args, "device", None)),
-        dtype=parse_dtype(getattr(args, "dtype", None)),
-        tokenizer=getattr(args, "tokenizer", None),
-    )
 
 
 def _refuse_overwriting_input(spec: str, out: str) -> None:
@@ -400,16 +381,6 @@ def _tokenizer_line(model, spec: str) -> str:
         return model_tokenizer(model, str(spec)).describe()
     except DiffquantError as err:
         return f"none ({err})"
-
-
-def _add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True, stream: bool = False) -> None:
-    """--device, --dtype (and --tokenizer, --stream): the fields of io.options.ModelOptions, a recipe's keys
-    too."""
-    from diffquant.io.options import ModelOptions
-    from diffquant.schema import add_options
-
-    only = ("device", "dtype") + (("tokenizer",) if tokenizer else ()) + (("stream",) if stream else ())
-    add_options(parser, ModelOptions, only=only)
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:

@@ -146,7 +146,7 @@ def test_perplexity_equals_transformers_on_the_same_windows(hf_folder):
 
 
 def test_calibration_reads_the_tokenizers_ids(hf_folder, tmp_path):
-    from diffquant.quant.run import quantize_checkpoint
+    from diffquant.io.quantize import quantize_checkpoint
 
     seen: list[torch.Tensor] = []
     original = torch.nn.Embedding.forward

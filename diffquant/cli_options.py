@@ -1,0 +1,41 @@
+"""Command-line option helpers shared by the ``diffquant`` commands (cli.py) and the sub-commands defined in
+their own modules (act_scales_cli.py), so neither imports the other. Importing it does not import torch
+(the help must stay instant): the model loading imports happen inside :func:`load_for_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from diffquant.errors import DiffquantError
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise DiffquantError(
+                f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}"
+            )
+
+
+def load_for_args(args: argparse.Namespace, spec: str):
+    """A model on ``--device`` in ``--dtype`` with ``--tokenizer`` (where the command has those options)."""
+    from diffquant.io import load_model
+    from diffquant.io.options import parse_device, parse_dtype
+
+    return load_model(
+        spec,
+        device=parse_device(getattr(args, "device", None)),
+        dtype=parse_dtype(getattr(args, "dtype", None)),
+        tokenizer=getattr(args, "tokenizer", None),
+    )
+
+
+def add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True, stream: bool = False) -> None:
+    """--device, --dtype (and --tokenizer, --stream): the fields of io.options.ModelOptions, a recipe's keys
+    too."""
+    from diffquant.io.options import ModelOptions
+    from diffquant.schema import add_options
+
+    only = ("device", "dtype") + (("tokenizer",) if tokenizer else ()) + (("stream",) if stream else ())
+    add_options(parser, ModelOptions, only=only)
