@@ -194,14 +194,14 @@ MUTANTS = [
     # --- evaluation, data, training, resume
     M(
         "bits per byte divides by tokens",
-        "diffquant/eval/perplexity.py",
-        '"bits_per_byte": nats / math.log(2) / n_bytes,',
-        '"bits_per_byte": nats / math.log(2) / n_tokens,',
+        "diffquant/data/scoring.py",
+        '"bits_per_byte": nats / math.log(2) / self.n_bytes,',
+        '"bits_per_byte": nats / math.log(2) / self.n_scored,',
         ("tests/test_perplexity.py",),
     ),
     M(
         "default seq_len ignores the trained context",
-        "diffquant/eval/perplexity.py",
+        "diffquant/data/scoring.py",
         "seq_len = min(max_seq_len, DEFAULT_SEQ_LEN, trained or max_seq_len)",
         "seq_len = min(max_seq_len, DEFAULT_SEQ_LEN)",
         ("tests/test_perplexity.py",),
