@@ -234,3 +234,31 @@ def test_default_seq_len_is_the_trained_context_and_reproduces_the_card(caplog):
         )
     assert longer["seq_len"] == 512
     assert any("trained at (256" in r.getMessage() for r in caplog.records)
+
+
+def test_bits_per_byte_divides_by_the_bytes_of_a_multibyte_tokenizer(tmp_path):
+    """With a BPE tokenizer a token stands for several bytes: bits per byte = total NLL / ln 2 / the UTF-8
+    bytes of the scored targets, computed here independently (one forward per window, torch's log_softmax,
+    the bytes of each target's decoded text); dividing by the token count instead is a different number."""
+    from conftest import train_byte_bpe
+
+    from diffquant.data.tokenizer import load_tokenizer
+    from diffquant.eval.perplexity import evaluate_stream
+
+    sentences = ["The quick brown fox jumps over the lazy dog near the riverbank.", "Pack my box with jugs."]
+    tok = load_tokenizer(train_byte_bpe(tmp_path / "tok", sentences))
+    model = tiny_model("baseline", vocab_size=320)
+    stream = torch.tensor(tok.encode(" ".join(sentences * 6)), dtype=torch.long)
+    got = evaluate_stream(model, stream, tokenizer=tok, seq_len=16, windows="disjoint", batch_size=2)
+    nats, n_bytes, n_targets = 0.0, 0, 0
+    with torch.no_grad():
+        for w in range(stream.numel() // 16):
+            ids = stream[w * 16 : (w + 1) * 16]
+            logp = torch.log_softmax(model(ids[None]).double()[0, :-1], dim=-1)
+            for t in range(1, 16):
+                nats -= float(logp[t - 1, ids[t]])
+                n_bytes += len(tok.decode([int(ids[t])]).encode("utf-8"))
+                n_targets += 1
+    assert n_bytes > 1.5 * n_targets  # multi-byte tokens: the two divisors differ
+    assert got["n_tokens_scored"] == n_targets and got["n_bytes"] == n_bytes
+    assert got["bits_per_byte"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-6)
