@@ -55,7 +55,7 @@ separately and excluded from all other statistics.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -541,15 +541,30 @@ class SiteStats:
         if valid is not None and "key" in layout:
             qpos = query_positions(valid).tolist()
         where = (flat, shape, layout, qpos, tokens, sample_offset, pos_offset)
+        self._add_largest(af_flat, n_ok, dense, ge100, where)
+
+    def _add_largest(
+        self,
+        aflat: torch.Tensor,
+        n_ok: int,
+        dense: torch.Tensor,
+        ge100: int,
+        where: tuple,
+        to_flat: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Top-k and massive-activation entries of one update: ``aflat`` holds the magnitudes (excluded
+        entries -1), ``dense`` its histogram (a bar for the top-k search), ``where`` locates entries of the
+        update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps)."""
+        to_flat = to_flat or (lambda idx: idx)
         bar, n_bar = _histogram_bar(dense, self.topk)
-        self._top_acc.add(self._entries(_select(af_flat, self.topk, -0.5, n_ok, bar, n_bar), *where))
+        self._top_acc.add(self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where))
         if ge100:  # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
-            cand = (af_flat > MASSIVE_FLOOR).nonzero().squeeze(1)
+            cand = (aflat > MASSIVE_FLOOR).nonzero().squeeze(1)
             gt100 = cand.numel()
             self._massive_acc.add_count(gt100)
             if gt100:
-                pick = cand[_select(af_flat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
-                self._massive_acc.add(self._entries(pick, *where))
+                pick = cand[_select(aflat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
+                self._massive_acc.add(self._entries(to_flat(pick), *where))
 
     def _update_map(
         self,
@@ -607,16 +622,7 @@ class SiteStats:
 
         qpos = query_positions(valid).tolist() if "key" in layout else None
         where = (flat, tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
-        aflat = af.view(-1)
-        bar, n_bar = _histogram_bar(dense, self.topk)
-        self._top_acc.add(self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where))
-        if ge100:
-            cand = (aflat > MASSIVE_FLOOR).nonzero().squeeze(1)
-            gt100 = cand.numel()
-            self._massive_acc.add_count(gt100)
-            if gt100:
-                pick = cand[_select(aflat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
-                self._massive_acc.add(self._entries(to_flat(pick), *where))
+        self._add_largest(af.view(-1), n_ok, dense, ge100, where, to_flat)
         return True
 
     def _note_nonfinite(self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset) -> None:
