@@ -20,6 +20,7 @@ from diffquant.profile.profiler import Profile, Profiler
 from diffquant.quant.plan import QuantPlan
 from diffquant.stream.executor import (
     DEFAULT_HIDDEN_BUDGET,
+    StreamedModel,
     open_streamed,
     resolve_stream_spec,
     would_stream,
@@ -87,11 +88,16 @@ def profile_streamed(
                 calibration=calib,
                 hidden_budget=hidden_budget,
             )
-        if stats is not None:
-            stats.update(
-                info, stage_bytes=dict(streamed.stage_bytes), attention_paths=path_summary(streamed.model)
-            )
+        _report(stats, info, streamed)
         return prof.take()
+
+
+def _report(stats: dict[str, Any] | None, info: dict[str, Any], streamed: StreamedModel) -> None:
+    """Fill the caller's ``stats`` dict: the run's memory numbers, bytes per stage, attention paths."""
+    if stats is not None:
+        stats.update(
+            info, stage_bytes=dict(streamed.stage_bytes), attention_paths=path_summary(streamed.model)
+        )
 
 
 def evaluate_streamed(
@@ -149,10 +155,7 @@ def evaluate_streamed(
             calibration=calib,
             hidden_budget=hidden_budget,
         )
-        if stats is not None:
-            stats.update(
-                info, stage_bytes=dict(streamed.stage_bytes), attention_paths=path_summary(streamed.model)
-            )
+        _report(stats, info, streamed)
     return scorer.result()
 
 
