@@ -115,8 +115,8 @@ MUTANTS = [
     M(
         "integer rounding floors",
         "diffquant/quant/schemes.py",
-        "return q.round_().clamp_(element.min_value, element.max_value).mul_(scale)",
-        "return q.floor_().clamp_(element.min_value, element.max_value).mul_(scale)",
+        "q = torch.div(xf, scale).round_()",
+        "q = torch.div(xf, scale).floor_()",
         ("tests/test_quant.py", "tests/test_presets_reference.py"),
     ),
     M(
@@ -129,8 +129,8 @@ MUTANTS = [
     M(
         "fast path drops the clamp of saturated scales",
         "diffquant/quant/schemes.py",
-        'if scheme.scale_format != "fp32":  # a saturated scale',
-        "if False:  # a saturated scale",
+        'in_range=scheme.scale_format == "fp32")',
+        "in_range=True)",
         ("tests/test_quant.py::test_fake_quant_fast_path_is_bit_identical",),
     ),
     # --- attention

@@ -259,15 +259,26 @@ def scale_from_absmax(amax: torch.Tensor, element: ElementFormat, scheme: Scheme
 
 
 def apply_scale(
-    x: torch.Tensor, scale: torch.Tensor, element: ElementFormat, zero_point: torch.Tensor | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    element: ElementFormat,
+    zero_point: torch.Tensor | None = None,
+    *,
+    in_range: bool = False,
 ) -> torch.Tensor:
-    """Fake-quantize x with a given (broadcastable) scale: round(x / s [+ z]) to the codebook, then back."""
+    """Fake-quantize x with a given (broadcastable) scale: round(x / s [+ z]) to the codebook, then back.
+
+    ``in_range``: the caller knows |x / s| <= qmax up to one rounding of the division (below qmax + 0.5), so
+    the integer path's clamp could not change a value and is skipped (one pass less).
+    """
     xf = x.float()
     if zero_point is None:
         if element.kind == "int" and element.step == 1.0 and scale.dtype == torch.float32:
             # element.round's integer path (round half to even, clamp), computed in place: same numbers
-            q = torch.div(xf, scale)
-            return q.round_().clamp_(element.min_value, element.max_value).mul_(scale)
+            q = torch.div(xf, scale).round_()
+            if not in_range:
+                q.clamp_(element.min_value, element.max_value)
+            return q.mul_(scale)
         return element.round(xf / scale) * scale
     return (element.round(xf / scale + zero_point) - zero_point) * scale
 
@@ -391,14 +402,9 @@ def quantize_dynamic_finite(
     amax = torch.maximum(hi, -lo)
     if not bool(torch.isfinite(amax).all()):
         return None
-    element = scheme.element
-    scale = scale_from_absmax(amax, element, scheme)
-    if element.kind == "int" and element.step == 1.0 and scale.dtype == torch.float32:
-        q = torch.div(xf, scale).round_()
-        if scheme.scale_format != "fp32":  # a saturated scale (above the format's max) needs the clamp
-            q.clamp_(element.min_value, element.max_value)
-        return q.mul_(scale)
-    return element.round(xf / scale) * scale
+    scale = scale_from_absmax(amax, scheme.element, scheme)
+    # an fp32 absmax scale of x itself keeps x / s in range; a saturated scale (above the format's max) not
+    return apply_scale(xf, scale, scheme.element, in_range=scheme.scale_format == "fp32")
 
 
 def _quantize_view(
