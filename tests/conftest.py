@@ -59,6 +59,33 @@ def train_byte_bpe(folder, sentences, *, prepend_bos: bool = False, config: dict
     return path
 
 
+def save_tiny_llama(folder, *, context: int, **config):
+    """A tiny random transformers Llama (vocab 320: larger than a 300-id test tokenizer, as real checkpoints
+    pad their vocabularies; 2 layers, hidden 64, 4 / 2 heads) with unit-scale weights (default inits give
+    near-uniform logits), saved into ``folder``; ``config`` overrides LlamaConfig fields."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+        **config,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(params=["baseline", "diff_v1", "diff_v2"])
 def kind(request) -> str:
     return request.param

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_byte_bpe
+from conftest import save_tiny_llama, train_byte_bpe
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers", reason="transformers builds the tiny HF Llama")
@@ -52,25 +52,7 @@ def _tiny_llama(folder: Path, bos_in_front: bool) -> Path:
     train_byte_bpe(
         folder, SENTENCES, prepend_bos=bos_in_front, config={"tokenizer_class": "PreTrainedTokenizerFast"}
     )
-    cfg = transformers.LlamaConfig(
-        vocab_size=320,  # larger than the tokenizer's ids, as real checkpoints pad their vocabularies
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # unit-scale weights: default inits give near-uniform logits
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
-    model.save_pretrained(folder)
+    save_tiny_llama(folder, context=CONTEXT, bos_token_id=1, eos_token_id=0)
     return folder
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_byte_bpe
+from conftest import save_tiny_llama, train_byte_bpe
 
 from diffquant.cli import main
 from diffquant.data import ByteTokenizer, HFTokenizer, load_tokenizer, model_tokenizer, token_windows
@@ -34,7 +34,6 @@ SENTENCES = [
     "In 1999 the committee met 12 times and argued about 345 benches.",
 ]
 TEXT = "\n".join(SENTENCES * 12) + "\n"
-VOCAB = 320  # the embedding: larger than the tokenizer's ids, as in real checkpoints (padded vocabularies)
 
 
 def _train_tokenizer(folder: Path) -> Path:
@@ -44,23 +43,7 @@ def _train_tokenizer(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama-bpe")
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # unit-scale weights: default inits give near-uniform logits
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
-    model.save_pretrained(folder)
+    save_tiny_llama(folder, context=256)
     _train_tokenizer(folder)
     (folder / "text.txt").write_text(TEXT)
     return folder
