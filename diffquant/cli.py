@@ -25,8 +25,17 @@ from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from diffquant.models.taps import SITE_KINDS
+    from diffquant.stream import open_streamed, stream_skeleton
 
-    model = _load(args, args.checkpoint)
+    try:
+        # A streamable checkpoint is described from its config and headers on the meta device: `info` must
+        # answer for a model larger than memory (that is when its "would stream" line matters). Opening it
+        # checks every shard and tensor header (missing, unexpected, wrong shape, truncated) as a load would.
+        with open_streamed(args.checkpoint):
+            pass
+        model = stream_skeleton(args.checkpoint, args.tokenizer)
+    except DiffquantError:
+        model = _load(args, args.checkpoint)  # other forms load whole (or give the loader's own error)
     cfg = model.config
     groups = model.parameter_groups()
     per_kind = Counter(model.sites().values())
@@ -35,10 +44,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     tokenizer = _tokenizer_line(model, args.checkpoint)
     from diffquant.io.options import parse_device
-    from diffquant.stream import would_stream
+    from diffquant.stream import weights_bytes, would_stream
 
     device = parse_device(args.device)
-    streams, size, reason = would_stream(args.checkpoint, device)
+    streams, size, reason = would_stream(args.checkpoint, device)  # size: in memory (GGUF dequantized)
+    on_disk = weights_bytes(args.checkpoint)
     if args.json:
         plan = getattr(model, "quant_plan", None)
         info = {
@@ -48,6 +58,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "config": cfg.to_dict(),
             "parameters": {**groups, "total": sum(groups.values())},
             "weights_bytes": size,
+            "weights_file_bytes": on_disk,
             "stream": {"device": device, "would_stream": streams, "reason": reason},
             "sites": {**sites, "total": sum(sites.values())},
             "attention_paths": {
@@ -69,7 +80,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for name, count in groups.items():
         if count:
             print(f"  {name:<11}{count:>12,}  {100 * count / total:5.1f} %")
-    print(f"weights      {size:,} bytes ({size / 2**20:.1f} MiB)")
+    stored = f"; {on_disk / 2**20:.1f} MiB in the file" if on_disk != size else ""
+    print(f"weights      {size:,} bytes ({size / 2**20:.1f} MiB{stored})")
+    reason = reason.removesuffix(": streamed")
     print(f"stream       --stream auto on {device}: {'streamed' if streams else 'whole'} ({reason})")
     print(f"sites        {sum(sites.values())} ({', '.join(f'{k} {n}' for k, n in sites.items())})")
     from diffquant.kernels.dispatch import planned_paths
@@ -180,7 +193,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     calib = check_args(CalibData, args, flags=QUANTIZE_CALIB_FLAGS)
     cfg = check_args(QuantizeStage, args)
-    env = {"device": args.device, "dtype": args.dtype}
+    env = {"device": args.device, "dtype": args.dtype, "stream": args.stream}
     _refuse_overwriting_input(args.checkpoint, args.out)
     summary = run_quantize(
         args.checkpoint, args.plan, calib, cfg, args.out, env, force=args.force, tokenizer=args.tokenizer
@@ -212,7 +225,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             tasks,
             calib,
             batch_size,
-            {"device": args.device, "dtype": args.dtype, "stream": args.stream},
+            {k: getattr(args, k) for k in ("device", "dtype", "stream", "device_map", "max_memory")},
             {name: args.tokenizer for name in models} if args.tokenizer else {},
         )
         out = Path(args.out)
@@ -463,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(prof, ProfileStage)
     prof.add_argument("--out", default="runs/profile", help="run folder (default: runs/profile)")
     prof.add_argument("--force", action="store_true", help="start clean in a folder of another run")
-    _add_model_options(prof, stream=True)
+    _add_model_options(prof, stream=True, device_map=True)
     prof.set_defaults(func=_cmd_profile)
 
     quant = sub.add_parser(
@@ -480,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(quant, QuantizeStage)
     quant.add_argument("--out", required=True, help="output folder")
     quant.add_argument("--force", action="store_true", help="replace an existing output folder")
-    _add_model_options(quant)
+    _add_model_options(quant, stream=True)
     quant.set_defaults(func=_cmd_quantize)
 
     ev = sub.add_parser(
@@ -506,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(ev, EvalStage)
     ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
     ev.add_argument("--force", action="store_true", help="start clean in a folder of another run")
-    _add_model_options(ev, stream=True)
+    _add_model_options(ev, stream=True, device_map=True)
     ev.set_defaults(func=_cmd_eval)
 
     run = sub.add_parser("run", help="run a YAML recipe (profile, quantize, eval, sweep) into a run folder")
@@ -602,6 +615,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.func(args)
         except DiffquantError as err:
             return _fail(args.command, str(err))
+        except (MemoryError, RuntimeError) as err:
+            # An allocation the machine (or its ulimit / cgroup) refuses is the input's size, not a bug.
+            if not _out_of_memory(err):
+                raise
+            return _fail(args.command, f"out of memory ({_first_line(err)}); {_OOM_HINT}")
         except BrokenPipeError:
             # `diffquant zoo | head -1`: the reader left; point stdout at /dev/null so the final flush is quiet.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -628,6 +646,23 @@ def _route_warnings() -> None:
     if not any(isinstance(h, _StderrLine) for h in logger.handlers):
         logger.addHandler(_StderrLine(logging.WARNING))
         logger.propagate = False
+
+
+_OOM_HINT = "smaller --batch-size or --seq-len, or --stream on to hold one decoder layer at a time"
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """MemoryError, torch.OutOfMemoryError (CUDA) or the CPU allocator's refusal (a RuntimeError)."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return True
+    text = str(err)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def _first_line(err: BaseException) -> str:
+    """The allocator's own sentence (torch's CPU message starts with an "[enforce fail at ...]" location)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text[text.index("can't allocate") :] if "can't allocate" in text else text
 
 
 def _fail(command: str, message: str) -> int:

@@ -31,11 +31,15 @@ def load_for_args(args: argparse.Namespace, spec: str):
     )
 
 
-def add_model_options(parser: argparse.ArgumentParser, tokenizer: bool = True, stream: bool = False) -> None:
-    """--device, --dtype (and --tokenizer, --stream): the fields of io.options.ModelOptions, a recipe's keys
-    too."""
+def add_model_options(
+    parser: argparse.ArgumentParser, tokenizer: bool = True, stream: bool = False, device_map: bool = False
+) -> None:
+    """--device, --dtype (and --tokenizer, --stream, --device-map / --max-memory): the fields of
+    io.options.ModelOptions, a recipe's keys too. --device-map only where the command loads its models
+    through :func:`diffquant.stages.load_models` or a sweep, which place them."""
     from diffquant.io.options import ModelOptions
     from diffquant.schema import add_options
 
     only = ("device", "dtype") + (("tokenizer",) if tokenizer else ()) + (("stream",) if stream else ())
+    only += ("device_map", "max_memory") if device_map else ()
     add_options(parser, ModelOptions, only=only)

@@ -220,6 +220,7 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
                 recipe,
                 force=True,
                 tokenizer=model_tokenizer_paths(recipe).get(name),
+                name=lambda key: key,
             )
             log(f"quantize {name} with {plan}: model logits SQNR {summary['logits_sqnr_db']} dB -> {target}")
 

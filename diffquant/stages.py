@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffquant.distributed import rank_and_world
-from diffquant.errors import DiffquantError
 from diffquant.eval.sweep import SweepSpec
 from diffquant.eval.tasks import TaskSpec
 from diffquant.io import load_model
@@ -23,7 +21,8 @@ from diffquant.io.options import ModelOptions, parse_device, parse_dtype
 from diffquant.io.quantize import quantize_checkpoint
 from diffquant.profile.runner import profile_stage
 from diffquant.schema import key
-from diffquant.stream import choose_stream, profile_streamed, stream_skeleton
+from diffquant.stream import choose_stream, profile_streamed, quantize_streamed, stream_skeleton
+from diffquant.stream.placement import load_placed, placement_options
 
 DATA_HELP = "wikitext2:test, wikitext2:validation, stdlib[:train|:validation], a text file or a folder"
 Namer = Callable[[str], str]
@@ -135,13 +134,18 @@ def load_models(
 ) -> dict[str, tuple[str, Any]]:
     """Each model by name as (spec, model) on ``env['device']`` in ``env['dtype']`` (checked ModelOptions),
     with its tokenizer override; a model ``env['stream']`` streams (:func:`diffquant.stream.choose_stream`)
-    is a weightless skeleton (:func:`diffquant.stream.stream_skeleton`) that :func:`run_profile` streams."""
+    is a weightless skeleton (:func:`diffquant.stream.stream_skeleton`) that :func:`run_profile` streams;
+    with ``env['device_map']`` each model is spread over devices (:func:`diffquant.stream.placement.load_placed`)."""
     tokenizers = tokenizers or {}
+    placement = placement_options(env, name)  # --device-map: checked against --device / --stream first
     device, dtype = parse_device(env["device"]), parse_dtype(env["dtype"])
     mode = env.get("stream", "off")
     models: dict[str, tuple[str, Any]] = {}
     for model_name, spec in specs.items():
-        if choose_stream(spec, mode, device, what=name("stream")):
+        if placement is not None:
+            model = load_placed(spec, placement, dtype=dtype, tokenizer=tokenizers.get(model_name))
+            models[model_name] = (spec, model)
+        elif choose_stream(spec, mode, device, what=name("stream")):
             models[model_name] = (spec, stream_skeleton(spec, tokenizers.get(model_name)))
         else:
             models[model_name] = (
@@ -163,19 +167,17 @@ def run_profile(
     """The profile stage (a checked :class:`ProfileStage` as a dict) into ``out``: profile/NAME.json and
     table5.{txt,json}; returns (header, table, tokens) on rank 0 (see :func:`profile_stage`). Models that
     :func:`load_models` left as skeletons are profiled layer-streamed on ``env['device']`` in
-    ``env['dtype']``: the same profile, without attention maps."""
+    ``env['dtype']`` (under torchrun each rank streams its own batches): the same profile, without
+    attention maps."""
     env = env or {}
     attention = None if cfg["attention_metrics"] else False
     streamed = {}
     for model_name, (spec, model) in models.items():
         if getattr(model, "streamed", None) is None:
             continue
-        if rank_and_world()[1] > 1:
-            raise DiffquantError(
-                f"{name('stream')}: a streamed profile runs in one process (not under torchrun)"
-            )
 
-        def profile(windows, spec=spec):
+        def profile(windows, shard, spec=spec):
+            # this rank's batches (under torchrun); profile_stage merges the ranks' profiles on rank 0
             stats: dict[str, Any] = {}
             prof = profile_streamed(
                 spec,
@@ -187,6 +189,7 @@ def run_profile(
                 device=parse_device(env.get("device")),
                 dtype=parse_dtype(env.get("dtype")),
                 stats=stats,
+                shard=shard,
             )
             return prof, stats["attention_paths"]
 
@@ -229,6 +232,7 @@ def sweep_spec(
         dtype=env["dtype"],
         tokenizers=tokenizers,
         stream=env.get("stream", "off"),
+        placement=placement_options(env),
     )
 
 
@@ -242,11 +246,17 @@ def run_quantize(
     *,
     force: bool,
     tokenizer: str | None,
+    name: Namer = flag_name,
 ) -> dict[str, Any]:
     """The quantize stage for one model and plan (a checked :class:`CalibData` and :class:`QuantizeStage`
-    as dicts, and ModelOptions' device / dtype): the quantized checkpoint in ``out``; returns its summary.
-    ``diffquant quantize`` and a recipe's ``quantize`` stage run it."""
-    return quantize_checkpoint(
+    as dicts, and ModelOptions' device / dtype / stream): the quantized checkpoint in ``out``; returns its
+    summary. A model ``env['stream']`` streams (:func:`diffquant.stream.choose_stream`) is calibrated,
+    compared and written one layer at a time (:func:`diffquant.stream.quantize_streamed`: the same
+    checkpoint and report). ``diffquant quantize`` and a recipe's ``quantize`` stage run it."""
+    streamed = choose_stream(
+        checkpoint, env.get("stream", "off"), parse_device(env["device"]), what=name("stream")
+    )
+    return (quantize_streamed if streamed else quantize_checkpoint)(
         checkpoint,
         plan,
         calib_data=calib["source"],

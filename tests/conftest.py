@@ -1,5 +1,6 @@
 """Shared fixtures. Environment that must be set before heavy imports goes first."""
 
+import json
 import os
 
 # Triton's interpreter must be chosen before any module defining @triton.jit kernels is imported.
@@ -7,6 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from diffquant.models import DecoderLM, ModelConfig, matched_config  # noqa: E402
 
@@ -89,3 +91,36 @@ def save_tiny_llama(folder, *, context: int, **config):
 @pytest.fixture(params=["baseline", "diff_v1", "diff_v2"])
 def kind(request) -> str:
     return request.param
+
+
+def assert_close_tree(a, b, where: str = "", rel: float = 1e-6) -> None:
+    """Equal structure, strings, ints and locations; floats equal to ``rel`` (statistics merged in another
+    order, e.g. across torchrun ranks, round differently)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_close_tree(a[key], b[key], f"{where}.{key}", rel)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_close_tree(x, y, f"{where}[{i}]", rel)
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=rel, abs=1e-12), where
+    else:
+        assert a == b, where
+
+
+def shard_safetensors(folder, n_shards: int) -> None:
+    """Split ``folder``'s model.safetensors into ``n_shards`` shards with a model.safetensors.index.json
+    (tensors dealt round-robin in sorted order), as Hugging Face writes large checkpoints."""
+    single = folder / "model.safetensors"
+    tensors = load_file(str(single))
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(n_shards):
+        name = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[s::n_shards]}
+        save_file(part, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    single.unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import assert_close_tree, tiny_model
 
 from diffquant import DiffquantError
 from diffquant.cli import main
@@ -214,23 +214,7 @@ def test_torchrun_two_processes_equal_one(tmp_path):
         for key in ("mean", "std", "kurtosis"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-12), (name, key)
     for name, (_, acc) in one.attention.items():
-        _assert_close_tree(acc.summary(), two.attention[name][1].summary(), name)
-
-
-def _assert_close_tree(a, b, where):
-    """Equal structure; numbers equal to 1e-6 relative (sums merged in another order round differently)."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_close_tree(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_close_tree(x, y, f"{where}[{i}]")
-    elif isinstance(a, float):
-        assert a == pytest.approx(b, rel=1e-6, abs=1e-12), where
-    else:
-        assert a == b, where
+        assert_close_tree(acc.summary(), two.attention[name][1].summary(), name)
 
 
 def test_locations_under_cached_decoding_name_the_right_tokens():

@@ -1,13 +1,11 @@
 """The layer-streamed run (diffquant.stream) equals the whole-model run: profiles, logits, perplexity,
 quantization plans with static calibration; native and sharded hf: folders; a missing shard fails up front."""
 
-import json
 import math
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from conftest import shard_safetensors
 
 from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import evaluate_stream
@@ -78,26 +76,10 @@ def test_streamed_logits_and_perplexity_equal_whole_model(folders, kind):
     _close(a, b)
 
 
-def _shard(folder, n_shards: int = 3) -> None:
-    """Split the folder's model.safetensors into shards with a model.safetensors.index.json."""
-    single = folder / "model.safetensors"
-    with safe_open(str(single), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    keys = sorted(tensors)
-    weight_map = {}
-    for s in range(n_shards):
-        name = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
-        part = {k: tensors[k] for k in keys[s::n_shards]}
-        save_file(part, str(folder / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, name))
-    single.unlink()
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-
-
 def test_sharded_hf_folder_streams_like_whole_and_a_missing_shard_fails_first(tmp_path):
     model = load_model("init:diff_v1:tiny")
     out = export_hf(model, tmp_path / "hf")
-    _shard(out)
+    shard_safetensors(out, 3)
     spec = f"hf:{out}"
     whole_model = load_model(spec)
     windows = _windows(model.config.vocab_size)

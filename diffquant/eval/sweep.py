@@ -60,6 +60,7 @@ from diffquant.kernels.dispatch import path_summary
 from diffquant.progress import progress as show_progress
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 from diffquant.stream import choose_stream, evaluate_streamed, stream_mode, stream_skeleton
+from diffquant.stream.placement import Placement, load_placed
 
 NONE_PLAN = "none"
 RESULT_COLUMNS = ("model", "attention", "plan", "task", "metric", "value", "unquantized", "delta")
@@ -94,6 +95,8 @@ class SweepSpec:
     tokenizers: dict[str, str] = field(default_factory=dict)
     # off / on / auto: text tasks run layer-streamed (diffquant.stream). Not in to_dict: the same numbers.
     stream: str | bool = "off"
+    # --device-map: models spread over devices (diffquant.stream.placement). Not in to_dict: the same numbers.
+    placement: Placement | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -330,8 +333,12 @@ class _Runner:
 
 
 def load_for_sweep(spec: SweepSpec, name: str):
-    """Model ``name`` of the sweep on its device, in its dtype, with its tokenizer resolved and checked."""
-    model = load_model(spec.models[name], device=parse_device(spec.device), dtype=parse_dtype(spec.dtype))
+    """Model ``name`` of the sweep on its device (or its placement), in its dtype, with its tokenizer resolved
+    and checked."""
+    if spec.placement is not None:
+        model = load_placed(spec.models[name], spec.placement, dtype=parse_dtype(spec.dtype))
+    else:
+        model = load_model(spec.models[name], device=parse_device(spec.device), dtype=parse_dtype(spec.dtype))
     model.tokenizer = model_tokenizer(model, name, spec.tokenizers.get(name))
     return model
 

@@ -46,16 +46,8 @@ def save_checkpoint(
     if state is None and getattr(model, "quant_plan", None) is not None:
         raise DiffquantError("model is quantized: save it with diffquant.io.save_quantized")
 
-    tokenizer = getattr(model, "tokenizer", None)
-
     def write(tmp: Path) -> None:
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
-        if isinstance(tokenizer, HFTokenizer):
-            tokenizer.save(tmp)
-            meta["tokenizer"] = TOKENIZER_FILE
-        elif isinstance(tokenizer, ByteTokenizer) or model.config.vocab_size == ByteTokenizer.vocab_size:
-            meta["tokenizer"] = BYTE
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        write_config(tmp, model)
         tensors = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
         if model.config.tie_embeddings:
             tensors.pop("lm_head.weight", None)  # safetensors stores no aliases; tied on load
@@ -64,6 +56,19 @@ def save_checkpoint(
             extra(tmp)
 
     return write_folder_atomic(path, write, overwrite)
+
+
+def write_config(folder: Path, model: DecoderLM) -> None:
+    """A native checkpoint's ``config.json`` for ``model`` in ``folder``, with the tokenizer it records: the
+    tokenizer files of a learned vocabulary, or ``"byte"``."""
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
+    tokenizer = getattr(model, "tokenizer", None)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(folder)
+        meta["tokenizer"] = TOKENIZER_FILE
+    elif isinstance(tokenizer, ByteTokenizer) or model.config.vocab_size == ByteTokenizer.vocab_size:
+        meta["tokenizer"] = BYTE
+    (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def read_config(path: str | Path) -> ModelConfig:

@@ -50,6 +50,8 @@ from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
 ARCHITECTURE = "llama"
+# The layer index in a GGUF tensor name (``blk.3.attn_q.weight``).
+GGUF_LAYER_PATTERN = r"blk\.(\d+)\."
 # Token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -87,6 +89,22 @@ def load_gguf(
     """
     check_float_dtype(dtype, "requested dtype")
     file = Path(path)
+    reader, config, tokenizer = read_gguf_model(file)
+    source = gguf_tensors(reader, file, config, dtype or torch.float32)
+    key_map = gguf_key_map(config)
+    model = assemble(config, source, key_map, gguf_transforms(config), device, dtype or torch.float32)
+    model.tokenizer = tokenizer  # a plain attribute: stages read getattr(model, "tokenizer", None)
+    return model
+
+
+def read_gguf_model(file: Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer]:
+    """The header, config and tokenizer of a GGUF, checked against each other, nothing dequantized.
+
+    Shared by :func:`load_gguf` and the layer-streamed source (:mod:`diffquant.io.gguf_source`), so both
+    refuse the same files with the same one-line errors. The ``tokenizer.ggml.*`` metadata is dropped from
+    the returned header: the vocabulary and merges are ~100k ``bytes`` objects (a few MB), and the tokenizer
+    holds its own copy.
+    """
     reader = read_gguf(file)
     config = config_from_gguf(reader, str(file))
     tokenizer = gguf_tokenizer(reader, str(file))
@@ -95,16 +113,18 @@ def load_gguf(
             f"{file}: the tokenizer produces ids up to {tokenizer.vocab_size - 1}, but the embedding has "
             f"{config.vocab_size} rows"
         )
-    # The vocabulary and merges are ~100k bytes objects (a few MB); the tokenizer has its own copy now.
     for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
         del reader.fields[key]
-    source = GGUFTensors(reader, file, dtype or torch.float32)
-    check_layer_count(config.n_layers, source.keys(), r"blk\.(\d+)\.", str(file))
-    key_map = gguf_key_map(config)
-    source.check_types(list(key_map.values()))
-    model = assemble(config, source, key_map, gguf_transforms(config), device, dtype or torch.float32)
-    model.tokenizer = tokenizer  # a plain attribute: stages read getattr(model, "tokenizer", None)
-    return model
+    return reader, config, tokenizer
+
+
+def gguf_tensors(reader: GGUFFile, file: Path, config: ModelConfig, dtype: torch.dtype) -> GGUFTensors:
+    """The tensors of ``file`` dequantized into ``dtype`` on ``get``, after the checks that need no data:
+    the layer count the tensor names hold, and every mapped tensor of a type gguf can dequantize."""
+    source = GGUFTensors(reader, file, dtype)
+    check_layer_count(config.n_layers, source.keys(), GGUF_LAYER_PATTERN, str(file))
+    source.check_types(list(gguf_key_map(config).values()))
+    return source
 
 
 def read_gguf(file: Path) -> GGUFFile:

@@ -50,10 +50,12 @@ def parse_device(name: str | None) -> str:
 @dataclass(kw_only=True)
 class ModelOptions:
     """Where and how models run, and which tokenizer they read: the recipe keys ``device`` / ``dtype`` /
-    ``tokenizer`` / ``stream`` and the command-line options ``--device`` / ``--dtype`` / ``--tokenizer`` /
-    ``--stream`` (one place each). A recipe's ``tokenizer`` is a path for all models or ``{model: path}``;
-    ``stream`` (``diffquant profile`` / ``eval`` and a recipe's profile / eval stages) runs models
-    layer-streamed (:mod:`diffquant.stream`)."""
+    ``tokenizer`` / ``stream`` / ``device_map`` / ``max_memory`` and the command-line options ``--device`` /
+    ``--dtype`` / ``--tokenizer`` / ``--stream`` / ``--device-map`` / ``--max-memory`` (one place each). A
+    recipe's ``tokenizer`` is a path for all models or ``{model: path}``; ``stream`` (``diffquant profile`` /
+    ``quantize`` / ``eval`` and a recipe's profile / quantize / eval stages) runs models layer-streamed (:mod:`diffquant.stream`);
+    ``device_map`` spreads each model over several devices (:mod:`diffquant.stream.placement`), checked
+    with the other options by :func:`~diffquant.stream.placement.placement_options`."""
 
     device: str = key("cpu", help="cpu, cuda or cuda:N (default: cpu)")
     dtype: str | None = key(None, choices=DTYPE_NAMES, help="compute dtype (default: the checkpoint's)")
@@ -64,7 +66,22 @@ class ModelOptions:
     )
     stream: Literal["off", "on", "auto"] | bool = key(
         "off",
-        help="run models one decoder layer at a time from their safetensors files (larger than memory, same "
-        "numbers): on, off, or auto (stream only models whose weights do not fit; said on stderr) "
+        help="run models one decoder layer at a time from their files (native, hf:, gguf:; larger than memory, "
+        "same numbers): on, off, or auto (stream only models whose weights do not fit; said on stderr) "
         "(default: off; in a recipe also true / false)",
+    )
+    device_map: str | dict[str, str | int] | None = key(
+        None,
+        metavar="MAP",
+        help="spread each model over devices through accelerate (hf: and native safetensors checkpoints): "
+        "auto, balanced or sequential (fill the GPUs, then cpu, then disk), or a YAML / JSON mapping (or "
+        "file) of modules to devices, e.g. '{embed: 0, layers.0: 0, layers.1: 1, norm: 1, lm_head: 1}' "
+        "(modules: embed, layers, layers.N, norm, lm_head, '' for the rest; devices: cpu, disk, cuda:N or N); "
+        "not with --stream, --device stays cpu (default: one device, --device)",
+    )
+    max_memory: str | dict[str, str | int] | None = key(
+        None,
+        metavar="LIMITS",
+        help="with --device-map auto / balanced / sequential: the memory each device may hold, accelerate's "
+        "format, e.g. 0=20GiB,1=20GiB,cpu=60GiB (default: what is free)",
     )

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from diffquant.data import fingerprint, model_tokenizer, token_windows
 from diffquant.data.corpus import default_text
+from diffquant.data.tokenizer import Tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io import load_model
 from diffquant.io.artifacts import library_versions
@@ -45,37 +47,93 @@ def quantize_checkpoint(
     compares against the unquantized model on held-out windows (those after the calibration windows in
     the same source). Returns a summary with the printed text and the report.
     """
-    if is_quantized(checkpoint):
-        raise DiffquantError(f"{checkpoint}: already quantized; quantize its base checkpoint instead")
-    out = Path(out)
-    if out.exists() and not force:
-        raise DiffquantError(f"{out}: already exists (pass --force to replace it)")
+    out = check_quantize_target(checkpoint, out, force)
     plan = QuantPlan.load(plan_spec)
     device, torch_dtype = parse_device(device), parse_dtype(dtype)
     reference = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
-    if seq_len > reference.config.max_seq_len:
-        raise DiffquantError(
-            f"--seq-len {seq_len} exceeds the max_seq_len {reference.config.max_seq_len} of {checkpoint}"
-        )
+    check_seq_len(seq_len, reference.config.max_seq_len, checkpoint)
     tok = model_tokenizer(reference, str(checkpoint))
     calib_data = calib_data or default_text([tok], "calib")
     model = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
     model.tokenizer = tok
     applied = apply_plan(model, plan)
-    windows = token_windows(calib_data, calib_tokens + eval_tokens, seq_len, tok).to(device)
-    n_calib = max(1, min(windows.shape[0] - 1, -(-calib_tokens // seq_len)))
-    calib, held_out = windows[:n_calib], windows[n_calib:]
-    same = held_out.shape[0] == 0
-    if same:
-        held_out = calib  # a tiny source: report on the calibration text itself (said below)
+    windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
     with torch.no_grad():
-        calibrated = calibrate(model, calib, batch_size=batch_size)
+        calibrated = calibrate(model, windows.calib, batch_size=batch_size)
         if getattr(model, "smooth_factors", None) is not None:
             # The same float model, smoothed alike, so each site compares X / s with X / s (the logits
             # are the same either way): an unsmoothed reference would count the smoothing as error.
             apply_smoothing(reference, model.smooth_factors)
-        report = compare_models(reference, model, held_out, batch_size=batch_size)
-    meta = {
+        report = compare_models(reference, model, windows.held_out, batch_size=batch_size)
+    meta = quantize_meta(checkpoint, plan_spec, calib_data, calibrated, seq_len, tok, windows, model)
+    save_quantized(
+        model,
+        out,
+        meta=meta,
+        overwrite=force,
+        documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
+    )
+    return quantize_summary(plan, applied, calib_data, tok, windows, report, meta, out)
+
+
+class Windows(NamedTuple):
+    """The token windows of a quantize run: ``calib`` calibrates, ``held_out`` is what the error report
+    reads; ``same`` when the source was too small for a held-out part and ``held_out`` is ``calib``."""
+
+    calib: torch.Tensor
+    held_out: torch.Tensor
+    same: bool
+
+
+def check_quantize_target(checkpoint: str, out: str | Path, force: bool) -> Path:
+    """``out`` as a Path, once ``checkpoint`` is known not to be quantized already and ``out`` free to write
+    (or ``force``)."""
+    if is_quantized(checkpoint):
+        raise DiffquantError(f"{checkpoint}: already quantized; quantize its base checkpoint instead")
+    out = Path(out)
+    if out.exists() and not force:
+        raise DiffquantError(f"{out}: already exists (pass --force to replace it)")
+    return out
+
+
+def check_seq_len(seq_len: int, max_seq_len: int, checkpoint: str) -> None:
+    """Refuse windows longer than the model's ``max_seq_len``, in one line."""
+    if seq_len > max_seq_len:
+        raise DiffquantError(f"--seq-len {seq_len} exceeds the max_seq_len {max_seq_len} of {checkpoint}")
+
+
+def split_windows(
+    calib_data: str,
+    calib_tokens: int,
+    eval_tokens: int,
+    seq_len: int,
+    tok: Tokenizer,
+    device: torch.device | str,
+) -> Windows:
+    """The windows of ``calib_data`` on ``device``: the first ones (at least ``calib_tokens``, at least one
+    window) calibrate, the rest are held out for the error report. A source too small for a held-out
+    part reports on the calibration windows themselves (``same``, said in the summary)."""
+    windows = token_windows(calib_data, calib_tokens + eval_tokens, seq_len, tok).to(device)
+    n_calib = max(1, min(windows.shape[0] - 1, -(-calib_tokens // seq_len)))
+    calib, held_out = windows[:n_calib], windows[n_calib:]
+    same = held_out.shape[0] == 0
+    return Windows(calib, calib if same else held_out, same)
+
+
+def quantize_meta(
+    checkpoint: str,
+    plan_spec: str,
+    calib_data: str,
+    calibrated: int,
+    seq_len: int,
+    tok: Tokenizer,
+    windows: Windows,
+    model: nn.Module,
+) -> dict[str, Any]:
+    """The ``meta`` a quantized checkpoint records: its base, the plan's source, the calibration
+    (``calibrated`` tokens, 0 for dynamic scales), the report's token count, the quantizers' NaN counts of
+    the calibrated ``model`` and the library versions."""
+    return {
         "base": str(checkpoint),
         "plan_source": str(plan_spec),
         "calibration": {
@@ -85,17 +143,25 @@ def quantize_checkpoint(
             "seq_len": seq_len,
             "tokenizer": tok.name,
         },
-        "report_tokens": held_out.numel(),
+        "report_tokens": windows.held_out.numel(),
         "nan_counts": nan_counts(model),
         "versions": library_versions(),
     }
-    save_quantized(
-        model,
-        out,
-        meta=meta,
-        overwrite=force,
-        documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
-    )
+
+
+def quantize_summary(
+    plan: QuantPlan,
+    applied: list[tuple[str, str, str]],
+    calib_data: str,
+    tok: Tokenizer,
+    windows: Windows,
+    report: dict[str, dict],
+    meta: dict[str, Any],
+    out: Path,
+) -> dict[str, Any]:
+    """What a quantize run returns: the printed text (the plan, what was quantized and calibrated, the error
+    report, where it was written), the report and the logits' SQNR."""
+    calibrated = meta["calibration"]["tokens"]
     counts = Counter(target for target, _, _ in applied)
     calibration = (
         f"calibrated on {calibrated:,} tokens" if calibrated else "dynamic scales, no calibration needed"
@@ -104,8 +170,8 @@ def quantize_checkpoint(
         f"plan {plan.name}: {plan.description}" if plan.description else f"plan {plan.name}",
         f"quantized {counts['site']} sites, {counts['weight']} weights, {counts['linear']} backend Linears; "
         f"{calibration}" + (f" of {calib_data} ({tok.describe()})" if calibrated else ""),
-        f"error vs the unquantized model on {held_out.numel():,} held-out tokens"
-        + (" (the calibration windows: the source is too small for a held-out part)" if same else "")
+        f"error vs the unquantized model on {windows.held_out.numel():,} held-out tokens"
+        + (" (the calibration windows: the source is too small for a held-out part)" if windows.same else "")
         + ":",
         format_report(report),
     ]

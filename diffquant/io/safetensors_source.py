@@ -6,6 +6,8 @@ file headers; a tensor is read only on ``get``). Shared by the Hugging Face and 
 from __future__ import annotations
 
 import contextlib
+import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,14 +60,79 @@ class TensorSource:
             raise DiffquantError(f"{self._files[key]}: tensor {key} is unreadable ({err})") from None
 
 
+class _Header:
+    """A safetensors file's header, parsed without mapping the file: what a :class:`TensorSource` asks of
+    an open handle (keys, shapes, dtypes). A process under an address-space limit (``ulimit -v``) cannot
+    map every shard of a checkpoint larger than the limit at once, but it can read their headers."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        try:
+            with open(file, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError("shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", head)
+                size = file.stat().st_size
+                if n > min(size - 8, 100 * 2**20):
+                    raise ValueError(f"header length {n} does not fit the file's {size} bytes")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            raise DiffquantError(f"{file}: not a readable safetensors file ({err})") from None
+        if not isinstance(header, dict):
+            raise DiffquantError(f"{file}: not a readable safetensors file (header is not an object)")
+        self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape, (start, end) = (
+                    entry["dtype"],
+                    tuple(int(d) for d in entry["shape"]),
+                    entry["data_offsets"],
+                )
+            except (KeyError, TypeError, ValueError):
+                raise DiffquantError(f"{file}: tensor {key}: malformed header entry") from None
+            if not 0 <= start <= end <= size - 8 - n:
+                raise DiffquantError(
+                    f"{file}: tensor {key} ends at byte {8 + n + end}, past the file's {size} bytes (truncated?)"
+                )
+            self.entries[key] = (str(dtype), shape)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get_slice(self, key: str) -> _Header._Slice:
+        return _Header._Slice(*self.entries[key])
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        # Mapped for this one read only (see the class docstring).
+        with safe_open(str(self.file), framework="pt", device="cpu") as handle:
+            return handle.get_tensor(key)
+
+    class _Slice:
+        def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
+            self._dtype, self._shape = dtype, shape
+
+        def get_dtype(self) -> str:
+            return self._dtype
+
+        def get_shape(self) -> list[int]:
+            return list(self._shape)
+
+
 @contextlib.contextmanager
-def open_tensors(folder: Path, device: str | torch.device = "cpu") -> Iterator[TensorSource]:
-    """Open ``model.safetensors`` or every shard named by ``model.safetensors.index.json``, lazily."""
+def open_tensors(
+    folder: Path, device: str | torch.device = "cpu", *, headers_only: bool = False
+) -> Iterator[TensorSource]:
+    """Open ``model.safetensors`` or every shard named by ``model.safetensors.index.json``, lazily.
+    ``headers_only``: parse the headers and map no file (each ``get`` maps its file for that read; what a
+    layer-streamed run needs, holding only one layer of a checkpoint larger than its address space)."""
     source = TensorSource()
     with contextlib.ExitStack() as stack:
         single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
         if single.is_file():
-            source.add(_open(stack, single, device), single)
+            source.add(_open(stack, single, device, headers_only), single)
         elif index.is_file():
             meta = read_json(index)
             weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
@@ -86,7 +153,7 @@ def open_tensors(folder: Path, device: str | torch.device = "cpu") -> Iterator[T
                         f"{index}: shard {shard} is missing from {folder} (it holds {keys[0]} and "
                         f"{len(keys) - 1} more tensors)"
                     )
-                handle = _open(stack, file, device)
+                handle = _open(stack, file, device, headers_only)
                 absent = sorted(set(keys) - set(handle.keys()))
                 if absent:
                     raise DiffquantError(
@@ -100,7 +167,9 @@ def open_tensors(folder: Path, device: str | torch.device = "cpu") -> Iterator[T
         yield source
 
 
-def _open(stack: contextlib.ExitStack, file: Path, device: str | torch.device) -> Any:
+def _open(stack: contextlib.ExitStack, file: Path, device: str | torch.device, headers_only: bool) -> Any:
+    if headers_only:
+        return _Header(file)
     try:
         return stack.enter_context(safe_open(str(file), framework="pt", device=str(device)))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:

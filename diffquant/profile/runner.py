@@ -21,6 +21,9 @@ from diffquant.profile.tables import format_table5, layerwise, table5
 from diffquant.progress import progress as show_progress
 from diffquant.textfiles import write_json_atomic, write_text_atomic
 
+# (windows, (rank, world)) -> (the profile of that rank's batches, attention paths): a streamed profile.
+StreamedProfile = Callable[[torch.Tensor, tuple[int, int]], tuple[Profile, dict[str, int]]]
+
 
 def profile_model(
     model: DecoderLM,
@@ -39,15 +42,29 @@ def profile_model(
     sample indices kept, so any number of ranks yields the same statistics as one process.
     """
     rank, world = rank_and_world()
-    starts = list(range(0, windows.shape[0], batch_size))
-    mine = [s for i, s in enumerate(starts) if i % world == rank]
+    mine = shard_starts(windows.shape[0], batch_size, rank, world)
     with torch.no_grad(), Profiler(model, sites=sites, topk=topk, attention=attention) as prof:
         # A bar when asked (progress=True), else periodic lines once a run takes a while (off with --quiet).
         for start in show_progress(mine, desc, "batch", bar=progress or None, enabled=rank == 0, leave=False):
             prof.start_samples_at(start)
             model(windows[start : start + batch_size])
-    local = prof.take()  # the profiler is done: its statistics are handed over, not copied
-    if world == 1:
+    return gather_profile(prof.take())  # the profiler is done: its statistics are handed over, not copied
+
+
+def shard_starts(n_windows: int, batch_size: int, rank: int = 0, world: int = 1) -> list[int]:
+    """The first window of each batch rank ``rank`` of ``world`` runs: batch i (windows [i*batch_size,
+    (i+1)*batch_size)) goes to rank i % world. One rule for the whole-model and the streamed profile, so
+    both shard alike and their merged profiles are equal."""
+    if world < 1 or not 0 <= rank < world:
+        raise DiffquantError(f"shard: expected 0 <= rank < world, got rank {rank} of world {world}")
+    return list(range(rank * batch_size, n_windows, world * batch_size))
+
+
+def gather_profile(local: Profile) -> Profile | None:
+    """The ranks' profiles merged exactly on rank 0 (in rank order), None on the other ranks; ``local``
+    itself in one process. Shared by :func:`profile_model` and the streamed profile of
+    :func:`profile_stage`, so a sharded run merges the same way whichever way its ranks computed."""
+    if rank_and_world()[1] == 1:
         return local
     parts = gather_to_rank0(local.to_dict())
     if parts is None:
@@ -94,7 +111,7 @@ def profile_stage(
     progress: bool = False,
     map_len: int = 64,
     key_name: Callable[[str], str] = lambda key: "--" + key.replace("_", "-"),
-    streamed: Mapping[str, Callable[[torch.Tensor], tuple[Profile, dict[str, int]]]] | None = None,
+    streamed: Mapping[str, StreamedProfile] | None = None,
 ) -> tuple[str, str, int]:
     """Profile each (spec, model) on the same text; write profile/NAME.json, table5.{txt,json}.
 
@@ -106,14 +123,16 @@ def profile_stage(
     model) on rank 0 and ("", "", tokens) elsewhere. Shared by `diffquant profile` and recipes.
 
     ``streamed`` maps a model name (its model a weightless skeleton) to a function profiling the windows
-    layer-streamed (:func:`diffquant.stream.profile_streamed`): (profile, attention paths). Its attention maps
-    need the whole model and are not captured (said on stderr).
+    layer-streamed (:func:`diffquant.stream.profile_streamed`): ``fn(windows, (rank, world))`` profiles the
+    batches :func:`shard_starts` gives that rank and returns (profile, attention paths); the ranks' profiles
+    are merged by :func:`gather_profile`, as :func:`profile_model` merges. Its attention maps need the whole
+    model and are not captured (said on stderr).
     """
     streamed = streamed or {}
     tokenizers = check_profile(models, seq_len, data, sites, key_name)
     data = data or default_text(tokenizers.values(), "profile")
     by_tokenizer: dict[str, torch.Tensor] = {}
-    rank, _ = rank_and_world()
+    rank, world = rank_and_world()
     tables, summaries, counts = {}, {}, {}
     for name, (spec, model) in models.items():
         tokenizer = tokenizers[name]
@@ -128,7 +147,8 @@ def profile_stage(
             "bytes": count_bytes(windows, tokenizer),
         }
         if name in streamed:
-            profile, paths = streamed[name](windows)
+            local, paths = streamed[name](windows, (rank, world))
+            profile = gather_profile(local)
         else:
             device = next(model.parameters()).device
             profile = profile_model(

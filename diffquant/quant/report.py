@@ -107,7 +107,7 @@ def compare_models(
     try:
         for start in range(0, windows.shape[0], batch_size):
             batch = windows[start : start + batch_size]
-            ref_logits, q_logits = _compare_batch(reference, quantized, batch, ref_taps, q_taps, stats)
+            ref_logits, q_logits = compare_batch(reference, quantized, batch, ref_taps, q_taps, stats)
             logits.update(ref_logits, q_logits)
     finally:
         for model in (reference, quantized):
@@ -117,8 +117,10 @@ def compare_models(
     return report
 
 
-def _compare_batch(reference, quantized, batch, ref_taps, q_taps, stats) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the reference with capture hooks, then the quantized model with hooks comparing call by call."""
+def compare_batch(reference, quantized, batch, ref_taps, q_taps, stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of :func:`compare_models`: run ``reference`` on ``batch`` with capture hooks on ``ref_taps``,
+    then ``quantized`` with hooks on ``q_taps`` comparing call by call into ``stats`` (site -> ErrorStats).
+    Returns both outputs (the logits)."""
     captured: dict[str, list[torch.Tensor]] = {n: [] for n in stats}
     calls = dict.fromkeys(stats, 0)
 

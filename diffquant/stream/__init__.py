@@ -1,6 +1,7 @@
 """Models larger than memory, run one decoder layer at a time from their safetensors files, with the
 whole-model run's numbers: profiles, logits, perplexity / bits per byte, quantization plans with static
-calibration. See :mod:`diffquant.stream.executor` for the design."""
+calibration, quantized checkpoints and their error report. See :mod:`diffquant.stream.executor` for the
+design."""
 
 from diffquant.stream.api import (
     STREAM_MODES,
@@ -20,6 +21,7 @@ from diffquant.stream.executor import (
     weights_bytes,
     would_stream,
 )
+from diffquant.stream.quantize import quantize_streamed
 
 __all__ = [
     "STREAM_MODES",
@@ -31,6 +33,7 @@ __all__ = [
     "logits_streamed",
     "open_streamed",
     "profile_streamed",
+    "quantize_streamed",
     "resolve_stream_spec",
     "stream_mode",
     "stream_skeleton",

@@ -17,12 +17,16 @@ from diffquant.errors import DiffquantError
 from diffquant.kernels.dispatch import path_summary
 from diffquant.models.transformer import DecoderLM
 from diffquant.profile.profiler import Profile, Profiler
+from diffquant.profile.runner import shard_starts
 from diffquant.quant.plan import QuantPlan
 from diffquant.stream.executor import (
     DEFAULT_HIDDEN_BUDGET,
+    NotStreamable,
     StreamedModel,
+    available_bytes,
     open_streamed,
     resolve_stream_spec,
+    weights_bytes,
     would_stream,
 )
 
@@ -60,16 +64,24 @@ def profile_streamed(
     dtype: torch.dtype | None = None,
     hidden_budget: int | None = DEFAULT_HIDDEN_BUDGET,
     stats: dict[str, Any] | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> Profile:
     """The Profile :func:`~diffquant.profile.runner.profile_model` gives for ``load_model(spec)`` over
     ``windows`` (N, L), computed one layer at a time (batch i = windows [i*batch_size, (i+1)*batch_size),
     its rows at their global sample indices). ``plan``: a QuantPlan (or preset name / file) applied first;
     static scales are calibrated on ``calibration`` (default: ``windows``) stage by stage. ``stats`` (a
-    dict) receives the run's memory numbers (largest stage's weight bytes, hidden-state bytes)."""
+    dict) receives the run's memory numbers (largest stage's weight bytes, hidden-state bytes).
+
+    ``shard`` (rank, world): profile only the batches i with i % world == rank, each at its global sample
+    indices, as :func:`~diffquant.profile.runner.profile_model` shards under torchrun; the ranks' profiles
+    merged (:func:`~diffquant.profile.runner.gather_profile`) are the one-process profile. Static scales
+    are still calibrated on all the calibration windows on every rank, as the whole-model
+    :func:`~diffquant.quant.calibrate.calibrate` is, so every rank quantizes with the one-process scales."""
     if windows.dim() != 2:
         raise DiffquantError(f"windows: expected shape (n, seq_len), got {tuple(windows.shape)}")
     if batch_size < 1:
         raise DiffquantError(f"batch_size: expected an integer >= 1, got {batch_size}")
+    starts = shard_starts(windows.shape[0], batch_size, *shard)
     plan = _plan(plan)
     calib = _calibration_batches(plan, calibration, windows, batch_size)
     with open_streamed(spec, device, dtype, plan) as streamed:
@@ -78,16 +90,19 @@ def profile_streamed(
                 f"windows of {windows.shape[1]} tokens exceed the max_seq_len {streamed.config.max_seq_len} "
                 f"of {spec}"
             )
-        starts = list(range(0, windows.shape[0], batch_size))
         prof = Profiler(streamed.model, sites=sites, topk=topk, attention=attention)
+        info: dict[str, Any] = dict.fromkeys(
+            ("stages", "batches", "hidden_peak_bytes", "hidden_spilled", "peak_stage_bytes"), 0
+        )
         with prof:
-            info = streamed.run(
-                [windows[s : s + batch_size] for s in starts],
-                profiler=prof,
-                sample_offsets=starts,
-                calibration=calib,
-                hidden_budget=hidden_budget,
-            )
+            if starts:  # a rank with no batch (more ranks than batches) reads no weights
+                info = streamed.run(
+                    [windows[s : s + batch_size] for s in starts],
+                    profiler=prof,
+                    sample_offsets=starts,
+                    calibration=calib,
+                    hidden_budget=hidden_budget,
+                )
         _report(stats, info, streamed)
         return prof.take()
 
@@ -204,20 +219,45 @@ def choose_stream(
     """Whether model ``spec`` runs layer-streamed under ``mode``: ``off`` never; ``on`` always (a specifier
     that cannot stream is a one-line DiffquantError saying why); ``auto`` when :func:`would_stream` says its
     weights do not fit ``device`` (said in one line on stderr; a model that fits, or cannot stream, runs
-    whole)."""
+    whole). A model to run whole whose weights exceed the memory left (:func:`available_bytes`) is a
+    one-line DiffquantError here, before anything is read."""
     mode = stream_mode(mode)
     if mode == "off":
+        _check_fits(spec, device, what)
         return False
     if mode == "on":
         try:
             resolve_stream_spec(spec)
-        except DiffquantError as err:
+        except NotStreamable as err:
             raise DiffquantError(f"{what} on: {err}") from None
         return True
     streams, _, reason = would_stream(spec, device)
     if streams:
         print(f"diffquant: {spec}: {reason} ({what} auto)", file=sys.stderr)
+    else:
+        _check_fits(spec, device, what)
     return streams
+
+
+def _check_fits(spec: str | Path, device: str | torch.device, what: str) -> None:
+    """Refuse, in one line, a whole-model load whose weights exceed the memory this process can still
+    use (:func:`available_bytes`: free memory, address-space limit, memory cgroup): under a container's
+    limit the load would otherwise end in the kernel's OOM kill, with no message at all."""
+    size, room = weights_bytes(spec, in_memory=True), available_bytes(device)
+    if size > room:
+        hint = f"run it with {what} on" if _streamable(spec) else "use a machine or device with more memory"
+        raise DiffquantError(
+            f"{spec}: weights {size / 2**30:.2f} GiB do not fit the {room / 2**30:.2f} GiB this process can "
+            f"use on {torch.device(device)}; {hint}"
+        )
+
+
+def _streamable(spec: str | Path) -> bool:
+    try:
+        resolve_stream_spec(spec)
+    except NotStreamable:
+        return False
+    return True
 
 
 def stream_skeleton(spec: str | Path, tokenizer: str | Path | None = None) -> DecoderLM:
