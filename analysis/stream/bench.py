@@ -1,13 +1,20 @@
-"""Memory benchmark of the layer-streamed run (diffquant.stream).
+"""Memory benchmark of the layer-streamed run (diffquant.stream), under a real memory limit.
 
-Writes a random Llama (bf16) as a sharded hf: folder, one shard per layer, never holding the whole model;
-then, in a child process, profiles it (sites kind:resid and kind:logits) and evaluates it streamed, and
-reports the child's peak RSS (VmHWM of /proc/self/status) against the largest stage's weight bytes plus
-the hidden states. The whole-model load is refused by :func:`diffquant.stream.would_stream` under a budget
-smaller than the weights. Prints a table and writes bench.json next to this file.
+Writes a random Llama (bf16) as a sharded hf: folder, one shard per layer, never holding the whole model.
+Then runs the command line, each command a child process under an address-space limit (``ulimit -v``,
+RLIMIT_AS; default 2 GiB, smaller than the weights):
 
-    python analysis/stream/bench.py                 # ~0.3B parameters (CPU: a few minutes)
-    python analysis/stream/bench.py --size 1.5b     # ~1.5B parameters, ~3 GB bf16
+* ``diffquant info``: weights bytes and the ``--stream auto`` decision, from the headers (no weights read);
+* ``diffquant profile --sites kind:resid kind:logits --stream on`` and ``diffquant eval --task bpb
+  --stream on``: peak RSS (the child's ru_maxrss) against the largest layer's bytes plus the hidden
+  states of all windows plus 600 MB;
+* the same profile with ``--stream off`` (must fail cleanly: one line, exit 2) and ``--stream auto``
+  (must stream, and say so).
+
+Prints a table and writes bench.json next to this file.
+
+    python analysis/stream/bench.py                 # ~0.3B parameters
+    python analysis/stream/bench.py --size 1.5b     # ~1.5B parameters, ~2.7 GiB bf16 (the README's table)
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -83,117 +91,128 @@ def write_model(folder: Path, size: str, seed: int = 0) -> tuple[ModelConfig, in
     return config, total
 
 
-def child(folder: str, windows: int, seq_len: int, batch_size: int) -> None:
-    from diffquant.stream import evaluate_streamed, profile_streamed, would_stream
+def run_limited(cmd: list[str], limit: int) -> dict:
+    """Run ``cmd`` under RLIMIT_AS = ``limit``; its exit code, wall time, peak RSS and output."""
 
-    spec = f"hf:{folder}"
-    g = torch.Generator().manual_seed(0)
-    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
-    ids = torch.randint(0, vocab, (windows, seq_len), generator=g)
-    before = vm_hwm()
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     t0 = time.perf_counter()
-    stats: dict = {}
-    prof = profile_streamed(
-        spec, ids, sites=["kind:resid", "kind:logits"], batch_size=batch_size, topk=8, stats=stats
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=cap, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return {
+            "cmd": " ".join(cmd[2:]),
+            "rc": proc.returncode,
+            "wall_s": time.perf_counter() - t0,
+            "peak_rss": usage.ru_maxrss * 1024,  # kB on Linux
+            "stdout": out.read(),
+            "stderr": err.read(),
+        }
+
+
+def layer_bytes(config: ModelConfig) -> int:
+    """Bytes of one decoder layer in bf16 (attention + MLP + two norms)."""
+    d, q, kv, f = (
+        config.d_model,
+        config.n_heads * config.head_dim,
+        config.n_kv_heads * config.head_dim,
+        config.ffn_dim,
     )
-    t_profile = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ev_stats: dict = {}
-    result = evaluate_streamed(spec, ids, batch_size=batch_size, stats=ev_stats)
-    t_eval = time.perf_counter() - t0
-    weights = sum(stats["stage_bytes"].values()) - stats["stage_bytes"].get("head", 0)
-    refused = would_stream(spec, budget_bytes=weights // 2)
-    print(
-        json.dumps(
-            {
-                "peak_rss": vm_hwm(),
-                "rss_after_import": before,
-                "largest_stage_bytes": max(stats["stage_bytes"].values()),
-                "largest_layer_bytes": max(
-                    v for k, v in stats["stage_bytes"].items() if k.startswith("layers.")
-                ),
-                "hidden_peak_bytes": max(stats["hidden_peak_bytes"], ev_stats["hidden_peak_bytes"]),
-                "profile_s": t_profile,
-                "eval_s": t_eval,
-                "sites": len(prof.sites),
-                "perplexity": result["perplexity"],
-                "bits_per_byte": result["bits_per_byte"],
-                "whole_load_under_half_budget": {"stream": refused[0], "reason": refused[2]},
-            }
-        )
-    )
+    return 2 * (d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="0.3b")
-    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--limit-gib", type=float, default=2.0, help="address-space limit of each command")
     args = ap.parse_args()
-    if args.child:
-        child(args.child, args.windows, args.seq_len, args.batch_size)
-        return
+    limit = int(args.limit_gib * 2**30)
+    cli = [sys.executable, "-m", "diffquant.cli"]
     with tempfile.TemporaryDirectory(prefix="diffquant-stream-bench-") as tmp:
         folder = Path(tmp) / "model"
         t0 = time.perf_counter()
         config, total = write_model(folder, args.size)
         t_write = time.perf_counter() - t0
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            str(folder),
-            "--windows",
-            str(args.windows),
-            "--seq-len",
-            str(args.seq_len),
-            "--batch-size",
-            str(args.batch_size),
+        spec = f"hf:{folder}"
+        window = ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
+        profile = [
+            *cli,
+            "profile",
+            spec,
+            "--sites",
+            "kind:resid",
+            "kind:logits",
+            "--tokens",
+            str(args.tokens),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(proc.stderr[-3000:])
-        out = proc.stdout.strip().splitlines()[-1]
-        r = json.loads(out)
-    params = total // 2
-    r.update(
-        size=args.size,
-        parameters=params,
-        weights_bytes=total,
-        write_s=t_write,
-        windows=args.windows,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-    )
-    # Peak RSS minus the process's baseline (torch + diffquant imported) against the stage + hidden budget.
-    bound = r["largest_stage_bytes"] + r["hidden_peak_bytes"] + 600 * MB
-    r["bound_bytes"] = bound
-    r["peak_over_baseline"] = r["peak_rss"] - r["rss_after_import"]
-    r["within_bound"] = r["peak_over_baseline"] <= bound
+        profile += [*window, "--topk", "8"]
+        runs = {
+            "info": run_limited([*cli, "info", spec], limit),
+            "profile_on": run_limited([*profile, "--stream", "on", "--out", f"{tmp}/p-on"], limit),
+            "eval_on": run_limited(
+                [*cli, "eval", spec, "--task", f"bpb:tokens={args.tokens},seq_len={args.seq_len}"]
+                + ["--batch-size", str(args.batch_size), "--stream", "on", "--out", f"{tmp}/e-on"],
+                limit,
+            ),
+            "profile_off": run_limited([*profile, "--stream", "off", "--out", f"{tmp}/p-off"], limit),
+            "profile_auto": run_limited([*profile, "--stream", "auto", "--out", f"{tmp}/p-auto"], limit),
+        }
+    for name in ("info", "profile_on", "eval_on", "profile_auto"):
+        if runs[name]["rc"] != 0:
+            sys.exit(f"{name} failed (rc {runs[name]['rc']}):\n{runs[name]['stderr'][-3000:]}")
+    off = runs["profile_off"]
+    off_lines = [line for line in off["stderr"].splitlines() if line.strip()]
+    auto_said = [line for line in runs["profile_auto"]["stderr"].splitlines() if "--stream auto" in line]
+    hidden = (args.tokens // args.seq_len) * args.seq_len * config.d_model * 2  # bf16, every window held
+    layer = layer_bytes(config)
+    bound = layer + hidden + 600 * MB
+    peak = max(runs["profile_on"]["peak_rss"], runs["eval_on"]["peak_rss"])
+    r = {
+        "size": args.size,
+        "parameters": total // 2,
+        "weights_bytes": total,
+        "limit_bytes": limit,
+        "largest_layer_bytes": layer,
+        "hidden_bytes": hidden,
+        "bound_bytes": bound,
+        "peak_rss_profile": runs["profile_on"]["peak_rss"],
+        "peak_rss_eval": runs["eval_on"]["peak_rss"],
+        "within_bound": peak <= bound,
+        "write_s": t_write,
+        "profile_s": runs["profile_on"]["wall_s"],
+        "eval_s": runs["eval_on"]["wall_s"],
+        "off": {"rc": off["rc"], "stderr_lines": off_lines},
+        "auto": {"rc": runs["profile_auto"]["rc"], "said": auto_said},
+        "info_stream_line": next(
+            (line for line in runs["info"]["stdout"].splitlines() if line.startswith("stream")), ""
+        ),
+        "eval_stdout": runs["eval_on"]["stdout"].strip().splitlines()[-3:],
+    }
     rows = [
-        ("parameters", f"{params / 1e6:,.0f} M"),
+        ("parameters", f"{total // 2 / 1e6:,.0f} M"),
         ("weights (bf16)", f"{total / MB:,.0f} MB"),
-        ("largest layer", f"{r['largest_layer_bytes'] / MB:,.1f} MB"),
-        ("largest stage (embed / head)", f"{r['largest_stage_bytes'] / MB:,.1f} MB"),
-        ("hidden states (peak held)", f"{r['hidden_peak_bytes'] / MB:,.1f} MB"),
-        ("peak RSS (VmHWM)", f"{r['peak_rss'] / MB:,.0f} MB"),
-        ("RSS after imports", f"{r['rss_after_import'] / MB:,.0f} MB"),
-        ("peak - baseline", f"{r['peak_over_baseline'] / MB:,.0f} MB"),
-        (
-            "bound: stage + hidden + 600 MB",
-            f"{bound / MB:,.0f} MB ({'ok' if r['within_bound'] else 'EXCEEDED'})",
-        ),
-        ("write / profile / eval", f"{t_write:.1f} s / {r['profile_s']:.1f} s / {r['eval_s']:.1f} s"),
-        (
-            "whole load, budget = weights / 2",
-            "refused -> stream" if r["whole_load_under_half_budget"]["stream"] else "allowed",
-        ),
+        ("address-space limit (ulimit -v)", f"{limit / MB:,.0f} MB"),
+        ("largest layer", f"{layer / MB:,.1f} MB"),
+        ("hidden states (all windows)", f"{hidden / MB:,.1f} MB"),
+        ("bound: layer + hidden + 600 MB", f"{bound / MB:,.0f} MB"),
+        ("peak RSS, profile --stream on", f"{r['peak_rss_profile'] / MB:,.0f} MB ({r['profile_s']:.1f} s)"),
+        ("peak RSS, eval bpb --stream on", f"{r['peak_rss_eval'] / MB:,.0f} MB ({r['eval_s']:.1f} s)"),
+        ("within the bound", "yes" if r["within_bound"] else "NO"),
+        ("profile --stream off", f"exit {off['rc']}, {len(off_lines)} line(s) on stderr"),
+        ("profile --stream auto", f"exit {r['auto']['rc']}, streamed: {'yes' if auto_said else 'NO'}"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    for line in off_lines + auto_said + [r["info_stream_line"]]:
+        print(line)
     (Path(__file__).parent / "bench.json").write_text(json.dumps(r, indent=2) + "\n")
 
 
