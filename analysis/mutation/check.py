@@ -271,6 +271,70 @@ MUTANTS = [
         "s = (amax.pow(1.0 - alpha) / wmax.pow(alpha))",
         ("tests/test_smoothquant.py",),
     ),
+    # --- streamed runs (issue 17): exact against the whole model, limits read, headers checked
+    M(
+        "stream: batches profiled at their local sample index",
+        "diffquant/stream/executor.py",
+        'profiler.begin_batch(ids.to(self.device), sample_offsets[k], count=name == "embed")',
+        'profiler.begin_batch(ids.to(self.device), k, count=name == "embed")',
+        ("tests/test_stream.py",),
+    ),
+    M(
+        "stream: a stage's static scales never fixed",
+        "diffquant/stream/executor.py",
+        "        for q in quantizers:\n            q.finish_calibration()\n",
+        "",
+        ("tests/test_stream.py::test_static_plan_streamed_equals_whole",),
+    ),
+    M(
+        "stream: GGUF q/k not un-permuted per layer",
+        "diffquant/stream/executor.py",
+        "        if native in self.spec.transforms:",
+        "        if False:",
+        ("tests/test_stream_gguf.py::test_streamed_logits_and_profile_equal_whole_model",),
+    ),
+    M(
+        "stream: torchrun ranks run every batch",
+        "diffquant/profile/runner.py",
+        "return list(range(rank * batch_size, n_windows, world * batch_size))",
+        "return list(range(rank * batch_size, n_windows, batch_size))",
+        ("tests/test_stream_torchrun.py::test_static_plan_shards_calibrate_on_all_windows",),
+    ),
+    M(
+        "stream: quantized stream fed the reference hidden states",
+        "diffquant/stream/quantize.py",
+        "                q_store.put(k, y_q)",
+        "                q_store.put(k, y_ref)",
+        ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
+    ),
+    M(
+        "stream: ulimit -v ignored",
+        "diffquant/stream/executor.py",
+        "    if soft == resource.RLIM_INFINITY:",
+        "    if True:",
+        ("tests/test_stream_memory.py::test_address_space_limit_caps_available_bytes",),
+    ),
+    M(
+        "stream: page cache counted as used in a cgroup",
+        "diffquant/stream/executor.py",
+        "        return max(0, limit - max(0, usage - cache))",
+        "        return max(0, limit - usage)",
+        ("tests/test_stream_memory.py::test_cgroup_limit_minus_unreclaimable_usage",),
+    ),
+    M(
+        "stream: truncated safetensors header accepted",
+        "diffquant/io/safetensors_source.py",
+        "            if not 0 <= start <= end <= size - 8 - n:",
+        "            if not 0 <= start <= end:",
+        ("tests/test_stream_memory.py::test_streamed_run_maps_no_shard_it_is_not_reading",),
+    ),
+    M(
+        "stream: a model that cannot fit loaded whole anyway",
+        "diffquant/stream/api.py",
+        "    if size > room:",
+        "    if size > 2 * room:",
+        ("tests/test_stream_memory.py::test_whole_load_that_cannot_fit_is_refused_and_auto_streams",),
+    ),
 ]
 
 
