@@ -3,7 +3,8 @@
 Each mutant is (module, exact text, replacement, the tests that should catch it). The committed tree is
 exported (``git archive HEAD``) into a temporary folder; for every mutant one file there is edited, the
 listed tests run against that copy (``PYTHONPATH`` puts it ahead of the installed package, checked), and
-the file is restored. A mutant is *killed* when the tests fail, *survived* when they pass; a mutant whose
+the file is restored. A mutant is *killed* when a test fails (pytest exit 1), *survived* when they pass, an
+*error* when pytest could not run them (collection error: fix the test list); a mutant whose
 text is no longer in the source is reported as *stale* (fix the list, not the code). Prints a table and
 writes results.json beside this file.
 
@@ -380,7 +381,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             )
             seconds = time.perf_counter() - start
             path.write_text(original)
-            status = "killed" if proc.returncode != 0 else "survived"
+            # pytest exits 1 when a test failed; 2-5 (collection error, usage, nothing collected) kill nothing.
+            status = {0: "survived", 1: "killed"}.get(proc.returncode, "error")
             results.append({"mutant": mutant.name, "status": status, "seconds": round(seconds, 1)})
             print(f"{status:<9} {mutant.name} ({seconds:.0f} s)", flush=True)
     return results
@@ -396,11 +398,15 @@ def main() -> None:
     killed = sum(r["status"] == "killed" for r in results)
     scored = sum(r["status"] in ("killed", "survived") for r in results)
     stale = sum(r["status"] == "stale" for r in results)
-    print(f"killed {killed}/{scored} ({100 * killed / max(scored, 1):.0f} %), stale {stale}")
+    errors = sum(r["status"] == "error" for r in results)
+    print(f"killed {killed}/{scored} ({100 * killed / max(scored, 1):.0f} %), stale {stale}, errors {errors}")
     if not args.only:
         out = Path(__file__).with_name("results.json")
         out.write_text(
-            json.dumps({"killed": killed, "scored": scored, "stale": stale, "mutants": results}, indent=1)
+            json.dumps(
+                {"killed": killed, "scored": scored, "stale": stale, "errors": errors, "mutants": results},
+                indent=1,
+            )
             + "\n"
         )
         print(f"wrote {out}")
