@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from diffquant.data.tokenizer import model_tokenizer
 from diffquant.distributed import rank_and_world
@@ -50,6 +49,7 @@ from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import Block, DecoderLM
 from diffquant.progress import progress as show_progress
 from diffquant.stream.executor import resolve_stream_spec
+from diffquant.textfiles import parse_yaml, read_yaml_file
 
 STRATEGIES = ("auto", "balanced", "sequential")  # accelerate's names (auto = balanced)
 DISK = "disk"
@@ -88,14 +88,12 @@ def parse_device_map(value: Any, what: str = "--device-map") -> str | dict[str, 
         if text in STRATEGIES:
             return text
         if _is_file(text):
+            value = read_yaml_file(text, "device map")  # the project's one YAML reader (strict, bounded)
+        else:
             try:
-                text = Path(text).read_text()
-            except (OSError, UnicodeDecodeError) as err:
-                raise DiffquantError(f"{what}: {given}: unreadable ({err})") from None
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = None
+                value = parse_yaml(text, what)
+            except DiffquantError:
+                value = None  # garbled inline text: the message below shows the expected form
     if not isinstance(value, Mapping) or not value:
         raise DiffquantError(
             f"{what}: expected {', '.join(STRATEGIES)} or a JSON / YAML mapping of module -> device "
