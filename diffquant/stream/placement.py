@@ -353,7 +353,9 @@ def load_placed(
         raise DiffquantError(f"{what}: {text}: places hf:FOLDER and native safetensors checkpoints")
     check_float_dtype(dtype, "requested dtype")
     config = resolved.config
-    with open_tensors(resolved.folder) as source:
+    # Headers only: each tensor maps its file for its own read, so no shard stays mapped (a checkpoint
+    # larger than the process's address-space limit can still be placed).
+    with open_tensors(resolved.folder, headers_only=True) as source:
         check_layer_count(config.n_layers, source.keys(), resolved.layer_pattern, str(resolved.folder))
         with torch.device("meta"):
             model = DecoderLM(config)
