@@ -70,6 +70,10 @@ DEFAULT_HIDDEN_BUDGET: int | None = None
 
 
 # ============================================================================================ sources
+# Per format, the tensor-name regex whose group 1 is the decoder layer index.
+LAYER_PATTERNS = {"native": r"layers\.(\d+)\.", "hf": r"model\.layers\.(\d+)\.", "gguf": GGUF_LAYER_PATTERN}
+
+
 class NotStreamable(DiffquantError):
     """A specifier of a form a streamed run does not read (init:, unilm:, a quantized checkpoint): such a
     model runs whole. A broken streamable checkpoint (a missing shard, a truncated file) is a plain
@@ -96,9 +100,7 @@ class StreamSpec:
 
     @property
     def layer_pattern(self) -> str:
-        if self.format == "gguf":
-            return GGUF_LAYER_PATTERN
-        return r"model\.layers\.(\d+)\." if self.format == "hf" else r"layers\.(\d+)\."
+        return LAYER_PATTERNS[self.format]
 
     def open_source(
         self, dtype: torch.dtype | None = None
@@ -134,7 +136,7 @@ def resolve_stream_spec(spec: str | Path) -> StreamSpec:
     if scheme == "hf" and rest:
         folder = checkpoint_folder(rest)
         config = config_from_hf(read_json(folder / CONFIG_FILE), str(folder / CONFIG_FILE))
-        _check_layers(folder, config, r"model\.layers\.(\d+)\.")
+        _check_layers(folder, config, "hf")
         optional = frozenset({"lm_head.weight"}) if config.tie_embeddings else frozenset()
         return StreamSpec(
             text,
@@ -158,7 +160,7 @@ def resolve_stream_spec(spec: str | Path) -> StreamSpec:
             "plan itself (pass plan=...)"
         )
     config = read_config(folder)
-    _check_layers(folder, config, r"layers\.(\d+)\.")
+    _check_layers(folder, config, "native")
     with torch.device("meta"):
         skeleton = DecoderLM(config)
     keys = [k for k in skeleton.state_dict() if not (config.tie_embeddings and k == "lm_head.weight")]
@@ -173,11 +175,13 @@ def resolve_stream_spec(spec: str | Path) -> StreamSpec:
     )
 
 
-def _check_layers(folder: Path, config: ModelConfig, pattern: str) -> None:
-    """The config's layer count against the layers the headers hold, before any per-layer structure (key
-    map, skeleton) is built: a config claiming a billion layers is one line, not minutes of building."""
+def _check_layers(folder: Path, config: ModelConfig, format: str) -> None:
+    """The config's layer count against the layers the safetensors headers hold, before any per-layer
+    structure (key map, skeleton) is built: a config claiming a billion layers is one line, not minutes of
+    building. (A GGUF's count is checked by :func:`~diffquant.io.convert_gguf.gguf_tensors` when it opens.)
+    Every resolved spec has passed it, so later steps need not repeat it."""
     with open_tensors(folder, headers_only=True) as source:
-        check_layer_count(config.n_layers, source.keys(), pattern, str(folder))
+        check_layer_count(config.n_layers, source.keys(), LAYER_PATTERNS[format], str(folder))
 
 
 def weights_bytes(spec: str | Path, *, in_memory: bool = False) -> int:
@@ -603,10 +607,7 @@ def open_streamed(
     device = torch.device(device)
     # Headers only: no shard stays mapped (under ``ulimit -v`` a checkpoint larger than the limit could
     # not map all its shards at once); each stage maps its own files while it is read.
-    with resolved.open_source(dtype) as source:
-        check_layer_count(
-            resolved.config.n_layers, source.keys(), resolved.layer_pattern, str(resolved.folder)
-        )
+    with resolved.open_source(dtype) as source:  # layer counts: checked by resolve / the GGUF's open
         streamed = StreamedModel(resolved, source, device, dtype)
         if plan is not None:
             apply_plan(streamed.model, plan)

@@ -41,7 +41,7 @@ import torch
 from diffquant.data.tokenizer import model_tokenizer
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
-from diffquant.io.assemble import check_float_dtype, check_layer_count, check_source
+from diffquant.io.assemble import check_float_dtype, check_source
 from diffquant.io.fetch import resolve_fetch
 from diffquant.io.quantized import is_quantized
 from diffquant.io.safetensors_source import open_tensors
@@ -356,7 +356,6 @@ def load_placed(
     # Headers only: each tensor maps its file for its own read, so no shard stays mapped (a checkpoint
     # larger than the process's address-space limit can still be placed).
     with open_tensors(resolved.folder, headers_only=True) as source:
-        check_layer_count(config.n_layers, source.keys(), resolved.layer_pattern, str(resolved.folder))
         with torch.device("meta"):
             model = DecoderLM(config)
         dtype = check_source(model, source, resolved.key_map, dtype, resolved.optional)
