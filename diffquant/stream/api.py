@@ -231,19 +231,21 @@ def choose_stream(
         except NotStreamable as err:
             raise DiffquantError(f"{what} on: {err}") from None
         return True
-    streams, _, reason = would_stream(spec, device)
+    streams, size, reason = would_stream(spec, device)
     if streams:
         print(f"diffquant: {spec}: {reason} ({what} auto)", file=sys.stderr)
     else:
-        _check_fits(spec, device, what)
+        _check_fits(spec, device, what, size)
     return streams
 
 
-def _check_fits(spec: str | Path, device: str | torch.device, what: str) -> None:
+def _check_fits(spec: str | Path, device: str | torch.device, what: str, size: int | None = None) -> None:
     """Refuse, in one line, a whole-model load whose weights exceed the memory this process can still
     use (:func:`available_bytes`: free memory, address-space limit, memory cgroup): under a container's
-    limit the load would otherwise end in the kernel's OOM kill, with no message at all."""
-    size, room = weights_bytes(spec, in_memory=True), available_bytes(device)
+    limit the load would otherwise end in the kernel's OOM kill, with no message at all. ``size``: the
+    weights' in-memory bytes when the caller has them already."""
+    size = weights_bytes(spec, in_memory=True) if size is None else size
+    room = available_bytes(device)
     if size > room:
         hint = f"run it with {what} on" if _streamable(spec) else "use a machine or device with more memory"
         raise DiffquantError(
