@@ -25,14 +25,12 @@ from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from diffquant.models.taps import SITE_KINDS
-    from diffquant.stream import open_streamed, stream_skeleton
+    from diffquant.stream import stream_skeleton
 
     try:
-        # A streamable checkpoint is described from its config and headers on the meta device: `info` must
-        # answer for a model larger than memory (that is when its "would stream" line matters). Opening it
-        # checks every shard and tensor header (missing, unexpected, wrong shape, truncated) as a load would.
-        with open_streamed(args.checkpoint):
-            pass
+        # A streamable checkpoint is described from its config and headers on the meta device (checked as
+        # a load would check them): `info` must answer for a model larger than memory (that is when its
+        # "would stream" line matters).
         model = stream_skeleton(args.checkpoint, args.tokenizer)
     except DiffquantError:
         model = _load(args, args.checkpoint)  # other forms load whole (or give the loader's own error)

@@ -264,13 +264,13 @@ def _streamable(spec: str | Path) -> bool:
 
 def stream_skeleton(spec: str | Path, tokenizer: str | Path | None = None) -> DecoderLM:
     """A streamable checkpoint as a meta-device :class:`DecoderLM` (config, taps, tokenizer, no weights):
-    what a run checks before it streams (tokenizer fit, site patterns, window lengths). ``tokenizer``
-    overrides the checkpoint's, as :func:`~diffquant.io.load_model` does. Marked ``model.streamed = spec``."""
-    resolved = resolve_stream_spec(spec)
-    with torch.device("meta"):
-        model = DecoderLM(resolved.config).eval()
-    model.tokenizer = resolved.tokenizer
-    model.trained_seq_len = resolved.trained_seq_len
+    what a run checks before it streams (tokenizer fit, site patterns, window lengths), and what ``info``
+    describes. Opened as a streamed run opens it, so every shard and tensor header is checked (missing,
+    unexpected, wrong shape, truncated: one line, as a whole-model load would say) before anything is
+    written. ``tokenizer`` overrides the checkpoint's, as :func:`~diffquant.io.load_model` does. Marked
+    ``model.streamed = spec``."""
+    with open_streamed(spec) as streamed:
+        model = streamed.model
     if tokenizer is not None:
         model.tokenizer = model_tokenizer(model, str(spec), override=tokenizer)
     model.streamed = str(spec)
