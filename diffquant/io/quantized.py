@@ -73,19 +73,27 @@ def save_quantized(
     """Write a quantized checkpoint; ``documents`` (file name -> JSON data, e.g. the error report) are
     written into the folder before it is renamed into place, so a folder either has all of them or does
     not exist."""
-    plan = getattr(model, "quant_plan", None)
-    if plan is None:
+    if getattr(model, "quant_plan", None) is None:
         raise DiffquantError("model has no quantization plan; use save_checkpoint for unquantized models")
     base_state = base_state_dict(model)
 
     def extra(folder: Path) -> None:
-        doc = {"format": PLAN_FORMAT, "plan": plan.to_dict(), "meta": meta or {}}
-        (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
-        save_file(quant_state(model), str(folder / STATE_FILE), metadata={"format": "pt"})
-        for name, data in (documents or {}).items():
-            (folder / name).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+        write_quant_files(folder, model, meta or {}, documents)
 
     return save_checkpoint(model, path, overwrite=overwrite, state=base_state, extra=extra)
+
+
+def write_quant_files(
+    folder: Path, model: DecoderLM, meta: dict[str, Any], documents: dict[str, Any] | None = None
+) -> None:
+    """What a quantized checkpoint holds beside config and weights: plan.json (the model's plan and
+    ``meta``), the quantizers' state (scales) and ``documents`` (file name -> JSON data). Written by
+    :func:`save_quantized` and by the streamed quantize once its last stage has run."""
+    doc = {"format": PLAN_FORMAT, "plan": model.quant_plan.to_dict(), "meta": meta}
+    (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    save_file(quant_state(model), str(folder / STATE_FILE), metadata={"format": "pt"})
+    for name, data in (documents or {}).items():
+        (folder / name).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:

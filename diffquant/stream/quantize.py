@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from diffquant.data import model_tokenizer
@@ -52,10 +51,10 @@ from diffquant.io.quantize import (
     quantize_summary,
     split_windows,
 )
-from diffquant.io.quantized import PLAN_FORMAT, base_state_dict, quant_state
+from diffquant.io.quantized import base_state_dict, write_quant_files
 from diffquant.models.taps import select_taps
 from diffquant.models.transformer import DecoderLM
-from diffquant.names import PLAN_FILE, STATE_FILE, WEIGHTS_FILE
+from diffquant.names import WEIGHTS_FILE
 from diffquant.progress import progress
 from diffquant.quant.modules import fake_quantizers
 from diffquant.quant.plan import QuantPlan, apply_plan
@@ -122,11 +121,8 @@ def quantize_streamed(
             meta = quantize_meta(
                 checkpoint, plan_spec, calib_data, calibrated, seq_len, tok, windows, streamed.model
             )
-            doc = {"format": PLAN_FORMAT, "plan": plan.to_dict(), "meta": meta}
-            (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
-            save_file(quant_state(streamed.model), str(folder / STATE_FILE), metadata={"format": "pt"})
             document = {"plan": plan.to_dict(), "applied": applied, "report": report}
-            (folder / "quant_report.json").write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+            write_quant_files(folder, streamed.model, meta, {"quant_report.json": document})
             result.update(report=report, meta=meta, info=info)
 
         write_folder_atomic(out, write, force)
