@@ -418,6 +418,7 @@ class StreamedModel:
         self.model.trained_seq_len = resolved.trained_seq_len
         self.peak_stage_bytes = 0
         self.stage_bytes: dict[str, int] = {}
+        self.applied: list[tuple[str, str, str]] = []  # apply_plan's record (target, name, scheme)
 
     @property
     def config(self) -> ModelConfig:
@@ -610,7 +611,7 @@ def open_streamed(
     with resolved.open_source(dtype) as source:  # layer counts: checked by resolve / the GGUF's open
         streamed = StreamedModel(resolved, source, device, dtype)
         if plan is not None:
-            apply_plan(streamed.model, plan)
+            streamed.applied = apply_plan(streamed.model, plan)
         yield streamed
 
 

@@ -53,11 +53,10 @@ from diffquant.io.quantize import (
 )
 from diffquant.io.quantized import base_state_dict, write_quant_files
 from diffquant.models.taps import select_taps
-from diffquant.models.transformer import DecoderLM
 from diffquant.names import WEIGHTS_FILE
 from diffquant.progress import progress
 from diffquant.quant.modules import fake_quantizers
-from diffquant.quant.plan import QuantPlan, apply_plan
+from diffquant.quant.plan import QuantPlan
 from diffquant.quant.report import ErrorStats, compare_batch
 from diffquant.stream.executor import DEFAULT_HIDDEN_BUDGET, HiddenStore, StreamedModel, open_streamed
 
@@ -99,7 +98,7 @@ def quantize_streamed(
         tok = model_tokenizer(streamed.model, str(checkpoint))
         streamed.model.tokenizer = tok
         calib_data = calib_data or default_text([tok], "calib")
-        applied = _applied(streamed, plan)
+        applied = streamed.applied
         windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
         static = any(q.scheme.is_static for q in fake_quantizers(streamed.model).values())
         calibrated = windows.calib.numel() if static else 0
@@ -129,15 +128,6 @@ def quantize_streamed(
     if stats is not None:
         stats.update(result["info"])
     return quantize_summary(plan, applied, calib_data, tok, windows, result["report"], result["meta"], out)
-
-
-def _applied(streamed: StreamedModel, plan: QuantPlan) -> list[tuple[str, str, str]]:
-    """What :func:`apply_plan` inserted into the skeleton, for the report document. :func:`open_streamed`
-    applied the plan (and refused what cannot stream) without keeping its record; the record depends only
-    on the module names, so applying the plan to a weightless twin gives it."""
-    with torch.device("meta"):
-        twin = DecoderLM(streamed.config)
-    return apply_plan(twin, plan)
 
 
 # ============================================================================================== the run
