@@ -100,10 +100,32 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from diffquant.io import init_model, save_checkpoint
+    from pathlib import Path
 
+    from safetensors import SafetensorError
+
+    from diffquant.io import init_model, save_checkpoint
+    from diffquant.io.runfolder import claim_checkpoint_folder
+    from diffquant.names import WEIGHTS_FILE
+    from diffquant.schema import FlagStyle, check_value, fields_of
+    from diffquant.stages import Recipe
+
+    # The seed is bounded as a recipe's is (its field's metadata: an integer in [0, 2**63 - 1]).
+    seed = next(f for f, _ in fields_of(Recipe) if f.name == "seed")
+    check_value(args.seed, int, seed.metadata, "", "seed", FlagStyle())
     model = init_model(f"init:{args.kind}:{args.preset}:{args.seed}")
-    save_checkpoint(model, args.out, overwrite=args.force)
+    try:
+        with claim_checkpoint_folder(args.out, args.force):  # one writer per output folder
+            save_checkpoint(model, args.out, overwrite=True)
+    except SafetensorError as err:  # a full disk while writing the weights: safetensors' own error type
+        reason = str(err).rpartition("I/O error: ")[2] or str(err)
+        raise DiffquantError(f"{Path(args.out) / WEIGHTS_FILE}: {reason} (nothing was written)") from None
+    except OSError as err:
+        if err.filename:  # names its file already (the one-line OSError handler of main says it)
+            raise
+        raise DiffquantError(
+            f"{args.out}: {err.strerror or err} while writing the checkpoint (nothing was written)"
+        ) from None
     print(
         f"wrote {args.out}: {args.kind} ({args.preset}), {model.num_parameters():,} parameters, seed {args.seed}"
     )
@@ -127,7 +149,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         specs: dict = {}
         for spec in args.checkpoints:
             specs[_unique_name(spec, specs)] = spec
-        tokenizers = dict.fromkeys(specs, args.tokenizer) if args.tokenizer else {}
+        tokenizers = dict.fromkeys(specs, args.tokenizer) if args.tokenizer is not None else {}
         models = load_models(specs, env, tokenizers)
         out = Path(args.out)
         identity = {
@@ -137,7 +159,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             **{k: getattr(args, k) for k in ("device", "dtype", "tokenizer")},
         }
         check_profile(models, cfg["seq_len"], cfg["data"], cfg["sites"])  # before the folder is claimed
-        with claim_run_folder(out, "profile", identity, force=args.force):
+        inputs = [s for s, _ in models.values()]
+        with claim_run_folder(out, "profile", identity, force=args.force, inputs=inputs):
             return _profile_into(args, cfg, models, out, world)
     finally:
         shutdown()
@@ -217,6 +240,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         for spec in args.models:
             models[_unique_name(spec, models)] = spec
         tasks = [parse_task(t, where=f"--task {t!r}") for t in args.task]
+        for task in tasks:  # what a task refuses (its files, lm-eval task code) before the folder is claimed
+            task.preflight()
+        if args.tokenizer is not None:  # refused (a bad or empty path) before the run folder is claimed
+            from diffquant.data import load_tokenizer
+
+            load_tokenizer(args.tokenizer)
         spec = sweep_spec(
             models,
             args.plan,
@@ -224,7 +253,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             calib,
             batch_size,
             {k: getattr(args, k) for k in ("device", "dtype", "stream", "device_map", "max_memory")},
-            {name: args.tokenizer for name in models} if args.tokenizer else {},
+            {name: args.tokenizer for name in models} if args.tokenizer is not None else {},
         )
         out = Path(args.out)
         results = run_sweep(
@@ -292,12 +321,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from diffquant.io.runfolder import lock_folder
     from diffquant.train.trainer import TrainConfig, train
 
     cfg = TrainConfig.load(args.recipe, args.set)
     if args.out:
         cfg.out = args.out
-    train(cfg, resume=args.resume, stop_after=args.stop_after, recipe_text=Path(args.recipe).read_text())
+    with lock_folder(cfg.out):  # one writer per output folder, as every other command
+        train(cfg, resume=args.resume, stop_after=args.stop_after, recipe_text=Path(args.recipe).read_text())
     return 0
 
 
@@ -337,15 +368,17 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from diffquant.io import save_checkpoint
     from diffquant.io.convert_hf import export_hf
+    from diffquant.io.runfolder import claim_checkpoint_folder
 
     _refuse_overwriting_input(args.model, args.out)
     model = _load(args, args.model)
-    if args.to == "native":
-        out = save_checkpoint(model, args.out, overwrite=args.force)
-        target = "native"
-    else:
-        out = export_hf(model, args.out, overwrite=args.force)
-        target = "HF " + ("diffllama" if model.config.attention == "diff_v1" else "llama")
+    with claim_checkpoint_folder(args.out, args.force):  # one writer per output folder
+        if args.to == "native":
+            out = save_checkpoint(model, args.out, overwrite=True)
+            target = "native"
+        else:
+            out = export_hf(model, args.out, overwrite=True)
+            target = "HF " + ("diffllama" if model.config.attention == "diff_v1" else "llama")
     print(
         f"wrote {out}: {target} ({model.config.attention}), {model.num_parameters():,} parameters, "
         f"{str(model.embed.weight.dtype).removeprefix('torch.')}, tokenizer {_tokenizer_line(model, args.model)}"
@@ -391,7 +424,8 @@ def _tokenizer_line(model, spec: str) -> str:
     try:
         return model_tokenizer(model, str(spec)).describe()
     except DiffquantError as err:
-        return f"none ({err})"
+        # a tokenizer the model brings (or --tokenizer names) but every stage would refuse is not "none"
+        return f"{'unusable' if getattr(model, 'tokenizer', None) is not None else 'none'} ({err})"
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:

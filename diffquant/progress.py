@@ -6,8 +6,10 @@ print nothing)::
 
     sweep: 3/12 cell, 0.2 cell/s, ETA 45 s
 
-``diffquant --quiet`` (or ``DIFFQUANT_QUIET=1``) silences all of it. Progress always goes to stderr, never
-to stdout, so results on stdout stay clean.
+``diffquant --quiet`` (or ``DIFFQUANT_QUIET=1``) silences all of it; ``DIFFQUANT_PROGRESS_INTERVAL=SECONDS``
+sets the interval (a batch log may want one line a minute; 0 prints a line at every step, which is also how
+the test suite plays a machine so busy that every step is slow). Progress always goes to stderr, never to
+stdout, so results on stdout stay clean.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 QUIET_ENV = "DIFFQUANT_QUIET"
+INTERVAL_ENV = "DIFFQUANT_PROGRESS_INTERVAL"
 INTERVAL = 5.0  # seconds between periodic lines, and before the first one
 
 _quiet: bool | None = None  # set_quiet(); None = from the environment
@@ -35,6 +38,17 @@ def is_quiet() -> bool:
     if _quiet is not None:
         return _quiet
     return os.environ.get(QUIET_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def default_interval() -> float:
+    """Seconds between periodic lines: ``$DIFFQUANT_PROGRESS_INTERVAL`` if it is a number >= 0, else
+    :data:`INTERVAL` (a malformed value must not stop a run over its progress lines)."""
+    raw = os.environ.get(INTERVAL_ENV, "").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        return INTERVAL
+    return value if value >= 0 and value != float("inf") else INTERVAL
 
 
 class _Silent:
@@ -144,7 +158,7 @@ def progress(
     leave: bool = True,
     file: IO[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
-    interval: float = INTERVAL,
+    interval: float | None = None,
 ):
     """Progress over ``iterable`` (or a bare count: an int, or ``total=`` with ``update()`` calls).
 
@@ -153,7 +167,8 @@ def progress(
     - nothing at all when quiet (``--quiet``, ``$DIFFQUANT_QUIET``) or ``enabled`` is False (e.g. rank != 0);
     - a tqdm bar when ``bar`` is True (the ``progress=True`` of the library functions), or when ``bar`` is
       None and ``file`` (default: the current stderr) is a terminal;
-    - otherwise a :class:`PeriodicProgress`, one line every ``interval`` seconds once a step runs longer.
+    - otherwise a :class:`PeriodicProgress`, one line every ``interval`` seconds once a step runs longer
+      (None: :func:`default_interval`).
     """
     if isinstance(iterable, int):
         iterable, total = None, iterable
@@ -169,6 +184,8 @@ def progress(
         from tqdm import tqdm  # noqa: PLC0415 (imported when a bar is shown)
 
         return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, file=stream)
+    if interval is None:
+        interval = default_interval()
     return PeriodicProgress(iterable, total, desc, unit, stream, clock=clock, interval=interval)
 
 

@@ -37,6 +37,11 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
 
     The schema is :class:`diffquant.stages.Recipe` (one dataclass per stage, shared with the command line)."""
     recipe = check(Recipe, raw, source)
+    if not recipe["models"]:  # every stage runs over the models: an empty run would write a hollow folder
+        raise DiffquantError(
+            f"{source}: models: expected at least one model (name: specifier, e.g. baseline: "
+            f"init:baseline:tiny), got {recipe['models']!r}"
+        )
     tokenizer = recipe["tokenizer"]
     if isinstance(tokenizer, dict):
         for name, path in tokenizer.items():
@@ -104,7 +109,7 @@ def run_recipe(
     # What decides the results; cosmetic keys (description, plots, output) may change between reruns.
     # (stream: how models run, not what they give: a streamed run gives the whole-model numbers)
     identity = {k: v for k, v in clean.items() if k not in ("description", "plots", "output", "stream")}
-    with claim_run_folder(out, "run", identity, force=force):
+    with claim_run_folder(out, "run", identity, force=force, inputs=list(recipe["models"].values())):
         torch.manual_seed(recipe["seed"])
         write_json_atomic(out / "manifest.json", record)
         try:

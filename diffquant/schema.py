@@ -200,7 +200,9 @@ def check_value(
         item = {"what": meta.get("each")}
         return {k: check_value(v, args[1], item, where, f"{path}.{k}", style) for k, v in value.items()}
     if matched in (int, float) and not _in_range(value, meta):
-        what = style.words(tp, meta)
+        # an integer past int64 meets the bound a style may leave unsaid (``>= 0``): name both ends then
+        huge = isinstance(value, int) and not -INT_LIMIT <= value < INT_LIMIT
+        what = describe(tp, meta) if huge else style.words(tp, meta)
         raise _error(where, style.bad(path, what, value))
     return value
 

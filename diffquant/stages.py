@@ -19,6 +19,7 @@ from diffquant.eval.tasks import TaskSpec
 from diffquant.io import load_model
 from diffquant.io.options import ModelOptions, parse_device, parse_dtype
 from diffquant.io.quantize import quantize_checkpoint
+from diffquant.profile.profiler import MAX_TOPK
 from diffquant.profile.runner import profile_stage
 from diffquant.schema import key
 from diffquant.stream import choose_stream, profile_streamed, quantize_streamed, stream_skeleton
@@ -68,7 +69,12 @@ class ProfileStage:
     seq_len: int = key(256, min=1, help="window length (default: 256)")
     batch_size: int = key(8, min=1, help="windows per forward pass (default: 8)")
     sites: list[str] | str = key(["*"], help="site globs or kind:NAME (default: all)")
-    topk: int = key(100, min=1, help="largest magnitudes kept per site")
+    topk: int = key(
+        100,
+        min=1,
+        max=MAX_TOPK,
+        help=f"largest magnitudes kept per site, with locations (at most {MAX_TOPK})",
+    )
     attention_metrics: bool = key(True, help="skip per-head attention metrics")
 
 

@@ -61,6 +61,70 @@ def train_byte_bpe(folder, sentences, *, prepend_bos: bool = False, config: dict
     return path
 
 
+def train_sentencepiece_like(
+    folder, sentences, *, layout: str = "llama2", vocab_size: int = 200, config: dict | None = None
+):
+    """A SentencePiece-style BPE as Llama / Mistral tokenizer.json files hold it, trained offline on
+    ``sentences``: ids 0-2 ``<unk> <s> </s>`` (specials), 3-258 the byte-fallback pieces ``<0x00>`` ..
+    ``<0xFF>``, then the learned pieces with U+2581 for spaces; a dummy-prefix space in front of every text;
+    decoder Replace(U+2581 -> space) + ByteFallback + Fuse + Strip(1 leading space); the post-processor puts
+    ``<s>`` in front. ``layout`` 'llama2': normalizer Prepend + Replace, no pre-tokenizer (Llama-2's file);
+    'metaspace': pre-tokenizer Metaspace(prepend_scheme 'first', split False), no normalizer (the newer
+    layout transformers writes). Writes ``folder``/tokenizer.json; ``config`` (a dict) is written as
+    tokenizer_config.json, None writes none (a bare tokenizer.json folder). Returns the tokenizer.json path."""
+    import json
+
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    space = "\u2581"
+    folder.mkdir(parents=True, exist_ok=True)
+    # Pieces are learned per word, each word starting with U+2581 (as sentencepiece splits), so no piece
+    # spans a word boundary.
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="always", split=True)
+    learner.train_from_iterator(
+        list(sentences) * 4, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
+    )
+    learned = json.loads(learner.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for token, _ in sorted(learned["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    if layout == "llama2":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    elif layout == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="first", split=False)
+    else:
+        raise ValueError(f"layout {layout!r}: expected 'llama2' or 'metaspace'")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
 def save_tiny_llama(folder, *, context: int, **config):
     """A tiny random transformers Llama (vocab 320: larger than a 300-id test tokenizer, as real checkpoints
     pad their vocabularies; 2 layers, hidden 64, 4 / 2 heads) with unit-scale weights (default inits give
@@ -86,6 +150,24 @@ def save_tiny_llama(folder, *, context: int, **config):
                 p.normal_(0, 1.0 / p.shape[1] ** 0.5)
     model.save_pretrained(folder)
     return folder
+
+
+# Progress lines appear only when a step takes longer than a few seconds, i.e. on a busy machine: a test that
+# compares what a command prints (a README example, "one line" errors) would pass or fail with the machine's
+# load. Every test runs quiet; tests of progress itself opt out (tests/test_progress.py), and
+# DIFFQUANT_TEST_PROGRESS=1 turns this off (test_progress plays a busy machine with it and sees the failures).
+TEST_PROGRESS_ENV = "DIFFQUANT_TEST_PROGRESS"
+
+
+@pytest.fixture(autouse=True)
+def quiet_progress(monkeypatch):
+    from diffquant import progress
+
+    if os.environ.get(TEST_PROGRESS_ENV) != "1":
+        monkeypatch.setenv(progress.QUIET_ENV, "1")
+    progress.set_quiet(None)
+    yield
+    progress.set_quiet(None)
 
 
 @pytest.fixture(params=["baseline", "diff_v1", "diff_v2"])

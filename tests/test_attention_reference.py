@@ -390,3 +390,143 @@ def test_float64_model_matches_float64_reference(kind: str, path: str) -> None:
     expected = reference_logits(model, ids)
     assert expected.abs().max() > 0.5
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# fewer queries than keys: a cached chunk (q_len < k_len), the causal mask offset by k_len - q_len
+# ----------------------------------------------------------------------------------------------------
+
+
+def offset_causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) for the last T of S positions, brute force: q (B, T, d), k (B, S, d); query
+    t sits at absolute position S - T + t and sees keys 0 .. S - T + t (one row at a time, float64)."""
+    t_len, s_len, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    rows = []
+    for t in range(t_len):
+        seen = s_len - t_len + t + 1
+        scores = torch.einsum("bd,bsd->bs", q[:, t], k[:, :seen]) / math.sqrt(d)
+        row = torch.zeros(q.shape[0], s_len, dtype=torch.float64)
+        row[:, :seen] = scores.softmax(dim=-1)
+        rows.append(row)
+    return torch.stack(rows, dim=1)  # (B, T, S)
+
+
+def reference_chunk(kind: str, attn: torch.nn.Module, x: torch.Tensor, cfg: ModelConfig, t_len: int):
+    """Output (B, T, E) of the last ``t_len`` positions of ``x`` (B, S, E) when the first S - T are cached:
+    the equations of the three references above with queries only at the last T positions (RoPE at their
+    absolute positions) against keys and values of all S positions."""
+    h, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    bsz, s_len, _ = x.shape
+    x = x.double()
+    last = slice(s_len - t_len, s_len)
+    if kind == "baseline":
+        q = rope((x @ _w(attn.q_proj).T).view(bsz, s_len, h, d).transpose(1, 2))[:, :, last]
+        k = rope((x @ _w(attn.k_proj).T).view(bsz, s_len, hkv, d).transpose(1, 2))
+        v = (x @ _w(attn.v_proj).T).view(bsz, s_len, hkv, d).transpose(1, 2)
+        heads = [
+            offset_causal_softmax(q[:, i], k[:, i // (h // hkv)]) @ v[:, i // (h // hkv)] for i in range(h)
+        ]
+    elif kind == "diff_v1":
+        q = rope((x @ _w(attn.q_proj).T).view(bsz, s_len, h, 2, d).permute(0, 2, 3, 1, 4))[..., last, :]
+        k = rope((x @ _w(attn.k_proj).T).view(bsz, s_len, hkv, 2, d).permute(0, 2, 3, 1, 4))
+        v = (x @ _w(attn.v_proj).T).view(bsz, s_len, hkv, 2 * d).transpose(1, 2)
+        lambda_init = lambda_init_schedule(DEPTH)
+        lq1, lk1, lq2, lk2 = (
+            getattr(attn, n).detach().double() for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        )
+        lam = torch.exp((lq1 * lk1).sum()) - torch.exp((lq2 * lk2).sum()) + lambda_init
+        heads = []
+        for i in range(h):
+            j = i // (h // hkv)
+            a1 = offset_causal_softmax(q[:, i, 0], k[:, j, 0])
+            a2 = offset_causal_softmax(q[:, i, 1], k[:, j, 1])
+            o = (a1 - lam * a2) @ v[:, j]
+            o = (
+                o
+                * torch.rsqrt(o.pow(2).mean(dim=-1, keepdim=True) + EPS)
+                * _v1_norm_weight(attn).detach().double()
+            )
+            heads.append((1.0 - lambda_init) * o)
+    else:
+        group = 2 * h // hkv
+        q = rope((x @ _w(attn.q_proj).T).view(bsz, s_len, 2 * h, d).transpose(1, 2))[:, :, last]
+        k = rope((x @ _w(attn.k_proj).T).view(bsz, s_len, hkv, d).transpose(1, 2))
+        v = (x @ _w(attn.v_proj).T).view(bsz, s_len, hkv, d).transpose(1, 2)
+        outs = [offset_causal_softmax(q[:, j], k[:, j // group]) @ v[:, j // group] for j in range(2 * h)]
+        lam = torch.sigmoid(x[:, last] @ _w(attn.lambda_proj).T)  # (B, T, H)
+        heads = [outs[2 * i] - lam[..., i : i + 1] * outs[2 * i + 1] for i in range(h)]
+    return torch.cat(heads, dim=-1) @ _w(attn.o_proj).T
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("cached", "chunks"), [(5, (4,)), (1, (3, 5))])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_chunks_with_fewer_queries_than_keys_match_brute_force(kind, cached, chunks, path) -> None:
+    """Chunked prefill / speculative decoding: after ``cached`` positions, chunks of several queries each
+    (q_len > 1 and q_len < k_len). Query i of a chunk sits at position k_len - q_len + i, so the causal mask is
+    offset by k_len - q_len; a mask aligned top-left (SDPA's is_causal for q_len != k_len) or from 0 fails."""
+    from diffquant.models.attention import LayerKV
+
+    cfg = make_config(kind, n_rep=2)
+    attn = build_attention(cfg, seed=700 + 10 * KINDS.index(kind) + cached)
+    if PATHS[path] is not None:
+        attn.path, attn.chunk_size = PATHS[path][0], 2 if PATHS[path][1] else None
+    total = cached + sum(chunks)
+    x = torch.randn(BATCH, total, E, generator=torch.Generator().manual_seed(cached))
+    cache = LayerKV()
+    with torch.no_grad():
+        attn(x[:, :cached], cache)
+        start = cached
+        for n in chunks:
+            got = attn(x[:, start : start + n], cache).double()
+            start += n
+            expected = reference_chunk(kind, attn, x[:, :start], cfg, n)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert cache.length == total
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_cores_offset_the_mask_for_fewer_queries_than_keys(kind) -> None:
+    """kernels/reference.py's cores with q (B, nq, T, d) against k / v of S > T positions, against a float64
+    brute force from the equations (query t at position S - T + t sees keys <= S - T + t)."""
+    from diffquant.kernels import reference as ref
+
+    g = torch.Generator().manual_seed(31 + KINDS.index(kind))
+    bsz, heads, kv_heads, d, t_len, s_len = 2, 4, 2, 8, 3, 7
+    nq = heads if kind == "baseline" else 2 * heads
+    nk = 2 * kv_heads if kind == "diff_v1" else kv_heads
+    dv = 2 * d if kind == "diff_v1" else d
+    q = torch.randn(bsz, nq, t_len, d, generator=g)
+    k = torch.randn(bsz, nk, s_len, d, generator=g)
+    v = torch.randn(bsz, kv_heads, s_len, dv, generator=g)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    if kind == "baseline":
+        got = ref.baseline_core(q, k, v)
+        group = heads // kv_heads
+        expected = torch.stack(
+            [offset_causal_softmax(qd[:, i], kd[:, i // group]) @ vd[:, i // group] for i in range(heads)], 1
+        )
+    elif kind == "diff_v2":
+        lam = torch.rand(bsz, heads, t_len, generator=g)
+        got = ref.diff_v2_core(q, k, v, lam)
+        group = nq // kv_heads
+        maps = [offset_causal_softmax(qd[:, j], kd[:, j // group]) @ vd[:, j // group] for j in range(nq)]
+        expected = torch.stack(
+            [maps[2 * i] - lam.double()[:, i, :, None] * maps[2 * i + 1] for i in range(heads)], 1
+        )
+    else:
+        lam, lambda_init = 0.3, 0.45
+        weight = 1.0 + 0.1 * torch.randn(dv, generator=g)
+        got = ref.diff_v1_core(q, k, v, lam, lambda_init, weight)
+        outs = []
+        for i in range(heads):
+            j = i // (heads // kv_heads)
+            a1 = offset_causal_softmax(qd[:, 2 * i], kd[:, 2 * j])
+            a2 = offset_causal_softmax(qd[:, 2 * i + 1], kd[:, 2 * j + 1])
+            o = (a1 - lam * a2) @ vd[:, j]
+            outs.append(
+                (1 - lambda_init) * o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+            )
+        expected = torch.stack(outs, 1)
+    assert got.shape == (bsz, heads, t_len, dv)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)

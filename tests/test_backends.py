@@ -17,7 +17,6 @@ calling the library. Tolerances are derived, never fitted:
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -132,14 +131,12 @@ def test_quanto_qint4_groupwise_affine_without_cpp_build(in_features: int) -> No
     layer = linear_layer(in_features, 48, seed=3)
     torch.manual_seed(4)
     x = torch.randn(5, in_features)
-    start = time.perf_counter()
     module = to_quanto(layer, "qint4")
     with torch.no_grad():
         y = module(x)
-    elapsed = time.perf_counter() - start
     # quanto's C++ unpack extension JIT-builds in ~50 s on first use; the pure-torch kernel avoids it entirely
+    # (checked by the extension never being loaded, not by a wall time that depends on the machine's load)
     assert get_extension("quanto_cpp")._lib is None
-    assert elapsed < 10.0
 
     group = quanto_qint4_group_size(in_features)
     assert module.weight_group_size == group

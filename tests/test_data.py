@@ -320,3 +320,65 @@ def test_wikitext_source():
     # the folder also holds its README (provenance and licence), which a folder source reads as text
     names = [doc.name for doc in iter_documents(str(WIKITEXT))]
     assert names == ["README.md", "wiki.test.raw", "wiki.valid.raw"]
+
+
+# ---------------------------------------------------------------------------------------- encodings
+TEXT_WITH_ACCENTS = "Grüße aus Zürich ✓\nZweite Zeile: naïve café\n"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-8-sig", "utf-32"])
+def test_text_with_a_byte_order_mark_is_decoded_as_it_says(tmp_path, encoding, caplog):
+    """What Windows editors and PowerShell's `>` write: a byte-order mark, then UTF-16 / UTF-8 / UTF-32.
+    The text read (and tokenized) is the file's text, without the mark, and no warning is needed."""
+    path = tmp_path / "windows.txt"
+    data = TEXT_WITH_ACCENTS.encode(encoding)
+    if encoding == "utf-16-be":  # Python writes the BE mark only with the generic codec's native order
+        data = b"\xfe\xff" + data
+    path.write_bytes(data)
+    with caplog.at_level("WARNING"):
+        docs = list(iter_documents(str(path)))
+    assert [d.text for d in docs] == [TEXT_WITH_ACCENTS] and not caplog.records
+    assert token_stream(str(path)).tolist() == [BOS, *TEXT_WITH_ACCENTS.encode("utf-8"), EOS]
+    (tmp_path / "utf8").mkdir()
+    plain = _write(tmp_path / "utf8" / "windows.txt", TEXT_WITH_ACCENTS)
+    assert fingerprint(str(path)) == fingerprint(str(plain))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_bytes(text.encode("utf-8"))
+    return path
+
+
+def test_utf16_without_a_mark_or_binary_is_refused(tmp_path):
+    """UTF-16 without a byte-order mark is valid UTF-8 for ASCII text (every other byte a NUL): read as
+    UTF-8 the model would see a NUL after every letter. It is refused in one line naming the file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _write(folder / "a.txt", "fine text\n")
+    (folder / "b.txt").write_bytes("plain ASCII words".encode("utf-16-le"))
+    with pytest.raises(DiffquantError) as info:
+        list(iter_documents(str(folder)))
+    message = _one_line_naming(info, str(folder))
+    assert "b.txt" in message and "NUL" in message and "UTF-16" in message and "byte 1" in message
+    broken = tmp_path / "broken.txt"
+    broken.write_bytes(b"\xff\xfe" + "ok".encode("utf-16-le") + b"\x00\xd8")  # a lone surrogate at the end
+    with pytest.raises(DiffquantError) as info:
+        list(iter_documents(str(broken)))
+    assert "UTF-16-LE byte-order mark" in _one_line_naming(info, str(broken))
+
+
+def test_a_request_beyond_the_source_says_how_many_tokens_it_has(tmp_path, caplog):
+    """--tokens far beyond the text: the stream is what the source holds, and one warning (once per
+    source, tokenizer and request) gives that count; a request the source meets says nothing."""
+    root = str(_folder(tmp_path))  # 9 byte tokens
+    with caplog.at_level("WARNING"):
+        assert token_stream(root, 5).numel() == 5
+        assert token_windows(root, 8, 4).shape == (2, 4)
+        assert not caplog.records
+        assert token_stream(root, 1_000_000).numel() == 9
+        assert token_stream(root, 1_000_000).numel() == 9  # said once
+        assert token_windows(root, 50_000, 4).shape == (2, 4)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "holds 9 tokens" in messages[0] and "1,000,000 asked for" in messages[0] and root in messages[0]
+    assert "holds 9 tokens" in messages[1] and "50,000 asked for" in messages[1]

@@ -204,10 +204,13 @@ def write_gguf(
     extra: dict[str, np.ndarray] | None = None,
     raw: dict[str, np.ndarray] | None = None,
     add_bos: bool | None = False,
+    rope: tuple[str, ...] = ("dimension_count", "freq_base"),
 ) -> Path:
     """A llama GGUF as llama.cpp's converter writes one. ``qtype``: one type for every 2-D weight, or a
     callable name -> type; norms stay F32 (as llama.cpp keeps 1-D tensors). ``edit(writer)`` adds or
-    changes metadata; ``raw`` replaces a tensor by the array given, written as is."""
+    changes metadata (a key written again replaces the first value); ``raw`` replaces a tensor by the
+    array given, written as is; ``rope``: which of the ``llama.rope.*`` keys to write (llama.cpp's
+    converter writes dimension_count always, freq_base when the HF config has rope_theta)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     vocab = len(tok.tokens)
     g = np.random.default_rng(spec.seed + 100)
@@ -217,13 +220,15 @@ def write_gguf(
     w.add_embedding_length(spec.d_model)
     w.add_block_count(spec.layers)
     w.add_feed_forward_length(spec.ffn)
-    w.add_rope_dimension_count(spec.head_dim)
+    if "dimension_count" in rope:
+        w.add_rope_dimension_count(spec.head_dim)
     w.add_head_count(spec.heads)
     w.add_head_count_kv(spec.kv_heads)
     if spec.explicit_head_dim:
         w.add_key_length(spec.head_dim)
         w.add_value_length(spec.head_dim)
-    w.add_rope_freq_base(5000.0)
+    if "freq_base" in rope:
+        w.add_rope_freq_base(5000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(0)
     w.add_vocab_size(vocab)
@@ -729,6 +734,274 @@ def test_cli_exports_gguf_to_native_and_hf(tmp_path, tok_files, capsys):
                 "magic number 4721"
             )
             assert model.tokenizer.eos_id == original.tokenizer.eos_id
+
+
+# ================================================================================ tensor ranges, layer count
+def _offset_field(data: bytes, name: str) -> int:
+    """Where the tensor-table entry of ``name`` keeps its data offset (u64): after the name (u64 length,
+    bytes), the dimension count (u32), the dimensions (u64 each) and the type (u32)."""
+    entry = len(name).to_bytes(8, "little") + name.encode()
+    assert data.count(entry) == 1, name
+    at = data.index(entry) + len(entry)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    return at + 4 + 8 * n_dims + 4
+
+
+def _moved(path: Path, name: str, offset) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The bytes of ``path`` with tensor ``name``'s data offset replaced by ``offset(old offsets)``, and
+    each tensor's (data offset, absolute start) as gguf's reader decodes the unchanged file."""
+    data = path.read_bytes()
+    reader = gguf.GGUFReader(path)
+    start = int(reader.data_offset)
+    where = {t.name: (int(t.data_offset) - start, int(t.data_offset)) for t in reader.tensors}
+    at = _offset_field(data, name)
+    assert int.from_bytes(data[at : at + 8], "little") == where[name][0]  # the field found is the offset
+    relative = {k: v[0] for k, v in where.items()}
+    return _corrupt(data, at, offset(relative)), where
+
+
+def _next_in_file(where: dict[str, tuple[int, int]], name: str) -> str:
+    order = sorted(where, key=lambda k: where[k][1])
+    return order[order.index(name) + 1]
+
+
+RANGE_CASES = {
+    # token_embd.weight reads output.weight's bytes: same shape and type, a model that runs, silently wrong
+    "same-bytes": ("token_embd.weight", lambda o: o["output.weight"], 32),
+    # shifted by one alignment step into the next tensor's first bytes
+    "into-next": ("blk.0.attn_norm.weight", lambda o: o["blk.0.attn_norm.weight"] + 32, 32),
+    "misaligned": ("blk.1.ffn_up.weight", lambda o: o["blk.1.ffn_up.weight"] + 4, 32),
+    # general.alignment = 64: a multiple of 32 is not enough
+    "misaligned-64": ("blk.0.ffn_gate.weight", lambda o: o["blk.0.ffn_gate.weight"] + 32, 64),
+}
+
+
+def _range_file(tmp_path: Path, tok_files, case: str) -> tuple[Path, tuple[str, ...]]:
+    """A GGUF whose tensor table has one offset moved (``RANGE_CASES``) and what the refusal must say."""
+    name, offset, alignment = RANGE_CASES[case]
+    edit = (lambda w: w.add_custom_alignment(alignment)) if alignment != 32 else None
+    good = write_gguf(tmp_path / f"good-{case}.gguf", tok_files, GQA, Q.F32, edit=edit)
+    content, where = _moved(good, name, offset)
+    bad = tmp_path / f"{case}.gguf"
+    bad.write_bytes(content)
+    new = offset({k: v[0] for k, v in where.items()})
+    if new % alignment:
+        return bad, (
+            f"tensor {name} starts at data offset {new}, not a multiple of the alignment {alignment}",
+        )
+    other = "output.weight" if case == "same-bytes" else _next_in_file(where, name)
+    return bad, (f"{name} (bytes {where[other][1] + new - where[other][0]} to ", other, "overlap")
+
+
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_overlapping_or_misaligned_tensor_data_is_refused_by_every_reader(tmp_path, tok_files, case):
+    """Whole-model load, streamed reader and config peek (what `info` and a run's checks read) all go
+    through the header parser, so all refuse the file in the same line naming it and the tensors."""
+    from diffquant.io.gguf_source import read_gguf_checkpoint
+    from diffquant.io.load import peek_config
+
+    bad, reasons = _range_file(tmp_path, tok_files, case)
+    messages = set()
+    for read in (load_gguf, read_gguf_checkpoint, lambda p: peek_config(f"gguf:{p}")):
+        with pytest.raises(DiffquantError, match="not a readable GGUF file") as excinfo:
+            read(bad)
+        message = _one_line(excinfo)
+        assert message.startswith(str(bad)) and all(r in message for r in reasons), message
+        messages.add(message)
+    assert len(messages) == 1
+
+
+def test_overlapping_tensors_refused_by_info_and_profile_writing_nothing(tmp_path, tok_files, capsys):
+    from diffquant.cli import main
+
+    bad, _ = _range_file(tmp_path, tok_files, "same-bytes")
+    runs = {
+        "info": ["info", f"gguf:{bad}"],
+        "profile": [
+            "profile",
+            f"gguf:{bad}",
+            "--tokens",
+            "64",
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+        "streamed": ["profile", f"gguf:{bad}", "--tokens", "64", "--seq-len", "16", "--stream", "on"]
+        + ["--out", str(tmp_path / "s")],
+    }
+    for what, argv in runs.items():
+        assert main(argv) == 2, what
+        captured = capsys.readouterr()
+        assert captured.out == "", what
+        err = captured.err
+        assert err.count("\n") == 1 and str(bad) in err and "Traceback" not in err, (what, err)
+        assert "output.weight" in err and "token_embd.weight" in err and "overlap" in err, (what, err)
+    assert not (tmp_path / "p").exists() and not (tmp_path / "s").exists()
+
+
+def test_custom_alignment_is_read_from_the_header(tmp_path, tok_files):
+    """general.alignment = 64 moves the data section and pads each tensor to 64: the same weights load."""
+    plain = load_gguf(write_gguf(tmp_path / "a32.gguf", tok_files, GQA, Q.Q8_0))
+    path = write_gguf(
+        tmp_path / "a64.gguf", tok_files, GQA, Q.Q8_0, edit=lambda w: w.add_custom_alignment(64)
+    )
+    reader = gguf.GGUFReader(path)
+    assert reader.alignment == 64 and reader.data_offset % 64 == 0
+    assert any(t.n_bytes % 64 for t in reader.tensors)  # padding to 64, not 32, moves later tensors
+    wide = load_gguf(path)
+    for (name, p), q in zip(wide.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_block_count_beyond_the_tensors_is_refused_before_any_layer_is_built(
+    tmp_path, tok_files, monkeypatch, capsys
+):
+    """llama.block_count = 1e9 over a 2-layer file: every reader refuses it at once, in one line, before a
+    per-layer key map or re-layout table is built (building them for 1e9 layers hung `info`)."""
+    from diffquant.cli import main
+    from diffquant.io import gguf_source
+    from diffquant.io.load import peek_config
+
+    path = write_gguf(tmp_path / "huge.gguf", tok_files, GQA, Q.Q8_0, edit=lambda w: w.add_block_count(10**9))
+    assert gguf.GGUFReader(path).fields["llama.block_count"].contents() == 10**9  # the fixture says 1e9
+
+    def per_layer(config, *args, **kwargs):
+        raise AssertionError(f"per-layer structure built for {config.n_layers} layers")
+
+    for module in (convert_gguf, gguf_source):
+        monkeypatch.setattr(module, "gguf_key_map", per_layer)
+        monkeypatch.setattr(module, "gguf_transforms", per_layer)
+    reason = "the config says 1000000000 layers, the weights hold layers 0..1"
+    for read in (load_gguf, gguf_source.read_gguf_checkpoint, lambda p: peek_config(f"gguf:{p}")):
+        with pytest.raises(DiffquantError, match=reason) as excinfo:
+            read(path)
+        assert _one_line(excinfo).startswith(f"{path} (llama.block_count)")
+    out = tmp_path / "run"
+    for argv in (
+        ["info", f"gguf:{path}"],
+        ["profile", f"gguf:{path}", "--tokens", "64", "--seq-len", "16", "--stream", "on", "--out", str(out)],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and reason in err and str(path) in err, err
+    assert not out.exists()
+
+
+# ================================================================================ metadata as users' files hold it
+def test_string_values_are_read_with_their_own_lengths(tmp_path, tok_files):
+    """Each string's value has its own length prefix: values longer, shorter and (in bytes) wider than
+    their keys, an empty one, and keys after them, all read back as written."""
+    strings = {
+        "a": "a value much longer than its one-letter key, with spaces",
+        "general.description_that_is_long": "x",
+        "test.empty": "",
+        "test.utf8": "Ωmega ✓ naïve",  # 13 characters, 18 bytes
+        "general.url": "https://example.org/models/tiny",
+    }
+
+    def edit(w):
+        for key, value in strings.items():  # add_string skips an empty value; add_key_value writes it
+            w.add_key_value(key, value, gguf.GGUFValueType.STRING)
+        w.add_uint32("test.after_strings", 123456)
+
+    path = write_gguf(tmp_path / "s.gguf", tok_files, GQA, Q.F32, edit=edit)
+    header = read_gguf(path)
+    assert {k: metadata(header, k) for k in strings} == strings
+    assert metadata(header, "general.name") == "tiny-test"  # 9 bytes under a 12-byte key
+    assert metadata(header, "test.after_strings") == 123456
+    assert (
+        metadata(header, "tokenizer.ggml.model") == "gpt2"
+        and metadata(header, "tokenizer.ggml.pre") == "smollm"
+    )
+    assert metadata(header, "tokenizer.ggml.tokens") == tok_files.tokens
+    assert metadata(header, "tokenizer.ggml.merges") == tok_files.merges
+
+
+@pytest.mark.parametrize(
+    "rope, theta",
+    [(("freq_base",), 5000.0), (("dimension_count",), 10000.0), ((), 10000.0)],
+    ids=["freq-base-alone", "dimension-count-alone", "none"],
+)
+def test_rope_keys_alone_default_the_rest_as_llama_cpp(tmp_path, tok_files, rope, theta):
+    """llama.cpp's defaults for what is absent: rope.freq_base 10000, rope.dimension_count the key width
+    (embedding_length / head_count without attention.key_length); the logits equal transformers'."""
+    path = write_gguf(tmp_path / "r.gguf", tok_files, GQA, Q.F32, rope=rope)
+    present = {
+        k.removeprefix("llama.rope.") for k in gguf.GGUFReader(path).fields if k.startswith("llama.rope.")
+    }
+    assert present == set(rope)
+    model = load_gguf(path)
+    assert (model.config.rope_theta, model.config.head_dim) == (theta, GQA.d_model // GQA.heads)
+    ids = _ids(model.config.vocab_size, seed=6)
+    with torch.no_grad():
+        ours = model(ids)
+    rel = _rel(ours, _reference_logits(path, ids))
+    assert rel < TOLERANCE, rel
+
+
+@pytest.mark.parametrize(
+    "spec, rope, edit, match",
+    [
+        # rope.dimension_count 32 alone over d_model 64 / 4 heads: llama.cpp's key width is 16 ("invalid n_rot")
+        (
+            dataclasses.replace(GQA, head_dim=32),
+            ("dimension_count", "freq_base"),
+            None,
+            r"llama.rope.dimension_count = 32 differs from the head width 16 \(no llama.attention.key_length",
+        ),
+        # attention.key_length 32 alone: llama.cpp's value width stays embedding_length / head_count = 16
+        (
+            dataclasses.replace(GQA, head_dim=32),
+            ("freq_base",),
+            lambda w: w.add_key_length(32),
+            r"the value width 16 \(no llama.attention.value_length.*\) differs from the key width 32",
+        ),
+    ],
+    ids=["rope-dims-alone-wider", "key-length-alone"],
+)
+def test_head_widths_default_as_llama_cpp_reads_them(tmp_path, tok_files, spec, rope, edit, match):
+    """A width given alone leaves the others at llama.cpp's defaults, which here disagree with it (llama.cpp
+    refuses these files): one line, not a model built from a guessed width."""
+    path = write_gguf(tmp_path / "w.gguf", tok_files, spec, Q.F32, rope=rope, edit=edit)
+    with pytest.raises(DiffquantError, match=match) as excinfo:
+        load_gguf(path)
+    assert _one_line(excinfo).startswith(str(path))
+
+
+TWELVE = Spec(layers=12, seed=5)
+# native name in a layer -> the GGUF name in block N (llama.cpp's tensor names, written out here)
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "attn.q_proj.weight": "attn_q.weight",
+    "attn.k_proj.weight": "attn_k.weight",
+    "attn.v_proj.weight": "attn_v.weight",
+    "attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate.weight": "ffn_gate.weight",
+    "mlp.up.weight": "ffn_up.weight",
+    "mlp.down.weight": "ffn_down.weight",
+}
+
+
+def test_twelve_layers_each_read_from_its_own_block(tmp_path, tok_files):
+    """blk.1. vs blk.10. / blk.11.: every layer of a 12-layer file holds the weights written for its
+    block (HF layout, Q/K un-permuted), and the logits equal transformers'."""
+    path = write_gguf(tmp_path / "twelve.gguf", tok_files, TWELVE, Q.F32)
+    written = _weights(TWELVE, len(tok_files.tokens))
+    model = load_gguf(path)
+    assert model.config.n_layers == 12
+    state = model.state_dict()
+    for i in range(12):
+        for native, name in _LAYER_NAMES.items():
+            assert torch.equal(state[f"layers.{i}.{native}"], torch.from_numpy(written[f"blk.{i}.{name}"])), (
+                i,
+                native,
+            )
+    ids = _ids(model.config.vocab_size, seed=8)
+    with torch.no_grad():
+        rel = _rel(model(ids), _reference_logits(path, ids))
+    assert rel < TOLERANCE, rel
 
 
 # ================================================================================ fetch (no network)

@@ -1,10 +1,12 @@
 """The Profiler on real models: read-only hooks, exact statistics, sharding, the CLI."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_close_tree, tiny_model
@@ -310,3 +312,41 @@ def test_attention_metrics_follow_the_selection():
     with torch.no_grad(), Profiler(model, sites="kind:logits", attention=True) as prof:
         model(ids)
     assert "layers.0.attn.diff_map" in prof.result().attention  # asked for: every map site
+
+
+# ----------------------------------------------------------------------- non-finite lambda (DIFF V1 / V2)
+def test_lambda_stats_count_non_finite_values_and_stay_json():
+    """A NaN / Inf lambda (a model with non-finite weights) is counted per head and left out of the other
+    statistics, which equal numpy's over the finite values; the state is strict JSON (no NaN literal) and
+    merges / round-trips exactly. Before, one NaN turned the head's sums into NaN and `profile` crashed."""
+    from diffquant.profile.attention_metrics import LambdaStats
+
+    g = torch.Generator().manual_seed(3)
+    lam = torch.rand(2, 5, 3, generator=g, dtype=torch.float64)  # (B, T, H)
+    lam[0, :, 0] = math.nan  # head 0 of sample 0: every token
+    lam[1, 2, 2] = math.inf
+    one, halves = LambdaStats(), LambdaStats()
+    one.update(lam)
+    halves.update(lam[:1])
+    later = LambdaStats()
+    later.update(lam[1:])
+    halves.merge(later)
+    values = lam.reshape(-1, 3).numpy()
+    for stats in (one, halves, LambdaStats.from_dict(json.loads(json.dumps(one.to_dict(), allow_nan=False)))):
+        got = stats.summary()
+        json.dumps(got, allow_nan=False)
+        assert got["nonfinite"] == [5, 0, 1]
+        for h in range(3):
+            ok = values[np.isfinite(values[:, h]), h]
+            assert got["count"][h] == ok.size
+            assert got["mean"]["per_head"][h] == pytest.approx(ok.mean(), rel=1e-12)
+            assert got["std"]["per_head"][h] == pytest.approx(ok.std(), rel=1e-9)
+            assert got["min"]["per_head"][h] == ok.min() and got["max"]["per_head"][h] == ok.max()
+
+    scalar = LambdaStats()
+    scalar.update(torch.tensor(math.nan))
+    scalar.update(torch.tensor(0.25))
+    got = scalar.summary()
+    assert (got["count"], got["nonfinite"], got["value"], got["min"], got["max"]) == (1, 1, 0.25, 0.25, 0.25)
+    json.dumps(scalar.to_dict(), allow_nan=False)
+    assert LambdaStats.from_dict(json.loads(json.dumps(scalar.to_dict()))).summary() == got

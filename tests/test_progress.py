@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 
 import pytest
 from tqdm import tqdm
 
 from diffquant import progress as P
 from diffquant.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Clock:
@@ -34,6 +37,7 @@ class Stream(io.StringIO):
 @pytest.fixture(autouse=True)
 def not_quiet(monkeypatch):
     monkeypatch.delenv(P.QUIET_ENV, raising=False)
+    monkeypatch.delenv(P.INTERVAL_ENV, raising=False)
     P.set_quiet(None)
     yield
     P.set_quiet(None)
@@ -144,3 +148,53 @@ def test_cli_quiet_flag_is_top_level(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--quiet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("value", "interval"), [("0", 0.0), ("60", 60.0), ("", P.INTERVAL), ("x", P.INTERVAL)]
+)
+def test_interval_from_the_environment(value, interval, monkeypatch):
+    """DIFFQUANT_PROGRESS_INTERVAL sets the seconds between lines (0: a line at every step); a value that is
+    not a number >= 0 falls back to the default instead of stopping the run."""
+    monkeypatch.setenv(P.INTERVAL_ENV, value)
+    assert P.default_interval() == interval
+    clock, out = Clock(), Stream()
+    bar = P.progress(total=4, desc="ppl", unit="win", file=out, clock=clock)
+    assert bar.interval == interval
+    clock.now += 1.0
+    bar.update(1)
+    assert (out.getvalue() == "ppl: 1/4 win, 1.0 win/s, ETA 3 s\n") == (interval <= 1.0)
+
+
+def test_the_suite_runs_quiet_unless_asked(monkeypatch):
+    """conftest's autouse fixture makes every test quiet (so what a command prints does not depend on how busy
+    the machine is); this module opts out, and DIFFQUANT_TEST_PROGRESS=1 turns the fixture off."""
+    assert not P.is_quiet()  # this module's not_quiet fixture ran after conftest's quiet_progress
+
+
+# Tests that compare what a command prints with what it should (an error in one line, a placement line, a
+# README example) and that printed progress lines when the machine was busy (found by running the whole suite
+# with DIFFQUANT_TEST_PROGRESS=1 DIFFQUANT_PROGRESS_INTERVAL=0: 14 such failures, these among them).
+LOAD_SENSITIVE = (
+    "tests/test_tokenizers.py::test_broken_tokenizer_json_is_one_line",
+    "tests/test_device_map.py::test_cpu_and_disk_placement_equals_the_whole_model",
+)
+
+
+@pytest.mark.slow
+def test_output_comparisons_hold_on_a_busy_machine():
+    """The tests that compare printed output pass when every step is slow (a progress line at each step), and
+    without the suite's quiet fixture the same run fails: the busy machine is really played."""
+    import subprocess
+    import sys
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *LOAD_SENSITIVE]
+        full = {**os.environ, P.INTERVAL_ENV: "0", "OMP_NUM_THREADS": "1", **env}
+        full.pop(P.QUIET_ENV, None)
+        return subprocess.run(cmd, capture_output=True, text=True, env=full, cwd=ROOT, timeout=600)
+
+    quiet = run(DIFFQUANT_TEST_PROGRESS="0")
+    assert quiet.returncode == 0, quiet.stdout[-3000:]
+    loud = run(DIFFQUANT_TEST_PROGRESS="1")
+    assert loud.returncode == 1, loud.stdout[-3000:]

@@ -740,3 +740,51 @@ def test_mse_clip_is_near_the_brute_force_optimum_on_the_data():
     got = mse(clip)
     assert got <= best * 1.03, (clip, got, best)
     assert got < 0.5 * mse(30.0) and worst > 3 * got
+
+
+def _first_batch_outliers() -> list[torch.Tensor]:
+    """Four calibration batches (1, 10000, 1): N(0, 1) everywhere, and 0.05 % of all values at +-30 all in
+    the FIRST batch, so a calibration that keeps only the last batch sees no outlier at all."""
+    g = torch.Generator().manual_seed(43)
+    batches = [torch.randn(1, 10000, 1, generator=g) for _ in range(4)]
+    idx = torch.randperm(10000, generator=g)[:20]
+    batches[0][0, idx, 0] = 30.0 * torch.sign(torch.randn(20, generator=g))
+    return batches
+
+
+def _clip_over(calibration: str, batches: list[torch.Tensor], fmt: str = "int8", **kw) -> float:
+    fq = FakeQuant(Scheme(format=fmt, calibration=calibration, **kw), "s", "resid")
+    fq.start_calibration()
+    for b in batches:
+        fq(b)
+    fq.finish_calibration()
+    return float(fq.scale) * fq.scheme.element.max_value
+
+
+@pytest.mark.parametrize("calibration", ["absmax", "percentile", "mse"])
+def test_calibration_remembers_an_extreme_of_the_first_batch(calibration):
+    """The extreme values come in the first of four batches: every observer keeps them (abs-max: the max;
+    percentile: the exact quantile of all batches within one bin; MSE: near the brute-force optimum over all
+    batches), where one that kept only the last batch would settle near the N(0, 1) bulk (~4)."""
+    import numpy as np
+
+    batches = _first_batch_outliers()
+    x = torch.cat(batches, dim=1)
+    if calibration == "absmax":
+        assert _clip_over("absmax", batches) == pytest.approx(float(x.abs().max()), rel=1e-6)
+        assert float(x.abs().max()) == 30.0
+    elif calibration == "percentile":
+        q = float(np.quantile(x.abs().numpy().ravel(), 0.9999, method="inverted_cdf"))
+        assert q == 30.0  # the 99.99th percentile of all batches is an outlier; of the last batch it is not
+        clip = _clip_over("percentile", batches, percentile=99.99)
+        assert q <= clip <= q * 2 ** (1 / 64) * (1 + 1e-6), (clip, q)
+    else:
+        xd = x.double().reshape(-1)
+
+        def mse(clip: float) -> float:
+            s = clip / 7
+            return float(((torch.round(xd / s).clamp(-7, 7) * s - xd) ** 2).mean())
+
+        best = min(mse(30.0 * r / 600) for r in range(1, 601))
+        got = mse(_clip_over("mse", batches, fmt="int4"))
+        assert got <= best * 1.03, (got, best)

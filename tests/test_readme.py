@@ -24,6 +24,32 @@ def readme_block(command: str) -> list[str]:
     return lines[start + 1 : end]
 
 
+NUMBER = re.compile(r"[-+]?\d[\d,]*\.\d+")
+
+
+def same_printout(printed: list[str], want: list[str]) -> None:
+    """Lines equal, except that a decimal number may differ by one unit in its last printed digit: float32
+    reductions round differently on CPUs with other vector widths (AVX2 vs AVX-512), and a value near a
+    rounding boundary then prints 1.4855 on one and 1.4854 on the other. Integers (counts, locations,
+    positions) and every word must match exactly."""
+    assert len(printed) == len(want), (printed, want)
+    for got, line in zip(printed, want, strict=True):
+        assert NUMBER.sub("#", got) == NUMBER.sub("#", line), (got, line)
+        for a, b in zip(NUMBER.findall(got), NUMBER.findall(line), strict=True):
+            digits = len(b.rpartition(".")[2])
+            assert abs(float(a.replace(",", "")) - float(b.replace(",", ""))) <= 1.01 * 10**-digits, (
+                got,
+                line,
+            )
+
+
+def test_same_printout_allows_one_unit_in_the_last_digit_only():
+    same_printout(["x 1.4855 (+0.0128) at 222"], ["x 1.4854 (+0.0128) at 222"])
+    for bad in (["x 1.4856 (+0.0128) at 222"], ["x 1.4855 (+0.0128) at 223"], ["y 1.4855 (+0.0128) at 222"]):
+        with pytest.raises(AssertionError):
+            same_printout(bad, ["x 1.4854 (+0.0128) at 222"])
+
+
 def test_zoo_table_is_what_the_cards_say(capsys):
     assert main(["zoo"]) == 0
     assert capsys.readouterr().out.splitlines() == readme_block("diffquant zoo")
@@ -38,7 +64,8 @@ def test_demo_prints_what_the_readme_shows(tmp_path, capsys):
     printed = capsys.readouterr().out.replace(str(out), "runs/demo").splitlines()
     want = readme_block("diffquant demo")
     timing = re.compile(r"^demo finished in \d+ s; ")
-    assert [line for line in printed if not timing.match(line)] == [
-        line for line in want if not timing.match(line)
-    ]
+    same_printout(
+        [line for line in printed if not timing.match(line)],
+        [line for line in want if not timing.match(line)],
+    )
     assert sum(bool(timing.match(line)) for line in want) == 1

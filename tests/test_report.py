@@ -340,3 +340,32 @@ def test_report_renders_headless(tmp_path, mc_file):
     assert pixels.std() > 0.05  # not a blank page
     dark = (pixels.mean(axis=-1) < 0.5).mean()
     assert 0.005 < dark < 0.5  # text on a light page
+
+
+def test_noise_between_results_of_different_sample_sizes_pools_by_items(tmp_path):
+    """Two accuracies over different numbers of items, A 3/4 and B 392/400, with no reported standard error:
+    the two-proportion test pools the correct answers, p = (3 + 392) / (4 + 400), not the mean of the two
+    accuracies. Pooled, the gap 0.23 is beyond 2 standard errors (0.148); an unweighted mean (0.865) would
+    make it 0.354 and call the models indistinguishable."""
+    import math
+
+    from diffquant.report.summary import task_views
+
+    cells = {
+        "A": {"none": {"acc_rank": 0.75, "chance_rank": 0.01, "n": 4}},
+        "B": {"none": {"acc_rank": 0.98, "chance_rank": 0.01, "n": 400}},
+    }
+    run = _synthetic_run(tmp_path, {"retrieval": ({"type": "retrieval"}, "acc_rank", True, cells)})
+    results = json.loads((run / "sweep" / "results.json").read_text())
+    (view,) = task_views(results, json.loads((run / "sweep" / "sweep.json").read_text()))
+    a, b = view.cells[("A", "none")], view.cells[("B", "none")]
+    assert (a.n, b.n, view.spread) == (4, 400, "binomial")
+    p = (3 + 392) / (4 + 400)  # correct answers over items, from the counts
+    expected = math.sqrt(p * (1 - p) * (1 / 4 + 1 / 400))
+    assert view.se_of_difference(a, b) == pytest.approx(expected, rel=1e-12)
+    unweighted = math.sqrt(0.865 * 0.135 * (1 / 4 + 1 / 400))
+    assert 2 * expected < 0.23 < 2 * unweighted  # the case tells the two means apart
+    text = _summary(run)
+    assert "unquantized, B is best (0.9800; A 0.7500)" in text and "within noise" not in text
+    assert "0 of 1 differences between models at the same plan are smaller than 2 standard errors" in text
+    assert "binomial standard errors sqrt(p(1-p)/n) over 4 to 400 items" in text

@@ -195,3 +195,50 @@ def test_model_content_sha256(tmp_path):
     assert model_content_sha256("zoo:baseline") != model_content_sha256("zoo:diff_v1")
     with pytest.raises(DiffquantError, match="neither a checkpoint folder nor a file"):
         model_content_sha256(str(tmp_path / "missing"))
+
+
+def test_profile_refuses_a_link_a_checkpoint_or_an_input_as_out(tmp_path, capsys):
+    """`profile --out LINK` (LINK -> a checkpoint folder) wrote into the checkpoint; an --out that is a
+    checkpoint, lies inside one or is the model read is refused too, in one line, force or not."""
+    from diffquant.cli import main
+    from diffquant.io import init_model, save_checkpoint
+
+    ckpt = save_checkpoint(init_model("init:baseline:tiny"), tmp_path / "ckpt")
+    before = sorted(p.name for p in ckpt.iterdir())
+    link = tmp_path / "link"
+    link.symlink_to(ckpt, target_is_directory=True)
+    common = ["--quiet", "profile", "init:baseline:tiny", "--tokens", "64", "--seq-len", "32"]
+    cases = [
+        (link, "is a symbolic link"),
+        (ckpt, "is a checkpoint folder"),
+        (ckpt / "runs", "lies inside"),
+    ]
+    for out, words in cases:
+        for force in ([], ["--force"]):
+            assert main([*common, "--out", str(out), *force]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and words in err and str(out) in err, err
+    other = ["--quiet", "profile", str(ckpt), "--tokens", "64", "--seq-len", "32", "--out", str(ckpt)]
+    assert main(other) == 2 and "checkpoint folder" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing written into the checkpoint
+    assert not (ckpt / "runs").exists()
+
+
+def test_a_foreign_manifest_with_a_command_key_is_not_a_run_folder(tmp_path):
+    """Another tool's manifest.json with `command` (and even `versions`) keys is not diffquant's: refused
+    without --force, and --force leaves its files alone."""
+    mine = tmp_path / "tool"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (mine / "manifest.json").write_text('{"command": "deploy", "versions": {"node": "18"}}')
+    with pytest.raises(DiffquantError, match=r"\(a manifest.json, written by a run"):
+        _claim(mine, "profile", A)
+    with claim_run_folder(mine, "profile", A, force=True):
+        pass
+    assert (mine / "notes.txt").read_text() == "keep" and (mine / "manifest.json").exists()
+    ours = tmp_path / "ours"  # a manifest diffquant wrote (no claim record): recognised, force cleans it
+    write_json_atomic(ours / "manifest.json", manifest("profile"))
+    with pytest.raises(DiffquantError, match="manifest.json of a `profile` run"):
+        _claim(ours, "profile", A)
+    with claim_run_folder(ours, "profile", A, force=True):
+        assert not (ours / "manifest.json").exists()

@@ -711,3 +711,40 @@ def test_state_version_refused():
     old = dict(d, version=1, hist=dict(d["hist"], base=1.02))
     with pytest.raises(ValueError, match="unsupported statistics state"):
         SiteStats.from_dict(old)
+
+
+# ------------------------------------------------------------------------ the extreme in the first batch
+def test_every_statistic_keeps_an_extreme_of_the_first_batch():
+    """A resid site fed three batches whose outliers (one massive 500 at channel 3, a -250, values >= 6, a
+    NaN) come in the FIRST (the last adds one 120): every statistic equals numpy's over the three batches together. An
+    accumulator that kept only the last batch (or replaced instead of adding) loses them and fails."""
+    rng = np.random.default_rng(5)
+    batches = [torch.from_numpy(rng.standard_normal((2, 6, 8))).float() for _ in range(3)]
+    first = batches[0]
+    first[0, 1, 3], first[1, 4, 5], first[1, 0, 0] = 500.0, -250.0, math.nan
+    first[0, 2, :] = torch.tensor([7.0, -8.0, 6.5, 9.0, -6.0, 6.0, 11.0, -12.0])
+    batches[2][1, 5, 7] = 120.0  # one more |x| > 100 later: counts must add, not restart
+    s = SiteStats("layers.0.resid", "resid", topk=5, massive_cap=10)
+    for i, b in enumerate(batches):
+        s.update(b, sample_offset=2 * i)
+    got = s.summary()
+
+    xs = torch.cat(batches).double().numpy()
+    finite = xs[np.isfinite(xs)]
+    mags = np.sort(np.abs(finite))[::-1]
+    assert got["count"] == finite.size and got["nan_count"] == 1
+    assert got["first_nonfinite"]["loc"]["sample"] == 1
+    assert got["max"] == finite.max() == 500.0 and got["min"] == finite.min() == -250.0
+    # moments: float32 passes combined in float64, within the module's documented ~1e-7 (tested to 1e-6)
+    assert got["mean"] == pytest.approx(finite.mean(), rel=1e-6)
+    assert got["std"] == pytest.approx(finite.std(), rel=1e-6)
+    assert [e["abs"] for e in got["top"]] == pytest.approx(mags[:5].tolist())
+    assert got["top"][0]["loc"]["sample"] == 0 and got["top"][0]["loc"]["channel"] == 3
+    chan = np.nanmax(np.abs(np.where(np.isfinite(xs), xs, 0.0)), axis=(0, 1))
+    assert got["channel_absmax"] == pytest.approx(chan.tolist())
+    assert got["count_abs_ge_6"] == int((np.abs(finite) >= 6).sum())
+    assert got["count_abs_gt_100"] == int((np.abs(finite) > 100).sum()) == 3
+    assert got["median"] == pytest.approx(
+        float(np.quantile(mags, 0.5, method="inverted_cdf")), rel=QUANTILE_REL_ERROR
+    )
+    assert s.quantile(1.0) == pytest.approx(500.0, rel=QUANTILE_REL_ERROR)

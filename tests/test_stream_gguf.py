@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_gguf import GQA, KQUANT, MHA_TIED, Q, write_gguf
+from test_gguf import _LAYER_NAMES, GQA, KQUANT, MHA_TIED, TWELVE, Q, write_gguf
 from test_gguf import tok_files as tok_files  # noqa: F401 (the fixture, shared)
 
 from diffquant.cli import main
@@ -141,6 +141,36 @@ def test_each_stage_reads_only_its_tensors_and_maps_nothing(files, monkeypatch):
     maps = Path("/proc/self/maps")
     if maps.is_file():
         assert not [line for line in maps.read_text().splitlines() if line.endswith(str(path))]
+
+
+def test_twelve_layers_each_stage_reads_its_own_block(tmp_path, tok_files, monkeypatch):
+    """blk.1. vs blk.10. / blk.11.: in a 12-layer file the stage of layer i reads the nine tensors of
+    blk.i and no other, and the streamed logits equal the whole-model ones."""
+    path = write_gguf(tmp_path / "twelve.gguf", tok_files, TWELVE, Q.Q8_0)
+    spec = f"gguf:{path}"
+    model = load_model(spec)
+    windows = _windows(model.config.vocab_size, n=2)
+    with torch.no_grad():
+        whole = model(windows)
+    reads: list[str] = []
+    get = GGUFTensors.get
+
+    def spy(self, key):
+        reads.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(GGUFTensors, "get", spy)
+    with open_streamed(spec) as streamed:
+        read_by_stage = {}
+        for name, prefixes, modules, _ in streamed.stages():
+            reads.clear()
+            streamed.materialise(prefixes)
+            read_by_stage[name] = sorted(reads)
+            streamed.release(modules)
+    for i in range(12):
+        want = sorted(f"blk.{i}.{gguf_name}" for gguf_name in _LAYER_NAMES.values())
+        assert read_by_stage[f"layers.{i}"] == want, i
+    assert torch.equal(logits_streamed(spec, windows, batch_size=2), whole)
 
 
 def test_weights_bytes_file_and_in_memory(files):

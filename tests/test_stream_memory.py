@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import shard_safetensors
 from test_stream import _windows
 
@@ -74,7 +75,8 @@ def test_address_space_limit_caps_available_bytes():
 
 # -------------------------------------------------------------------------- refusals and failures
 def test_whole_load_that_cannot_fit_is_refused_and_auto_streams(folder, tmp_path, capsys, monkeypatch):
-    size = executor.weights_bytes(folder)
+    size = executor.whole_load_bytes(folder)  # the weights and the mapped file they are copied from
+    assert size == executor.weights_bytes(folder) + (folder / "model.safetensors").stat().st_size
     monkeypatch.setattr(api, "available_bytes", lambda device="cpu": size - 1)
     monkeypatch.setattr(executor, "available_bytes", lambda device="cpu": size - 1)
     args = ["profile", str(folder), "--tokens", "128", "--seq-len", "32", "--sites", "kind:resid"]
@@ -172,3 +174,76 @@ def test_streamed_run_maps_no_shard_it_is_not_reading(folder, monkeypatch):
         (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
         executor.weights_bytes(cut)
     assert json.loads((folder / "config.json").read_text())  # the original is untouched
+
+
+def test_a_finite_spill_budget_puts_drops_and_puts_again(tmp_path, monkeypatch):
+    """A budget of one batch (not 0, not None): each stage keeps the batch that fits in memory and spills
+    the others, re-putting every key after a get; the profile of a 12-layer model (layers.1 and layers.11
+    both exist) is the whole-model one, and the spill count is what the budget implies."""
+    from conftest import tiny_model
+
+    monkeypatch.setattr(executor.tempfile, "tempdir", str(tmp_path))
+    deep = save_checkpoint(tiny_model("diff_v2", n_layers=12, vocab_size=259), tmp_path / "deep")
+    windows = _windows(259, n=5)
+    batch = 2 * windows.shape[1] * tiny_model("diff_v2", n_layers=12).config.d_model * 4  # one batch, fp32
+    stats: dict = {}
+    sites = "kind:resid"
+    got = profile_streamed(deep, windows, batch_size=2, sites=sites, topk=8, hidden_budget=batch, stats=stats)
+    whole = profile_model(load_model(deep), windows, batch_size=2, sites=sites, topk=8)
+    assert len(whole.to_dict()["sites"]) == 12
+    assert got.to_dict() == whole.to_dict()
+    # batches of 2, 2, 1 windows: the first fits, the second and third spill, at each of the 13 stages
+    # that store (embed and 12 layers; the head drops)
+    assert stats["hidden_spilled"] == 2 * 13 and stats["hidden_peak_bytes"] == batch
+    assert not list(tmp_path.glob("diffquant-hidden-*"))
+
+    store = executor.HiddenStore(budget_bytes=16)  # put, drop, put: the dropped bytes are free again
+    a, b = torch.arange(4.0), torch.arange(4.0) + 10  # 16 bytes each
+    store.put(0, a)
+    store.put(1, b)  # over the budget: a file
+    store.drop(0)
+    store.put(2, b)  # fits again in memory
+    assert store.spilled == 1 and store.peak_bytes == 16
+    assert torch.equal(store.get(1), b) and torch.equal(store.get(2), b)
+    store.put(1, a)  # a spilled key put again: its file replaced, still over the budget
+    assert torch.equal(store.get(1), a) and store.spilled == 2
+    store.close()
+
+
+@pytest.mark.slow  # a child process imports torch and the kernels (~15 s on a busy 2-core machine)
+def test_whole_load_counts_the_load_peak_under_an_address_space_limit(tmp_path):
+    """Under ``ulimit -v`` with room for the weights but not for the load's peak (the file mapped while
+    its tensors are copied out), ``--stream off`` is refused in one line before loading (it used to pass
+    the check and die in the load) and ``auto`` streams."""
+    from conftest import tiny_model
+
+    model = tiny_model("baseline", n_layers=12, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32)
+    folder = save_checkpoint(model, tmp_path / "ckpt", overwrite=True)
+    weights = executor.weights_bytes(folder)
+    code = (
+        "import resource, sys\n"
+        "from diffquant.cli import main\n"
+        "from diffquant.stream import api, executor\n"
+        "executor.prepare_whole_load()\n"
+        "vm = executor._meminfo('VmSize', '/proc/self/status')\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, (vm + 3 * {weights} // 2, resource.RLIM_INFINITY))\n"
+        "print(api.choose_stream(sys.argv[1], 'auto'), flush=True)\n"
+        "sys.exit(main(['--quiet', 'profile', sys.argv[1], '--tokens', '64', '--seq-len', '32',\n"
+        "               '--stream', 'off', '--out', sys.argv[2]]))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(folder), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True"  # auto: streamed
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "exceed the budget" in lines[0] and "(--stream auto)" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("diffquant profile: error: ")
+    assert "do not fit" in lines[1] and "run it with --stream on" in lines[1]
+    assert not (tmp_path / "run").exists()
+    peak = executor.whole_load_bytes(folder)
+    assert peak == weights + (folder / "model.safetensors").stat().st_size  # the file, mapped while read

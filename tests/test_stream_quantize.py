@@ -6,6 +6,7 @@ stream are refused in one line; a run that fails leaves no output folder."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from conftest import shard_safetensors, tiny_model, train_byte_bpe
 from safetensors import safe_open
 
+import diffquant.io.quantize as whole_quantize
 import diffquant.stream.quantize as stream_quantize
 from diffquant.cli import main
 from diffquant.errors import DiffquantError
@@ -221,3 +223,44 @@ def test_recipe_quantize_stage_streams(setup, tmp_path):
         line.replace("whole", "streamed") for line in logs_whole if "logits SQNR" in line
     ]
     assert not math.isnan(float(sqnr[0].split("SQNR ")[1].split(" dB")[0]))
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A 12-layer checkpoint: stage names layers.1 and layers.11 both exist, so a prefix match that took one
+    for the other would show (byte vocabulary, so the default text and tokenizer apply)."""
+    model = tiny_model("baseline", n_layers=12, vocab_size=259)
+    return str(save_checkpoint(model, tmp_path_factory.mktemp("deep") / "deep12"))
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_a_second_quantize_into_the_same_new_out_is_refused(setup, deep, tmp_path, monkeypatch, streamed):
+    """Two quantize runs into one new --out: the second, started while the first runs, is refused at once
+    (one line naming the folder in use); the first writes its checkpoint. Before, the streamed quantize let
+    both run and the later rename replaced the earlier checkpoint (both said "wrote")."""
+    out = tmp_path / "q"
+    options = _options(setup)
+    run = quantize_streamed if streamed else quantize_checkpoint
+    module = stream_quantize if streamed else whole_quantize
+    hook = "write_config" if streamed else "split_windows"
+    real, second = getattr(module, hook), []
+
+    def during_first(*args, **kwargs):
+        if not second:  # the first run is under way: start the second into the same folder
+            second.append(None)
+            with pytest.raises(DiffquantError) as err:
+                run(deep, "w8a8", out=out, **options)
+            second[0] = str(err.value)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, hook, during_first)
+    summary = run(deep, "w8a8", out=out, **options)
+    assert second[0] is not None and "\n" not in second[0]
+    assert f"{out} is in use by another run (pid {os.getpid()})" in second[0]
+    assert f"wrote {out}" in summary["text"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temporary sibling left
+    assert not (out / ".diffquant-run.lock").exists()  # the checkpoint holds no claim files
+    model = load_model(out)  # the first run's checkpoint, complete
+    assert model.config.n_layers == 12 and model.quant_plan is not None
+    with pytest.raises(DiffquantError, match="already exists"):  # afterwards: refused as before
+        run(deep, "w8a8", out=out, **options)

@@ -351,3 +351,35 @@ def test_sweep_killed_at_random_points_resumes_byte_identical(tmp_path, text):
     assert len(keys) == len(set(keys)) == 8, f"seed {seed}: {keys}"
     again = subprocess.run(_eval_cmd(text, out), capture_output=True, text=True, env=env)
     assert again.returncode == 0 and "8 already done, 0 to run" in again.stderr
+
+
+def test_resumed_sweep_recomputes_cells_of_a_changed_tokenizer_override(tmp_path, text):
+    """A tokenizer override file's special tokens live in the tokenizer_config.json beside it: changing that
+    file (or the tokenizer.json) changes the numbers, so a resumed sweep must not reuse the old cells."""
+    from conftest import tiny_model, train_byte_bpe
+
+    from diffquant.io import save_checkpoint
+
+    folder = save_checkpoint(tiny_model("baseline", vocab_size=320), tmp_path / "m")
+    tok = train_byte_bpe(tmp_path / "tok", [f"def f{i}(x): return x + {i}" for i in range(50)])
+
+    def sweep(log):
+        spec = SweepSpec(
+            models={"m": str(folder)},
+            plans=[],
+            tasks=[parse_task(f"bpb:data={text},tokens=256,seq_len=32")],
+            tokenizers={"m": str(tok)},
+        )
+        return run_sweep(spec, tmp_path / "s", log=log)
+
+    said: list[str] = []
+    first = sweep(said.append)["rows"][0]["value"]
+    said.clear()
+    assert sweep(said.append)["rows"][0]["value"] == first
+    assert "1 cells, 1 already done, 0 to run" in "\n".join(said)  # a plain resume reuses the cell
+    config = tok.parent / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "add_bos_token": True}))
+    said.clear()
+    changed = sweep(said.append)["rows"][0]["value"]
+    assert "1 cells, 0 already done, 1 to run" in "\n".join(said)
+    assert changed != first  # BOS in front of every document: other numbers, not the old cell's

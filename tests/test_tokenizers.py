@@ -307,3 +307,48 @@ def test_recipe_tokenizer_key_and_bf16_on_cpu(hf_folder, tmp_path, capsys):
     path.write_text(yaml.safe_dump(recipe))
     assert main(["run", str(path), "--out", str(tmp_path / "run2")]) == 2
     _one_line(capsys.readouterr().err)
+
+
+def test_empty_tokenizer_path_is_refused(hf_folder, tmp_path, capsys, monkeypatch):
+    """`--tokenizer ''` (an unset shell variable) is not "no override" and not the working folder (Path('')
+    is '.', which may hold some other tokenizer.json): every command refuses it in one line."""
+    monkeypatch.chdir(hf_folder)  # a folder with a tokenizer.json that '' must not pick up
+    with pytest.raises(DiffquantError, match="empty path"):
+        load_tokenizer("")
+    text = str(hf_folder / "text.txt")
+    for argv in (
+        ["profile", "init:baseline:tiny", "--data", text, "--tokens", "64", "--seq-len", "32", "--out"],
+        ["eval", "init:baseline:tiny", "--task", f"bpb:data={text},tokens=64,seq_len=32", "--out"],
+        ["quantize", "init:baseline:tiny", "--plan", "w8a8-tensor", "--calib-data", text, "--out"],
+    ):
+        out = tmp_path / argv[0]
+        assert main([*argv, str(out), "--tokenizer", ""]) == 2, argv
+        err = capsys.readouterr().err
+        _one_line(err)
+        assert "tokenizer ''" in err and "empty path" in err and not out.exists()
+    assert main(["info", "init:baseline:tiny", "--tokenizer", ""]) == 2
+    assert "empty path" in capsys.readouterr().err
+
+
+def test_info_reports_a_tokenizer_that_does_not_fit_the_embedding(hf_folder, tmp_path, capsys):
+    """A checkpoint whose own tokenizer has more ids than its embedding rows: every stage refuses it, and
+    `info` (which describes a model rather than running it) says so, not "none"."""
+    native = tmp_path / "native"
+    assert main(["init", str(native)]) == 0  # vocab_size 259 (bytes)
+    (native / "tokenizer.json").write_bytes((hf_folder / "tokenizer.json").read_bytes())
+    config = json.loads((native / "config.json").read_text())
+    (native / "config.json").write_text(json.dumps({**config, "tokenizer": "tokenizer.json"}))
+    capsys.readouterr()
+    assert main(["info", str(native)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("tokenizer"))
+    assert "unusable" in line and "produces ids up to 299" in line and "vocab_size 259" in line
+    assert main(["info", str(native), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)["tokenizer"]
+    assert described.startswith("unusable") and "vocab_size 259" in described
+    out = tmp_path / "run"
+    assert main(["profile", str(native), "--out", str(out)]) == 2
+    assert "produces ids up to 299" in capsys.readouterr().err and not out.exists()
+    # a model that brings no tokenizer is still "none"
+    bare = load_model("init:baseline:tiny")
+    assert main(["info", "init:baseline:tiny"]) == 0
+    assert "tokenizer    byte (259 ids)" in capsys.readouterr().out and bare.tokenizer is None

@@ -285,3 +285,26 @@ def test_recipe_values_have_their_types(tmp_path, text, expected):
     with pytest.raises(DiffquantError, match=re.escape(expected)) as err:
         TrainConfig.load(path)
     assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+
+
+def test_a_second_train_into_a_folder_in_use_is_refused(tmp_path, capsys):
+    """Every writer of a run folder takes the claims' lock: a train into a folder another process holds is
+    refused in one line (pid named) and writes nothing; once free, the same command runs."""
+    import fcntl
+    import os
+
+    from diffquant.io.runfolder import LOCK_FILE
+
+    recipe, out = _recipe(tmp_path, "locked")
+    out.mkdir(parents=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, b"4242\n", 0)
+        assert main(["train", str(recipe), "--stop-after", "1"]) == 2
+        assert "in use by another run (pid 4242)" in _one_line_error(capsys)
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    assert main(["train", str(recipe), "--stop-after", "1"]) == 0

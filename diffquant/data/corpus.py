@@ -15,6 +15,7 @@ tool all read wiki.test.raw as one stream).
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
 import math
@@ -123,13 +124,41 @@ def _entries(source: str) -> list[tuple[str, Path]]:
 _WARNED: set[tuple[str, str]] = set()
 
 
+# Byte-order marks, longest first (UTF-32 LE starts with the UTF-16 LE mark): the encoding they announce.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+
+
 def _read(source: str, name: str, path: Path) -> str:
-    """A file's text. Text is UTF-8: a byte that does not decode (a Latin-1 file, say) becomes U+FFFD,
-    which is 3 bytes in UTF-8, so such a file reads as more bytes than it has; a warning says how many."""
+    """A file's text. Text is UTF-8; a file that starts with a byte-order mark (what Windows editors and
+    PowerShell write: UTF-16, UTF-8 with BOM) is decoded as the mark says, without the mark. A NUL byte in
+    a file without one is refused: it is UTF-16 / UTF-32 without a mark or not text, and as UTF-8 every
+    other byte would be a NUL "character" the model reads. A byte that does not decode (a Latin-1 file,
+    say) becomes U+FFFD, which is 3 bytes in UTF-8, so such a file reads as more bytes than it has; a
+    warning says how many."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise DiffquantError(f"data source {source!r}: cannot read {name!r}: {exc.strerror or exc}") from None
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data[len(bom) :].decode(encoding)
+            except UnicodeDecodeError as err:
+                raise DiffquantError(
+                    f"data source {source!r}: {name} starts with a {encoding.upper()} byte-order mark but "
+                    f"is not {encoding.upper()} (byte {err.start + len(bom)} does not decode)"
+                ) from None
+    if b"\0" in data:
+        raise DiffquantError(
+            f"data source {source!r}: {name} holds NUL bytes (first at byte {data.index(0)}): UTF-16 or "
+            "UTF-32 without a byte-order mark, or not text; save it as UTF-8"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -234,11 +263,40 @@ def token_stream(
     the byte tokenizer; BOS only where the model expects it, EOS where the tokenizer has one): the one
     sequence that :func:`token_windows` cuts into rows and that perplexity evaluation slides over, so
     both see the same tokens for the same source. Documents are read only until ``max_tokens`` are
-    there; a shorter source yields what it has. ``tokenizer`` defaults to :class:`ByteTokenizer`.
+    there; a shorter source yields what it has, and a warning says how many tokens that is.
+    ``tokenizer`` defaults to :class:`ByteTokenizer`.
     """
+    tokenizer = tokenizer or ByteTokenizer()
+    stream = _stream(source, max_tokens, tokenizer)
+    if max_tokens is not None:
+        _warn_short(source, tokenizer, stream.numel(), max_tokens)
+    return stream
+
+
+def _warn_short(source: str, tokenizer: Tokenizer, have: int, wanted: int) -> None:
+    """Say once per source, tokenizer and request that a source holds fewer tokens than asked for: the
+    results record the tokens they read, but a --tokens far beyond the text would otherwise pass unnoticed."""
+    key = (source, tokenizer.fingerprint(), wanted)
+    if have >= wanted or key in _SHORT_WARNED:
+        return
+    _SHORT_WARNED.add(key)
+    logging.getLogger(__name__).warning(
+        "data source %r holds %s tokens of tokenizer %s, fewer than the %s asked for: all %s are used",
+        source,
+        f"{have:,}",
+        tokenizer.name,
+        f"{wanted:,}",
+        f"{have:,}",
+    )
+
+
+_SHORT_WARNED: set[tuple[str, str, int]] = set()
+
+
+def _stream(source: str, max_tokens: int | None, tokenizer: Tokenizer) -> torch.Tensor:
+    """:func:`token_stream` without the warning (:func:`token_windows` asks for whole windows)."""
     if max_tokens is not None:
         _check_count(source, "max_tokens", max_tokens)
-    tokenizer = tokenizer or ByteTokenizer()
     pieces: list[torch.Tensor] = []
     have = 0
     for doc in iter_documents(source):
@@ -265,12 +323,14 @@ def token_windows(
     _check_count(source, "n_tokens", n_tokens)
     _check_count(source, "seq_len", seq_len)
     n_windows = math.ceil(n_tokens / seq_len)
-    stream = token_stream(source, n_windows * seq_len, tokenizer)
+    tokenizer = tokenizer or ByteTokenizer()
+    stream = _stream(source, n_windows * seq_len, tokenizer)
     have = stream.numel()
     if have < seq_len:
         raise DiffquantError(
             f"data source {source!r} has {have} tokens, fewer than one window of seq_len {seq_len}"
         )
+    _warn_short(source, tokenizer, have, n_tokens)
     n_windows = min(n_windows, have // seq_len)
     return stream[: n_windows * seq_len].view(n_windows, seq_len)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from diffquant.data.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
+from diffquant.data.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer, text_bytes
 from diffquant.errors import DiffquantError
 
 WINDOW_CONVENTIONS = ("disjoint", "chained")
@@ -176,6 +176,8 @@ class StreamScorer:
             raise DiffquantError(
                 f"the token stream holds id {int(stream.max())}, outside tokenizer {self.tokenizer.describe()}"
             )
+        # Per position, not per id: a document's first token does not count the tokenizer's dummy prefix.
+        self.position_bytes = text_bytes(stream, self.tokenizer)
         self.batches = [
             (batch, torch.stack([stream[start:end] for start, end, _ in batch]))
             for batch in window_batches(self.plan, batch_size)
@@ -188,8 +190,9 @@ class StreamScorer:
         logp = logp.double()
         positions = torch.arange(1, ids.shape[1])
         first = torch.tensor([score_from - start for start, _, score_from in batch])
-        target_bytes = self.byte_len[ids[:, 1:]]
-        keep = (positions[None, :] >= first[:, None]) & (target_bytes > 0)
+        target_bytes = torch.stack([self.position_bytes[start + 1 : end] for start, end, _ in batch])
+        # text tokens are scored (a lone dummy-prefix piece too, though it stands for no byte of the text)
+        keep = (positions[None, :] >= first[:, None]) & (self.byte_len[ids[:, 1:]] > 0)
         self.nats -= torch.where(keep, logp, torch.zeros((), dtype=logp.dtype)).sum().item()
         self.n_scored += int(keep.sum())
         self.n_bytes += int(target_bytes[keep].sum())

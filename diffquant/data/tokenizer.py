@@ -76,6 +76,14 @@ class Tokenizer(ABC):
     def describe(self) -> str:
         return f"{self.name} ({self.vocab_size:,} ids)"
 
+    @property
+    def prefix_bytes(self) -> int:
+        """Bytes the tokenizer puts in front of every text it encodes and that are not the text's: 1 for
+        SentencePiece's dummy prefix (``"river"`` -> ``"\u2581river"``, Llama / Mistral) or a byte-level BPE
+        with ``add_prefix_space``, else 0. The first token of a document carries them, so the bytes of
+        scored text subtract them there (see :func:`text_bytes`)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class ByteTokenizer(Tokenizer):
@@ -192,6 +200,7 @@ class HFTokenizer(Tokenizer):
                     f"tokenizer {name}: {what} id {value} is outside its vocabulary of {self._vocab_size} ids"
                 )
         self._lengths: torch.Tensor | None = None
+        self._prefix: int | None = None
 
     @property
     def backend(self) -> Any:
@@ -246,6 +255,16 @@ class HFTokenizer(Tokenizer):
             self._lengths = lengths
         return self._lengths
 
+    @property
+    def prefix_bytes(self) -> int:
+        """Measured, not read from the normalizer / pre-tokenizer settings (they are spelled in several ways
+        across tokenizer.json versions): the bytes the tokens of ``"a"`` stand for, less the one byte of
+        ``"a"``."""
+        if self._prefix is None:
+            ids = self._tok.encode("a", add_special_tokens=False).ids
+            self._prefix = max(0, int(self.byte_lengths()[ids].sum()) - 1)
+        return self._prefix
+
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"diffquant-hf-tokenizer\0")
         h.update(self._tok.to_str().encode("utf-8"))
@@ -292,11 +311,24 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _first_id(value: Any) -> int | None:
-    """An id from config.json / generation_config.json (an int, or a list whose first entry counts)."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_id(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _first_id(value: Any, file: Path, key: str) -> int | None:
+    """An id from config.json / generation_config.json: an int, or a list of them (``eos_token_id: [1, 2]``,
+    the ids generation stops at) whose first entry frames documents; null, an empty list or a negative id
+    (``pad_token_id: -1`` in early Llama configs) is none. Anything else is refused: taking it as "no such
+    token" would silently drop BOS / EOS."""
+    if value is None or value == [] or (_is_int(value) and value < 0):
+        return None
+    if _is_id(value) or (isinstance(value, list) and all(_is_id(v) for v in value)):
+        return value[0] if isinstance(value, list) else value
+    raise DiffquantError(f"{file}: {key} must be a token id or a list of ids, got {value!r}")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -304,10 +336,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     Special tokens come from ``tokenizer_config.json`` (bos_token / eos_token / pad_token /
     add_bos_token), else ``generation_config.json`` / ``config.json`` (bos_token_id, eos_token_id,
-    pad_token_id), whichever the folder has; a bare tokenizer.json brings none.
+    pad_token_id), whichever the folder has; where none names BOS, the token the tokenizer's own
+    post-processor puts in front (a bare Llama tokenizer.json: ``<s>``). A named token that is not in
+    the vocabulary, or an id that is not an id, is a one-line error.
     """
     if str(path) == BYTE:
         return ByteTokenizer()
+    if not str(path).strip():  # Path('') is '.', which would quietly read whatever the working folder holds
+        raise DiffquantError(
+            f"tokenizer {str(path)!r}: empty path (expected 'byte', a tokenizer.json or its folder)"
+        )
     path = Path(path).expanduser()
     if path.is_dir():
         folder, file = path, path / TOKENIZER_FILE
@@ -331,11 +369,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     for key in ("bos", "eos", "pad"):
         text = _token_text(tok_cfg.get(f"{key}_token"))
         ids[key] = backend.token_to_id(text) if text is not None else None
+        if text is not None and ids[key] is None:  # a typo or another model's token: no silent "no BOS"
+            raise DiffquantError(
+                f"{folder / TOKENIZER_CONFIG_FILE}: {key}_token {text!r} is not in the vocabulary of {file}"
+            )
     for name in ("generation_config.json", "config.json"):
         cfg = _read_json_optional(folder / name)
         for key in ("bos", "eos", "pad"):
             if ids[key] is None:
-                ids[key] = _first_id(cfg.get(f"{key}_token_id"))
+                ids[key] = _first_id(cfg.get(f"{key}_token_id"), folder / name, f"{key}_token_id")
+    if ids["bos"] is None:  # a bare tokenizer.json: its post-processor still says which token opens a text
+        ids["bos"] = _post_processor_bos(backend)
     add_bos = tok_cfg.get("add_bos_token")
     if not isinstance(add_bos, bool):
         add_bos = _post_processor_adds_bos(backend, ids["bos"])
@@ -353,6 +397,17 @@ def parse_tokenizer_json(file: str | Path) -> Any:
     except Exception as err:  # tokenizers raises a bare Exception for malformed files
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DiffquantError(f"{file}: not a valid tokenizer.json ({first})") from None
+
+
+def _post_processor_bos(backend: Any) -> int | None:
+    """The special token the tokenizer's post-processor puts in front of a single text (``<s>`` in a
+    Llama tokenizer.json's TemplateProcessing), or None: what names BOS when no config file does."""
+    bare = backend.encode("a", add_special_tokens=False).ids
+    framed = backend.encode("a", add_special_tokens=True).ids
+    if len(framed) > len(bare) and framed[len(framed) - len(bare) :] == bare:
+        lead = framed[: len(framed) - len(bare)]
+        return lead[0] if len(lead) == 1 else None
+    return None
 
 
 def _post_processor_adds_bos(backend: Any, bos_id: int | None) -> bool:
@@ -406,6 +461,30 @@ def resolve_tokenizer(tokenizer: Tokenizer | None, vocab: int, name: str = "mode
     return tokenizer
 
 
+def text_bytes(stream: torch.Tensor, tokenizer: Tokenizer) -> torch.Tensor:
+    """(n,) int64: the UTF-8 bytes of text each position of a token stream (1-D, as
+    :func:`diffquant.data.token_stream` frames it) stands for; 0 for specials.
+
+    A token's :meth:`Tokenizer.byte_lengths`, except that the first token of each document (the stream's
+    first, and the first after a BOS or EOS) loses the tokenizer's :attr:`Tokenizer.prefix_bytes`: the
+    dummy-prefix space a SentencePiece tokenizer adds is not a byte of the text, and counting it would
+    make bits per byte depend on how many documents the text is split into."""
+    stream = stream.flatten().long()
+    lengths = tokenizer.byte_lengths()[stream]
+    prefix = tokenizer.prefix_bytes
+    if prefix and stream.numel():
+        marks = torch.zeros_like(stream, dtype=torch.bool)
+        for special in (tokenizer.bos_id, tokenizer.eos_id):
+            if special is not None:
+                marks |= stream == special
+        starts = torch.ones_like(marks)
+        starts[1:] = marks[:-1]
+        starts &= lengths > 0
+        lengths = torch.where(starts, (lengths - prefix).clamp(min=0), lengths)
+    return lengths
+
+
 def count_bytes(ids: torch.Tensor, tokenizer: Tokenizer) -> int:
-    """UTF-8 bytes of text that ``ids`` stand for (specials count 0)."""
-    return int(tokenizer.byte_lengths()[ids.flatten().long()].sum())
+    """UTF-8 bytes of text that ``ids`` (a token stream, or windows cut from it in order) stand for
+    (specials count 0; see :func:`text_bytes`)."""
+    return int(text_bytes(ids, tokenizer).sum())

@@ -33,16 +33,19 @@ the context the weights were trained at when a training card says so (as diffqua
 
 :func:`run_lmeval` runs ``lm_eval.simple_evaluate`` offline on such a model; diffquant's own task YAMLs in
 ``recipes/lmeval/`` (local-file LAMBADA, HellaSwag and WikiText) are always on the include path.
+:func:`check_lmeval` refuses before lm-eval starts what can be refused: task YAMLs of an include path that
+name Python (unless ``trust_task_code``), unknown task names, bad local data files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +372,345 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# ============================================================================ task YAMLs, read, never run
+# lm-eval runs the Python a task YAML names: ``!function utils.process_docs`` imports utils.py from the
+# YAML's folder (or any importable module), a ``class:`` key builds a Task class, and Jinja templates
+# render in an unsandboxed environment. A task folder from elsewhere is therefore code, and, following
+# transformers' ``trust_remote_code``, diffquant reads every YAML lm-eval would index under the include
+# paths (with their ``include:`` chains) as data first and refuses one that names Python unless the user
+# passes ``trust_task_code``. The YAMLs installed with diffquant (recipes/lmeval) and with lm-eval (its
+# tasks folder) are code of installed packages, trusted like the packages themselves.
+_CODE_TAGS = ("!function", "tag:yaml.org,2002:python/")  # what lm-eval's loaders would turn into Python
+_CODE_KEYS = ("class",)  # TaskIndex: a 'class' key makes a Python task
+_IGNORE_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # TaskIndex skips these folders
+
+
+class _Code:
+    """A YAML node lm-eval would resolve to Python (``!function x.y``): its tag and text, unresolved."""
+
+    def __init__(self, tag: str, text: str) -> None:
+        self.tag, self.text = tag, text
+
+    def __repr__(self) -> str:
+        return f"{self.tag} {self.text}".strip()
+
+
+class _DataLoader(yaml.SafeLoader):
+    """A YAML loader that constructs plain data only; code tags become :class:`_Code` markers."""
+
+
+def _code_node(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> _Code:
+    text = loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else ""
+    return _Code(node.tag, str(text))
+
+
+for _tag in _CODE_TAGS:
+    _DataLoader.add_multi_constructor(_tag, _code_node)
+
+
+def _lm_eval_tasks_dir() -> Path | None:
+    """lm-eval's own tasks folder, found without importing lm-eval."""
+    import importlib.util  # noqa: PLC0415 (only to locate the optional package)
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve() / "tasks"
+
+
+def _trusted_roots() -> list[Path]:
+    roots = [RECIPE_TASKS.resolve()]
+    builtin = _lm_eval_tasks_dir()
+    return roots + ([builtin] if builtin is not None else [])
+
+
+def _is_under(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _code_in(value: Any, where: str) -> Iterator[tuple[str, str]]:
+    """(key path, what) for every place in a loaded YAML value that names Python."""
+    if isinstance(value, _Code):
+        yield where, repr(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            path = f"{where}.{k}" if where else str(k)
+            if str(k) in _CODE_KEYS:
+                yield path, f"a '{k}' key ({v!r})"
+            else:
+                yield from _code_in(v, path)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _code_in(v, f"{where}[{i}]")
+
+
+def _read_task_yaml(
+    path: Path, trusted: list[Path], found: list[tuple[Path, str, str]], seen: frozenset[Path] = frozenset()
+) -> dict[str, Any] | None:
+    """One task YAML as lm-eval's loader merges it (``include:`` files first, its own keys win), read as
+    data; appends (file, key, what) to ``found`` for every key of an untrusted file that names Python.
+    None where lm-eval's index would skip the file (unreadable, not a mapping, a missing include, a cycle)."""
+    path = path.expanduser().resolve()
+    if path in seen:
+        return None
+    try:
+        cfg = yaml.load(path.read_bytes(), Loader=_DataLoader)  # noqa: S506 (a SafeLoader subclass)
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    if not _is_under(path, trusted):
+        found.extend((path, key_path, what) for key_path, what in _code_in(cfg, ""))
+    includes = cfg.pop("include", None)
+    if includes is None:
+        return cfg
+    merged: dict[str, Any] = {}
+    for inc in includes if isinstance(includes, list) else [includes]:
+        if not isinstance(inc, str):
+            return None
+        inc_path = Path(inc) if Path(inc).is_absolute() else path.parent / inc
+        inc_cfg = _read_task_yaml(inc_path, trusted, found, seen | {path})
+        if inc_cfg is None:
+            return None
+        inc_cfg.pop("task_list", None)
+        merged.update(inc_cfg)
+    return {**merged, **cfg}
+
+
+def _yaml_files(root: Path) -> list[Path]:
+    """The YAMLs lm-eval's TaskIndex reads under ``root`` (``**/*.yaml``, sorted)."""
+    return sorted(
+        (p for p in root.glob("**/*.yaml") if not any(part in _IGNORE_DIRS for part in p.parts)),
+        key=lambda p: p.as_posix(),
+    )
+
+
+def _entry_names(cfg: dict[str, Any]) -> list[str]:
+    """The names a merged config adds to lm-eval's index (TaskIndex.process_cfg): its task or group, and
+    its tags."""
+    if "class" in cfg or ("group" not in cfg and "task" in cfg):
+        names = [cfg.get("task")]
+    elif "group" in cfg:
+        names = [cfg["group"]]
+    else:
+        return []
+    if "group" not in cfg or "class" in cfg:
+        tags = cfg.get("tag")
+        names += tags if isinstance(tags, list) else [tags]
+    return [n for n in names if isinstance(n, str) and n]
+
+
+@dataclass
+class _LocalTasks:
+    """The task YAMLs under the include paths, read as data: each name's merged config and file."""
+
+    configs: dict[str, tuple[dict[str, Any], Path]]
+    found: list[tuple[Path, str, str]]  # (file, key, what) of every key naming Python, untrusted files only
+
+
+def _scan_include_paths(paths: list[Path]) -> _LocalTasks:
+    trusted = _trusted_roots()
+    configs: dict[str, tuple[dict[str, Any], Path]] = {}
+    found: list[tuple[Path, str, str]] = []
+    for root in paths:
+        for file in _yaml_files(root):
+            cfg = _read_task_yaml(file, trusted, found)
+            for name in [] if cfg is None else _entry_names(cfg):
+                configs[name] = (cfg, file.resolve())  # later paths override earlier ones, as in lm-eval
+    return _LocalTasks(configs, found)
+
+
+def _refuse_task_code(found: list[tuple[Path, str, str]]) -> None:
+    if not found:
+        return
+    file, key_path, what = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise DiffquantError(
+        f"lm-eval task file {file}: '{key_path}' names Python code ({what}){more}, which lm-eval would run; "
+        f"if you trust the folder {file.parent}, pass trust_task_code=true with the task "
+        "(--task lmeval:...,trust_task_code=true, or trust_task_code: true in a recipe task)"
+    )
+
+
+# a task / group / tag key and its value (a flow list, a scalar, or nothing: a block list follows)
+_NAME_LINE = re.compile(r"""^\s*(?:-\s+)?(["']?)(?:task|group|tag)\1\s*:[ \t]*(.*?)\s*$""")
+_LIST_ITEM = re.compile(r"^\s*-\s+(.*?)\s*$")
+_NOT_YAML = (".py", ".pyc", ".md")
+
+
+def _scalar_names(text: str) -> list[str]:
+    text = text.split(" #", 1)[0].strip()
+    items = text[1:-1].split(",") if text.startswith("[") and text.endswith("]") else [text]
+    return [i.strip().strip("'\"") for i in items if i.strip().strip("'\"")]
+
+
+@functools.lru_cache(maxsize=2)
+def _builtin_names(root: Path) -> frozenset[str]:
+    """Every name lm-eval's own tasks folder could index, read from the files' ``task:`` / ``group:`` /
+    ``tag:`` lines without building a TaskManager (seconds instead of minutes). A superset: a name that is
+    not here is not an lm-eval task; one that is may still turn out to be a fragment of another file."""
+    names: set[str] = set()
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _IGNORE_DIRS]
+        for file in files:
+            if file.endswith(_NOT_YAML):  # included templates have any name (_template_yaml, naijarc)
+                continue
+            block = False
+            for line in Path(dirpath, file).read_text(encoding="utf-8", errors="replace").splitlines():
+                match = _NAME_LINE.match(line)
+                if match:
+                    names.update(_scalar_names(match.group(2)))
+                    block = not match.group(2)
+                elif block and (item := _LIST_ITEM.match(line)):
+                    names.update(_scalar_names(item.group(1)))
+                elif line.strip() and not line.lstrip().startswith("#"):
+                    block = False
+    return frozenset(names)
+
+
+def _refuse_unknown(names: list[str], local: _LocalTasks) -> None:
+    """An unknown task name, refused before lm-eval indexes its thousands of files."""
+    missing = [n for n in names if n not in local.configs]
+    if not missing:
+        return
+    builtin = _lm_eval_tasks_dir()
+    known = _builtin_names(builtin) if builtin is not None and builtin.is_dir() else frozenset()
+    unknown = [n for n in missing if n not in known]
+    if unknown:
+        raise DiffquantError(
+            f"lm-eval: unknown task {unknown[0]!r} (not in lm-eval {LMEVAL_VERSION}, recipes/lmeval or the "
+            "include_path)"
+        )
+
+
+# ======================================================================= local data files, checked first
+def _is_label(v: Any) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and v.strip().isdigit())
+
+
+def _is_strings(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(s, str) for s in v)
+
+
+_STRING = (lambda v: isinstance(v, str), "a string")
+# the fields each shipped task reads from a record (before its process_docs), with their types
+SHIPPED_FIELDS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "lambada_local": {"text": _STRING},
+    "hellaswag_local": {
+        "activity_label": _STRING,
+        "ctx_a": _STRING,
+        "ctx_b": _STRING,
+        "endings": (_is_strings, "a non-empty list of strings"),
+        "label": (lambda v: _is_label(v), "the index of the right ending (0, 1, ... or '0', '1', ...)"),
+    },
+    "wikitext_local": {"page": _STRING},
+}
+_READS_RAW_TEXT = ("wikitext_local",)  # its process_docs (wikitext_docs) splits raw text into pages
+_TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
+_ANY = (lambda v: True, "")
+
+
+def _task_fields(name: str, cfg: dict[str, Any], yaml_path: Path | None) -> dict[str, tuple[Any, str]]:
+    """The fields a task reads from each record: declared for the shipped tasks, else the variables its
+    Jinja templates name (none known when a process_docs or a Python class reshapes the records first)."""
+    shipped = yaml_path is not None and _is_under(Path(yaml_path).resolve(), [RECIPE_TASKS.resolve()])
+    if shipped and name in SHIPPED_FIELDS:
+        return SHIPPED_FIELDS[name]
+    if "process_docs" in cfg or "class" in cfg:
+        return {}
+    import jinja2  # noqa: PLC0415 (comes with lm-eval; only to read templates)
+    from jinja2 import meta  # noqa: PLC0415 (comes with lm-eval; only to read templates)
+
+    env = jinja2.Environment()
+    keys = [*_TEMPLATE_KEYS, *(["doc_to_decontamination_query"] if cfg.get("should_decontaminate") else [])]
+    fields: dict[str, tuple[Any, str]] = {}
+    for k in keys:
+        template = cfg.get(k)
+        if not isinstance(template, str) or ("{{" not in template and "{%" not in template):
+            continue  # a field name, a literal or a function: nothing certain to require
+        try:
+            names = meta.find_undeclared_variables(env.parse(template))
+        except jinja2.TemplateSyntaxError:
+            continue  # lm-eval will say so itself
+        fields.update({n: _ANY for n in sorted(names) if n not in env.globals})
+    return fields
+
+
+def _json_type(v: Any) -> str:
+    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list"}
+    return "null" if v is None else names.get(type(v), "an object")
+
+
+def check_data_file(name: str, path: str | Path, cfg: dict[str, Any], yaml_path: Path | None) -> Path:
+    """``path`` as the local data file of task ``name`` (its merged config ``cfg``): it exists, has a
+    suffix lm-eval's file builders read, is UTF-8, is not empty and, for JSON, every line is an object
+    with the fields the task reads (:func:`_task_fields`). One-line DiffquantError naming file, line and
+    field, before lm-eval (whose errors here are tracebacks from deep inside datasets) reads it."""
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise DiffquantError(f"lm-eval task {name}: data file {str(path)!r} does not exist")
+    builder = _DATA_SUFFIXES.get(file.suffix.lower())
+    if builder is None:
+        raise DiffquantError(
+            f"lm-eval task {name}: data file {str(path)!r}: expected {', '.join(_DATA_SUFFIXES)} (JSON lines or text)"
+        )
+    where = f"lm-eval task {name}: data file {file}"
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DiffquantError(f"{where}: line {line}: not UTF-8 text (byte {err.start})") from None
+    fields = _task_fields(name, cfg, yaml_path)
+    if builder == "text":
+        if not text.strip():
+            raise DiffquantError(f"{where} is empty (expected text)")
+        needed = [f for f in fields if f != "text"]
+        if needed and not (name in _READS_RAW_TEXT and fields is SHIPPED_FIELDS.get(name)):
+            raise DiffquantError(
+                f"{where}: a text file gives records with one field 'text'; task {name} reads "
+                f"{', '.join(fields)}: give a JSON lines file"
+            )
+        return file
+    records: list[tuple[str, Any]] = []
+    whole: Any = None
+    if file.suffix.lower() == ".json":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # JSON lines
+        if isinstance(whole, list):
+            records = [(f"record {i + 1}", r) for i, r in enumerate(whole)]
+        elif isinstance(whole, dict):
+            records = [("record 1", whole)]
+    if whole is None:
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue  # datasets skips blank lines
+            try:
+                records.append((f"line {n}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise DiffquantError(
+                    f"{where}: line {n}: not valid JSON ({err.msg}, column {err.colno})"
+                ) from None
+    if not records:
+        raise DiffquantError(f"{where} is empty (expected one JSON object per line)")
+    for at, record in records:
+        if not isinstance(record, dict):
+            raise DiffquantError(f"{where}: {at}: expected a JSON object, got {_json_type(record)}")
+        for field, (ok, expected) in fields.items():
+            if field not in record:
+                have = ", ".join(record) or "none"
+                raise DiffquantError(
+                    f"{where}: {at}: no field '{field}' (task {name} reads {', '.join(fields)}; this one has {have})"
+                )
+            if not ok(record[field]):
+                raise DiffquantError(
+                    f"{where}: {at}: field '{field}' must be {expected}, got {_json_type(record[field])}"
+                )
+    return file
+
+
 # ========================================================================================== evaluation
 @contextlib.contextmanager
 def _offline_single_process() -> Iterator[None]:
@@ -414,14 +756,15 @@ def _full_task_manager(paths: tuple[str, ...]) -> Any:
     return TaskManager(include_path=list(paths) or None)
 
 
-def _task_manager(names: list[str], paths: list[Path]) -> Any:
+def _task_manager(names: list[str], paths: list[Path], local: _LocalTasks) -> Any:
     """A TaskManager that knows ``names``: the include paths alone when they define them all, else lm-eval's
-    tasks too."""
+    tasks too (names already checked by :func:`check_lmeval`)."""
     from lm_eval.tasks import TaskManager  # noqa: PLC0415 (optional library (lmeval extra))
 
-    local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False) if paths else None
-    if local is not None and all(n in local.task_index for n in names):
-        return local
+    if paths and all(n in local.configs for n in names):
+        manager = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
+        if all(n in manager.task_index for n in names):
+            return manager
     manager = _full_task_manager(tuple(str(p.resolve()) for p in paths))
     unknown = [n for n in names if n not in manager.task_index]
     if unknown:
@@ -432,26 +775,72 @@ def _task_manager(names: list[str], paths: list[Path]) -> Any:
     return manager
 
 
-def _data_override(name: str, path: str | Path, manager: Any, folder: Path) -> str:
-    """A task YAML in ``folder`` that is task ``name`` reading the local file ``path`` as its test split
-    (JSON lines, or text: lines, or the whole file for a rolling task); returns its path (a task spec)."""
-    entry = manager.task_index[name]
-    if entry.yaml_path is None or entry.cfg is None or "task" not in entry.cfg:
-        raise DiffquantError(f"lm-eval: {name!r} is a group or tag; a data file override needs a single task")
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise DiffquantError(f"lm-eval task {name}: data file {str(path)!r} does not exist")
-    builder = _DATA_SUFFIXES.get(file.suffix.lower())
-    if builder is None:
+def _data_files(names: list[str], data_files: str | Path | dict[str, str | Path] | None) -> dict[str, Any]:
+    """``data_files`` as ``{task: file}``: one path for a single task, or a mapping over the tasks."""
+    if data_files is None:
+        return {}
+    if isinstance(data_files, dict):
+        stray = [k for k in data_files if k not in names]
+        if stray:
+            raise DiffquantError(
+                f"lm-eval: data file given for {stray[0]!r}, which is not among the tasks {names}"
+            )
+        return dict(data_files)
+    if len(names) != 1:
         raise DiffquantError(
-            f"lm-eval task {name}: data file {str(path)!r}: expected {', '.join(_DATA_SUFFIXES)} (JSON lines or text)"
+            f"lm-eval: one data file for {len(names)} tasks; give a mapping {{task: file}} (or one task per --task)"
         )
+    return {names[0]: data_files}
+
+
+def check_lmeval(
+    tasks: list[str],
+    *,
+    include_path: str | Path | list[str | Path] | None = None,
+    data_files: str | Path | dict[str, str | Path] | None = None,
+    trust_task_code: bool = False,
+) -> _LocalTasks:
+    """Everything about an lm-eval run that can be refused before lm-eval starts, in one line each: the
+    task YAMLs under the include paths are read as data (with their ``include:`` chains) and one that
+    names Python (``!function``, a ``class:`` key, a ``!!python/`` tag) is refused unless
+    ``trust_task_code``; an unknown task name is refused without indexing lm-eval's thousands of files;
+    a local data file of a task defined there is checked against the fields the task reads
+    (:func:`check_data_file`). Returns the include paths' tasks."""
+    _require_lm_eval()
+    names = [str(t) for t in ([tasks] if isinstance(tasks, str) else tasks)]
+    if not names or not all(names):
+        raise DiffquantError("lm-eval: no task names")
+    files = _data_files(names, data_files)
+    local = _scan_include_paths(_include_paths(include_path))
+    if not trust_task_code:
+        _refuse_task_code(local.found)
+    _refuse_unknown(names, local)
+    for name, path in files.items():
+        if name in local.configs:
+            cfg, yaml_path = local.configs[name]
+            check_data_file(name, path, cfg, yaml_path)
+    return local
+
+
+def _data_override(name: str, path: str | Path, manager: Any) -> dict[str, Any]:
+    """Task ``name`` reading the local file ``path`` as its test split (JSON lines, or text: lines, or the
+    whole file for a rolling task), as an inline config: the task's YAML as lm-eval loads it (includes
+    merged, functions resolved) with the dataset keys replaced. Nothing is written, so nothing is left
+    behind when a run is killed."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # noqa: PLC0415 (optional library (lmeval extra))
+
+    entry = manager.task_index[name]
+    if entry.yaml_path is None or entry.cfg is None or "task" not in entry.cfg or "group" in entry.cfg:
+        raise DiffquantError(f"lm-eval: {name!r} is a group or tag; a data file override needs a single task")
+    file = check_data_file(name, path, entry.cfg, entry.yaml_path)
+    builder = _DATA_SUFFIXES[file.suffix.lower()]
     kwargs: dict[str, Any] = {"data_files": {"test": str(file)}}
     if builder == "text":
         rolling = entry.cfg.get("output_type") == "loglikelihood_rolling"
         kwargs["sample_by"] = "document" if rolling else "line"
-    override = {
-        "include": str(Path(entry.yaml_path).resolve()),
+    cfg = load_yaml(entry.yaml_path, resolve_func=True)  # what lm-eval's factory reads for a named task
+    return {
+        **cfg,
         "task": name,
         "dataset_path": builder,
         "dataset_name": None,
@@ -461,9 +850,29 @@ def _data_override(name: str, path: str | Path, manager: Any, folder: Path) -> s
         "training_split": None,
         "fewshot_split": None,
     }
-    out = folder / f"{name}.yaml"
-    out.write_text(yaml.safe_dump(override, sort_keys=False))
-    return str(out)
+
+
+@contextlib.contextmanager
+def _sandboxed_templates(enabled: bool) -> Iterator[None]:
+    """lm-eval renders task templates with a plain Jinja environment, in which a template can reach
+    Python (``{{ cycler.__init__.__globals__ }}``); while ``enabled``, it renders them in Jinja's sandbox,
+    which refuses such attributes (``SecurityError``). Templates of trusted task folders need neither."""
+    if not enabled:
+        yield
+        return
+    from jinja2.sandbox import SandboxedEnvironment  # noqa: PLC0415 (comes with lm-eval)
+    from lm_eval import utils as lm_utils  # noqa: PLC0415 (optional library (lmeval extra))
+
+    plain = lm_utils.env
+    sandbox = SandboxedEnvironment(
+        loader=plain.loader, undefined=plain.undefined, keep_trailing_newline=plain.keep_trailing_newline
+    )
+    sandbox.filters.update(plain.filters)
+    lm_utils.env = sandbox
+    try:
+        yield
+    finally:
+        lm_utils.env = plain
 
 
 def _metrics(task_results: dict[str, Any]) -> dict[str, Any]:
@@ -492,6 +901,7 @@ def run_lmeval(
     max_length: int | None = None,
     bootstrap_iters: int = 1000,
     progress: bool = False,
+    trust_task_code: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate ``model`` on lm-eval ``tasks`` offline; ``{task: {metric: float, ..., "n_samples": int}}``.
 
@@ -504,31 +914,20 @@ def run_lmeval(
     documents scored. ``data_files`` points tasks at local files: one path for a single task, or
     ``{task: path}``. recipes/lmeval/ (``lambada_local``, ``hellaswag_local``, ``wikitext_local``) is
     always on the include path, before ``include_path``. ``limit`` scores the first N documents of each
-    task; ``num_fewshot`` overrides the tasks' few-shot count.
+    task; ``num_fewshot`` overrides the tasks' few-shot count. Task YAMLs under ``include_path`` that
+    name Python are refused, and their templates render in Jinja's sandbox, unless ``trust_task_code``
+    (see :func:`check_lmeval`).
     """
     lm_eval = _require_lm_eval()
-    if isinstance(tasks, str):
-        tasks = [tasks]
-    names = [str(t) for t in tasks]
-    if not names or not all(names):
-        raise DiffquantError("lm-eval: no task names")
+    names = [str(t) for t in ([tasks] if isinstance(tasks, str) else tasks)]
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise DiffquantError(f"lm-eval: limit must be a positive integer, got {limit!r}")
-    if data_files is None:
-        files: dict[str, str | Path] = {}
-    elif isinstance(data_files, dict):
-        files = dict(data_files)
-        stray = [k for k in files if k not in names]
-        if stray:
-            raise DiffquantError(
-                f"lm-eval: data file given for {stray[0]!r}, which is not among the tasks {names}"
-            )
-    else:
-        if len(names) != 1:
-            raise DiffquantError(
-                f"lm-eval: one data file for {len(names)} tasks; give a mapping {{task: file}} (or one task per --task)"
-            )
-        files = {names[0]: data_files}
+    local = check_lmeval(
+        names, include_path=include_path, data_files=data_files, trust_task_code=trust_task_code
+    )
+    files = _data_files(names, data_files)
+    paths = _include_paths(include_path)
+    from jinja2.exceptions import SecurityError  # noqa: PLC0415 (comes with lm-eval)
     from lm_eval.api.model import LM  # noqa: PLC0415 (optional library (lmeval extra))
 
     if isinstance(model, LM):  # a ready lm-eval model (e.g. HFLM, to compare against): used as it is
@@ -537,27 +936,34 @@ def run_lmeval(
         lm = __getattr__("DiffquantLM")(
             model, tokenizer, batch_size=batch_size, max_length=max_length, progress=progress
         )
-    with _offline_single_process(), tempfile.TemporaryDirectory(prefix="diffquant-lmeval-") as tmp:
-        manager = _task_manager(names, _include_paths(include_path))
-        specs = [_data_override(n, files[n], manager, Path(tmp)) if n in files else n for n in names]
+    untrusted = not trust_task_code and any(p.resolve() != RECIPE_TASKS.resolve() for p in paths)
+    with _offline_single_process():
+        manager = _task_manager(names, paths, local)
+        specs = [_data_override(n, files[n], manager) if n in files else n for n in names]
         try:
-            out = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=specs,
-                num_fewshot=num_fewshot,
-                limit=limit,
-                batch_size=batch_size,
-                bootstrap_iters=bootstrap_iters,
-                log_samples=False,
-                task_manager=manager,
-                random_seed=None,  # leave the caller's global RNGs alone (scoring is deterministic)
-                numpy_random_seed=None,
-                torch_random_seed=None,
-            )
+            with _sandboxed_templates(untrusted):
+                out = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=specs,
+                    num_fewshot=num_fewshot,
+                    limit=limit,
+                    batch_size=batch_size,
+                    bootstrap_iters=bootstrap_iters,
+                    log_samples=False,
+                    task_manager=manager,
+                    random_seed=None,  # leave the caller's global RNGs alone (scoring is deterministic)
+                    numpy_random_seed=None,
+                    torch_random_seed=None,
+                )
         except FileNotFoundError as err:
             raise DiffquantError(
                 f"lm-eval: a task's data file is missing ({str(err).splitlines()[0] if str(err) else err}); "
                 "point the task at a file with path=FILE"
+            ) from None
+        except SecurityError as err:
+            raise DiffquantError(
+                f"lm-eval: a task template of the include_path reaches for Python ({err}); templates from an "
+                "include_path render in Jinja's sandbox unless the task passes trust_task_code=true"
             ) from None
     if out is None:
         raise DiffquantError("lm-eval: simple_evaluate returned no results")

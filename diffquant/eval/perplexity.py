@@ -50,6 +50,7 @@ from diffquant.data.scoring import (  # noqa: F401 (the window schedule and scor
     window_plan,
 )
 from diffquant.data.tokenizer import Tokenizer, model_tokenizer
+from diffquant.errors import DiffquantError
 from diffquant.progress import progress as show_progress
 
 _check_settings = check_settings  # the old private names
@@ -134,13 +135,21 @@ def evaluate_bpb(
     Returns a flat dict: ``bits_per_byte`` (nll_bits / n_bytes), ``perplexity`` (exp of the mean natural
     NLL per scored token), ``nll_bits``, ``n_tokens_scored``, ``n_bytes`` (UTF-8 bytes of the scored
     tokens), ``n_windows``, ``tokens`` (stream length read), ``seq_len``, ``stride``, ``windows`` and
-    ``tokenizer``. ``evaluate`` replaces :func:`evaluate_stream` (same arguments), e.g. with the
-    layer-streamed run of a weightless skeleton (:func:`diffquant.stream.evaluate_streamed`).
+    ``tokenizer``. A source of fewer tokens than one window is refused (``max_tokens`` below seq_len
+    scores that many tokens in one window). ``evaluate`` replaces :func:`evaluate_stream` (same
+    arguments), e.g. with the layer-streamed run of a weightless skeleton
+    (:func:`diffquant.stream.evaluate_streamed`).
     """
     _check_int("max_tokens", max_tokens, 2)
-    _check_settings(model, seq_len, stride, batch_size, windows)  # fail before reading any data
+    window = _check_settings(model, seq_len, stride, batch_size, windows)  # fail before reading any data
     tokenizer = tokenizer or model_tokenizer(model)
     stream = token_stream(source, max_tokens, tokenizer)
+    if stream.numel() < min(window, max_tokens):
+        # as profile and calibration refuse it (token_windows): scoring the whole text in one shorter
+        # window would report a number for seq_len `window` that no window of that length produced
+        raise DiffquantError(
+            f"data source {source!r} has {stream.numel()} tokens, fewer than one window of seq_len {window}"
+        )
     return (evaluate or evaluate_stream)(
         model,
         stream,

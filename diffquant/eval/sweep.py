@@ -9,7 +9,7 @@ interrupted-and-resumed sweep writes the same results file as an uninterrupted o
 Resuming is by content, not by name: each cell record carries an ``ident``, the sha256 of what decides its
 numbers: the model's files (:func:`diffquant.io.artifacts.model_content_sha256`; ``init:`` models by their
 specifier), the resolved plan, the task's parameters and the sweep's settings (calibration, batch size,
-device, dtype, tokenizer override, hashed by content when it is a file). A checkpoint replaced at the same
+device, dtype, tokenizer override, by the fingerprint of the tokenizer it loads). A checkpoint replaced at the same
 path or a plan file edited in place therefore recomputes exactly the cells it touches (said in the log),
 while a plain resume recomputes nothing. The folder is claimed
 (:func:`diffquant.io.runfolder.claim_run_folder`) for the sweep's *specifiers* (model specs, plan names,
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from diffquant.data import token_windows
-from diffquant.data.tokenizer import ByteTokenizer, model_tokenizer
+from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer, model_tokenizer
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.eval.tasks import TaskSpec, default_text, parse_task, run_task
@@ -50,7 +50,6 @@ from diffquant.io import load_model, peek_tokenizer
 from diffquant.io.artifacts import (
     model_content_sha256,
     read_json,
-    sha256_file,
     write_json_atomic,
     write_text_atomic,
 )
@@ -235,15 +234,13 @@ def cell_idents(spec: SweepSpec, plans: dict[str, Any]) -> dict[str, tuple[str, 
 
 
 def _tokenizer_key(override: str | None) -> Any:
-    """A tokenizer override by content where it is a file (or a folder's tokenizer files)."""
+    """A tokenizer override by what it encodes: the fingerprint of the tokenizer it loads (vocabulary,
+    merges, pre-tokenizer, special ids, BOS rule). Not the file's hash alone: the special tokens of a
+    tokenizer.json come from the tokenizer_config.json / generation_config.json / config.json beside it,
+    so editing those changes the numbers too, and a resumed sweep must recompute the cells."""
     if override is None:
         return None
-    path = Path(override)
-    if path.is_file():
-        return {"file": sha256_file(path)}
-    if path.is_dir():
-        return {p.name: sha256_file(p) for p in sorted(path.glob("tokenizer*.json")) if p.is_file()}
-    return override
+    return {"fingerprint": load_tokenizer(override).fingerprint()}
 
 
 def _hash(data: Any) -> str:
@@ -370,7 +367,8 @@ def run_sweep(
     rank, world = rank_and_world()
     say = log if log is not None and rank == 0 else None
     streams = _check_stream(spec)  # before the folder is claimed
-    with claim_run_folder(out, "sweep", spec.identity(), force=force):
+    inputs = list(spec.models.values())
+    with claim_run_folder(out, "sweep", spec.identity(), force=force, inputs=inputs):
         plans = load_plans(spec)
         if rank == 0:
             _check_marker(out / "sweep.json")

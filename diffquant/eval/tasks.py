@@ -14,7 +14,9 @@ Task types:
   joined by ``+``), ``path`` (a local data file for the task; a mapping ``{task: file}`` for several),
   ``limit`` (first N documents per task), ``num_fewshot``, ``include_path`` (more task YAMLs; diffquant's
   ``recipes/lmeval/`` is always included: ``lambada_local``, ``hellaswag_local``, ``wikitext_local``),
-  ``max_length`` (tokens per window; default the model's context) and ``metric`` (the primary metric;
+  ``max_length`` (tokens per window; default the model's context), ``trust_task_code`` (let lm-eval run
+  the Python that the include_path's task YAMLs name: ``!function``, ``class:``; without it such a YAML
+  is refused, as ``trust_remote_code`` does in transformers) and ``metric`` (the primary metric;
   default the first task's main one: ``word_perplexity`` for wikitext*, ``perplexity`` for lambada*,
   ``acc`` otherwise). With one task its metrics keep lm-eval's names (``acc``, ``acc_norm``,
   ``perplexity``, ``bits_per_byte``, ``acc_stderr``, ..., plus ``n_samples``); with several each is
@@ -38,7 +40,7 @@ from diffquant.data.corpus import default_text, iter_documents
 from diffquant.data.tokenizer import model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.eval import retrieval as retrieval_mod  # tests patch the module attribute
-from diffquant.eval.lmeval import run_lmeval
+from diffquant.eval.lmeval import check_lmeval, run_lmeval
 from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.eval.retrieval import RetrievalConfig
@@ -166,6 +168,8 @@ class LMEvalParams:
     include_path: list[str] | str | None = key(None, check=_paths)
     max_length: int | None = key(None, min=2)
     metric: str | None = key(None, check=_text(True))
+    # lm-eval runs the Python a task YAML names (!function, class:); off, the include_path's YAMLs may name none
+    trust_task_code: bool = key(False)
 
 
 # --------------------------------------------------------------------------------------------- the registry
@@ -292,7 +296,13 @@ def _prepare_lmeval(p: dict[str, Any], where: str) -> dict[str, Any]:
     return p
 
 
-@task_type("lmeval", LMEvalParams, lmeval_primary, prepare=_prepare_lmeval)
+def _lmeval_inputs(p: dict[str, Any]) -> None:
+    check_lmeval(
+        p["tasks"], include_path=p["include_path"], data_files=p["path"], trust_task_code=p["trust_task_code"]
+    )
+
+
+@task_type("lmeval", LMEvalParams, lmeval_primary, prepare=_prepare_lmeval, preflight=_lmeval_inputs)
 def _run_lmeval(model, p, *, batch_size, progress, default_data):
     results = run_lmeval(
         model,
@@ -304,6 +314,7 @@ def _run_lmeval(model, p, *, batch_size, progress, default_data):
         data_files=p["path"],
         max_length=p["max_length"],
         progress=progress,
+        trust_task_code=p["trust_task_code"],
     )
     return flatten_lmeval(results, p["tasks"])
 

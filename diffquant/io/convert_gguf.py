@@ -120,7 +120,8 @@ def read_gguf_model(file: Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer]:
 
 def gguf_tensors(reader: GGUFFile, file: Path, config: ModelConfig, dtype: torch.dtype) -> GGUFTensors:
     """The tensors of ``file`` dequantized into ``dtype`` on ``get``, after the checks that need no data:
-    the layer count the tensor names hold, and every mapped tensor of a type gguf can dequantize."""
+    the layer count the tensor names hold (:func:`config_from_gguf` checked it already for a config it
+    read; repeated for a config from elsewhere), and every mapped tensor of a type gguf can dequantize."""
     source = GGUFTensors(reader, file, dtype)
     check_layer_count(config.n_layers, source.keys(), GGUF_LAYER_PATTERN, str(file))
     source.check_types(list(gguf_key_map(config).values()))
@@ -223,27 +224,40 @@ def config_from_gguf(reader: Any, source: str) -> ModelConfig:
         "tie_embeddings": "output.weight" not in names,
     }
     try:
-        return ModelConfig(**fields)
+        config = ModelConfig(**fields)
     except DiffquantError as err:
         raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
+    # Before anything per layer is built (key map, re-layouts, skeleton): a block_count of a billion would
+    # otherwise build a billion-entry key map in `info` or a streamed run before any tensor check.
+    check_layer_count(config.n_layers, names, GGUF_LAYER_PATTERN, f"{source} (llama.block_count)")
+    return config
 
 
 def _head_dim(reader: Any, d_model: int, heads: int, source: str) -> int:
-    """attention.key_length, else rope.dimension_count, else d_model / heads; all present must agree,
-    because the native attention rotates the whole head and has one width for Q, K and V."""
+    """The head width, read as llama.cpp reads it (llama-model.cpp, load_hparams): key and value widths
+    are attention.key_length / value_length, each defaulting to embedding_length / head_count; the rotary
+    width rope.dimension_count defaults to the key width and, for llama, must equal it. The native
+    attention rotates the whole head and has one width for Q, K and V, so all three must agree."""
+    default = d_model // heads if heads else 0
     key = metadata(reader, "llama.attention.key_length")
     value = metadata(reader, "llama.attention.value_length")
     rope = metadata(reader, "llama.rope.dimension_count")
-    head_dim = key if key is not None else rope if rope is not None else (d_model // heads if heads else 0)
-    if value is not None and value != head_dim:
-        raise DiffquantError(
-            f"{source}: llama.attention.value_length = {value} differs from the key width {head_dim}; the "
-            "native attention has one head width"
-        )
+    head_dim = default if key is None else key
     if rope is not None and rope != head_dim:
         raise DiffquantError(
-            f"{source}: llama.rope.dimension_count = {rope} differs from the head width {head_dim}; partial "
-            "rotary embeddings are not supported"
+            f"{source}: llama.rope.dimension_count = {rope} differs from the head width {head_dim}"
+            f"{'' if key is not None else ' (no llama.attention.key_length: embedding_length / head_count)'}; "
+            "the native model rotates whole heads (llama.cpp refuses this too: invalid n_rot)"
+        )
+    value_dim = default if value is None else value
+    if value_dim != head_dim:
+        said = (
+            f"llama.attention.value_length = {value}"
+            if value is not None
+            else f"the value width {value_dim} (no llama.attention.value_length: embedding_length / head_count)"
+        )
+        raise DiffquantError(
+            f"{source}: {said} differs from the key width {head_dim}; the native attention has one head width"
         )
     return head_dim
 
@@ -468,7 +482,9 @@ class GGUFFile:
 
     ``fields``: key -> (value type, value), the value a Python int / float / bool, ``bytes`` for a string
     (decoded by :func:`metadata`), or (item type, flat list) for an array. ``tensors``: the tensor table
-    (:class:`GGUFTensorInfo`), each tensor's byte range checked to lie inside the file. Anything malformed
+    (:class:`GGUFTensorInfo`), each tensor's byte range checked to lie inside the file, to start at a
+    multiple of the alignment the header gives (``general.alignment``, default 32) and to share no byte
+    with another tensor's (the one check every reader of a GGUF goes through). Anything malformed
     raises :class:`MalformedGGUF` with the reason; no length read from the file is trusted beyond its size,
     so a corrupt count cannot allocate more than the file holds.
     """
@@ -516,7 +532,12 @@ class GGUFFile:
         start = -(-self._pos // alignment) * alignment
         names: set[str] = set()
         for name, dims, raw_type, offset in table:
+            if offset % alignment:
+                raise MalformedGGUF(
+                    f"tensor {name} starts at data offset {offset}, not a multiple of the alignment {alignment}"
+                )
             self.tensors.append(self._tensor_info(name, dims, raw_type, start + offset, names))
+        _check_disjoint(self.tensors)
 
     def _tensor_info(
         self, name: str, dims: tuple[int, ...], raw_type: int, offset: int, names: set[str]
@@ -619,6 +640,19 @@ class GGUFFile:
                 items += sub
             return inner, items
         raise MalformedGGUF(f"metadata {key} is an array of value type {kind}, which GGUF does not define")
+
+
+def _check_disjoint(tensors: Sequence[GGUFTensorInfo]) -> None:
+    """No two tensors may share bytes: offsets pointing into another tensor's data (token_embd.weight at
+    output.weight's bytes) parse, dequantize and run, and give a silently wrong model. Sorted by start,
+    any overlap shows between neighbours (if A overlaps a later C, A overlaps everything between them)."""
+    spans = sorted((t.offset, t.offset + t.n_bytes, t.name) for t in tensors if t.n_bytes)
+    for (start, end, name), (next_start, next_end, next_name) in zip(spans, spans[1:], strict=False):
+        if next_start < end:
+            raise MalformedGGUF(
+                f"tensors {name} (bytes {start} to {end - 1}) and {next_name} (bytes {next_start} to "
+                f"{next_end - 1}) overlap; each tensor needs a byte range of its own"
+            )
 
 
 # ========================================================================================= tokenizer

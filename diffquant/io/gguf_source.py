@@ -78,8 +78,9 @@ class GGUFCheckpoint:
 
 def read_gguf_checkpoint(path: str | Path) -> GGUFCheckpoint:
     """The GGUF file at ``path`` as a :class:`GGUFCheckpoint`, from its header alone (no tensor read); a
-    file the whole-model load would refuse (missing, truncated, not llama, tokenizer too large) is the
-    same one-line DiffquantError naming the file."""
+    file the whole-model load would refuse (missing, truncated, overlapping or misaligned tensor data, a
+    block_count the tensors do not hold, not llama, tokenizer too large) is the same one-line
+    DiffquantError naming the file, raised before the per-layer key map is built."""
     file = Path(path)
     header, config, tokenizer = read_gguf_model(file)
     return GGUFCheckpoint(file, header, config, tokenizer, gguf_key_map(config), gguf_transforms(config))

@@ -20,6 +20,7 @@ from diffquant.io import load_model
 from diffquant.io.artifacts import library_versions
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.quantized import is_quantized, save_quantized
+from diffquant.io.runfolder import claim_checkpoint_folder, claim_files_only
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
 from diffquant.quant.report import compare_models, format_report
 from diffquant.quant.smoothquant import apply_smoothing
@@ -49,6 +50,40 @@ def quantize_checkpoint(
     """
     out = check_quantize_target(checkpoint, out, force)
     plan = QuantPlan.load(plan_spec)
+    # Claimed for the whole run, as the streamed quantize claims it: a second quantize into the same new
+    # --out is refused at once instead of racing this one to the rename.
+    with claim_checkpoint_folder(out, force):
+        return _quantize_into(
+            checkpoint,
+            plan_spec,
+            plan,
+            calib_data,
+            calib_tokens,
+            eval_tokens,
+            seq_len,
+            batch_size,
+            out,
+            device,
+            dtype,
+            tokenizer,
+        )
+
+
+def _quantize_into(
+    checkpoint: str,
+    plan_spec: str,
+    plan: QuantPlan,
+    calib_data: str | None,
+    calib_tokens: int,
+    eval_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    out: Path,
+    device: str,
+    dtype: str | None,
+    tokenizer: str | None,
+) -> dict[str, Any]:
+    """:func:`quantize_checkpoint` once ``out`` is claimed."""
     device, torch_dtype = parse_device(device), parse_dtype(dtype)
     reference = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
     check_seq_len(seq_len, reference.config.max_seq_len, checkpoint)
@@ -70,7 +105,7 @@ def quantize_checkpoint(
         model,
         out,
         meta=meta,
-        overwrite=force,
+        overwrite=True,  # the claimed folder (checked free unless --force)
         documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
     )
     return quantize_summary(plan, applied, calib_data, tok, windows, report, meta, out)
@@ -87,11 +122,12 @@ class Windows(NamedTuple):
 
 def check_quantize_target(checkpoint: str, out: str | Path, force: bool) -> Path:
     """``out`` as a Path, once ``checkpoint`` is known not to be quantized already and ``out`` free to write
-    (or ``force``)."""
+    (or ``force``). A folder holding only another run's claim is left to :func:`claim_checkpoint_folder`,
+    which says it is in use (or free again)."""
     if is_quantized(checkpoint):
         raise DiffquantError(f"{checkpoint}: already quantized; quantize its base checkpoint instead")
     out = Path(out)
-    if out.exists() and not force:
+    if out.exists() and not force and not claim_files_only(out):
         raise DiffquantError(f"{out}: already exists (pass --force to replace it)")
     return out
 

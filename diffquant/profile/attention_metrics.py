@@ -370,11 +370,16 @@ class LambdaStats:
     and its min/max (so a changing lambda, e.g. during training, is visible). DIFF V2 has sigmoid(W x) per
     token and head, in (0, 1): per head count, mean, population std, min and max, from float64 sums of
     x and x^2 (exact to merge; values in (0, 1) make the cancellation in E[x^2] - E[x]^2 harmless).
+
+    A NaN / Inf lambda (a model with non-finite weights) is counted in ``nonfinite`` (per head for V2) and
+    left out of every other field, as the map statistics count ``nonfinite_rows``: the sums stay numbers
+    (the profile stays JSON) and the event stays visible.
     """
 
     def __init__(self) -> None:
         self.mode: str | None = None  # None (nothing seen), "scalar" or "per_head"
-        self.count = 0
+        self.count = 0  # finite values (scalar mode)
+        self.nonfinite = 0  # non-finite values (scalar mode); per head in _heads["nonfinite"]
         self.value: float | None = None
         self.min: float | None = None
         self.max: float | None = None
@@ -390,6 +395,7 @@ class LambdaStats:
             if mode == "per_head":
                 self._heads = {
                     "count": torch.zeros(n_heads, dtype=torch.int64),
+                    "nonfinite": torch.zeros(n_heads, dtype=torch.int64),
                     "sum": torch.zeros(n_heads, dtype=torch.float64),
                     "sumsq": torch.zeros(n_heads, dtype=torch.float64),
                     "min": torch.full((n_heads,), math.inf, dtype=torch.float64),
@@ -405,6 +411,9 @@ class LambdaStats:
         if lam.dim() == 0:
             self._set_mode("scalar")
             value = float(lam)
+            if not math.isfinite(value):
+                self.nonfinite += 1
+                return
             self.value = value
             self.count += 1
             self.min = value if self.min is None else min(self.min, value)
@@ -416,12 +425,16 @@ class LambdaStats:
             assert state is not None
             if state["sum"].device != x.device:
                 state = self._heads = {k: v.to(x.device) for k, v in state.items()}
-            state["count"] += x.shape[0]
-            state["sum"] += x.sum(0)
-            state["sumsq"] += (x * x).sum(0)
+            finite = torch.isfinite(x)
+            n_finite = finite.sum(0)
+            state["count"] += n_finite
+            state["nonfinite"] += x.shape[0] - n_finite
+            xs = torch.where(finite, x, 0.0)
+            state["sum"] += xs.sum(0)
+            state["sumsq"] += (xs * xs).sum(0)
             if x.shape[0]:
-                state["min"] = torch.minimum(state["min"], x.amin(0))
-                state["max"] = torch.maximum(state["max"], x.amax(0))
+                state["min"] = torch.minimum(state["min"], torch.where(finite, x, math.inf).amin(0))
+                state["max"] = torch.maximum(state["max"], torch.where(finite, x, -math.inf).amax(0))
         else:
             raise ValueError(f"LambdaStats: expected a 0-d or (B, T, H) lambda, got shape {tuple(lam.shape)}")
 
@@ -433,16 +446,18 @@ class LambdaStats:
             return self
         if other.mode == "scalar":
             self._set_mode("scalar")
-            self.value = other.value
-            self.count += other.count
-            self.min = other.min if self.min is None else min(self.min, other.min)
-            self.max = other.max if self.max is None else max(self.max, other.max)
+            self.nonfinite += other.nonfinite
+            if other.count:  # only non-finite values seen there: nothing else to take
+                self.value = other.value
+                self.count += other.count
+                self.min = other.min if self.min is None else min(self.min, other.min)
+                self.max = other.max if self.max is None else max(self.max, other.max)
             return self
         self._set_mode("per_head", other.n_heads)
         assert self._heads is not None and other._heads is not None
         device = self._heads["sum"].device
         theirs = {k: v.to(device) for k, v in other._heads.items()}
-        for key in ("count", "sum", "sumsq"):
+        for key in ("count", "nonfinite", "sum", "sumsq"):
             self._heads[key] = self._heads[key] + theirs[key]
         self._heads["min"] = torch.minimum(self._heads["min"], theirs["min"])
         self._heads["max"] = torch.maximum(self._heads["max"], theirs["max"])
@@ -451,7 +466,9 @@ class LambdaStats:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"metric": "LambdaStats", "mode": self.mode}
         if self.mode == "scalar":
-            out.update(count=self.count, value=self.value, min=self.min, max=self.max)
+            out.update(
+                count=self.count, nonfinite=self.nonfinite, value=self.value, min=self.min, max=self.max
+            )
         elif self.mode == "per_head":
             assert self._heads is not None
             heads = {k: v.tolist() for k, v in self._heads.items()}
@@ -470,12 +487,18 @@ class LambdaStats:
             if mode == "scalar":
                 obj.mode = "scalar"
                 obj.count = int(data["count"])
-                obj.value, obj.min, obj.max = (float(data[k]) for k in ("value", "min", "max"))
+                obj.nonfinite = int(data.get("nonfinite", 0))  # absent in profiles written before it
+                obj.value, obj.min, obj.max = (
+                    None if data[k] is None else float(data[k]) for k in ("value", "min", "max")
+                )
             elif mode == "per_head":
                 n = len(data["sum"])
                 obj._set_mode("per_head", n)
                 assert obj._heads is not None
                 obj._heads["count"] = torch.tensor(data["count"], dtype=torch.int64)
+                # absent in profiles written before non-finite lambdas were counted
+                nonfinite = data.get("nonfinite", [0] * n)
+                obj._heads["nonfinite"] = torch.tensor(nonfinite, dtype=torch.int64)
                 for key, missing in (("sum", 0.0), ("sumsq", 0.0), ("min", math.inf), ("max", -math.inf)):
                     values = [missing if v is None else v for v in data[key]]
                     obj._heads[key] = torch.tensor(values, dtype=torch.float64)
@@ -489,13 +512,14 @@ class LambdaStats:
 
     def summary(self) -> dict[str, Any]:
         if self.mode != "per_head":
-            return {
+            out: dict[str, Any] = {
                 "mode": self.mode,
                 "count": self.count,
                 "value": self.value,
                 "min": self.min,
                 "max": self.max,
             }
+            return out | ({"nonfinite": self.nonfinite} if self.nonfinite else {})  # the usual case: none
         assert self._heads is not None
         counts = self._heads["count"].tolist()
         sums, sumsq = self._heads["sum"].tolist(), self._heads["sumsq"].tolist()
@@ -508,6 +532,7 @@ class LambdaStats:
         return {
             "mode": "per_head",
             "count": counts,
+            "nonfinite": self._heads["nonfinite"].tolist(),
             "mean": _per_head(means),
             "std": _per_head(stds),
             # min / max also carry the extreme over heads, which a mean over heads would hide

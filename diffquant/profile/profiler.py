@@ -115,12 +115,20 @@ def _share_scope(name: str) -> str:
     return name.removesuffix(".input").rpartition(".")[0]
 
 
+# The most top magnitudes a site may keep (``topk``). Each kept value is a Python record with its
+# location, sorted into the site's list on every update and written to the profile JSON, so the cost grows
+# with topk x sites, not with the data: 10,000 already makes a 2-layer model's profile ~100 MB and ~4x
+# slower than the default 100 (Table 5 reads top-1 .. top-100). Far beyond it (``--topk 1e8``) every
+# activation becomes a record and a run never ends; the histogram's quantiles describe the rest.
+MAX_TOPK = 10_000
+
+
 class Profiler:
     """Collect statistics at the selected sites of ``model`` while it runs.
 
     Args:
         sites: glob patterns over site names (``layers.*.attn.logits*``) or ``kind:NAME``; ``*`` = all.
-        topk: how many largest magnitudes each site keeps, with their locations.
+        topk: how many largest magnitudes each site keeps, with their locations (1 .. :data:`MAX_TOPK`).
         attention: a flag: collect per-head attention metrics (entropy, sink mass, DIFF cancellation,
             lambda) into ``Profile.attention``. None = on when a map site (logits/probs/diff_map) is
             selected, since maps are then materialised anyway. (Not the attention kind of the model.)
@@ -142,8 +150,8 @@ class Profiler:
         sample_offset: int = 0,
         massive_cap: int = 100,
     ) -> None:
-        if topk < 1:
-            raise DiffquantError(f"topk: expected an integer >= 1, got {topk}")
+        if not 1 <= topk <= MAX_TOPK:
+            raise DiffquantError(f"topk: expected an integer in [1, {MAX_TOPK}], got {topk}")
         self.model = model
         self.taps: dict[str, Tap] = select_taps(model, sites)
         self.topk = topk

@@ -64,13 +64,16 @@ def act_scales(profile, model: nn.Module, names: str = "native") -> dict[str, to
         raise DiffquantError(f"act-scales names: {names!r}; expected one of {', '.join(NAMINGS)}")
     mapping = hf_module_names(model) if names == "hf" else None
     out: dict[str, torch.Tensor] = {}
-    for name, linear in linear_modules(model).items():
+    linears = linear_modules(model)
+    for name in linears:
         site = f"{name}.input"
-        stats = profile.sites.get(site)
-        if stats is None:
+        if site not in profile.sites:
             raise DiffquantError(
                 f"profile has no statistics for site {site} (profile with sites kind:linear_in)"
             )
+    _refuse_nonfinite(profile, list(linears))
+    for name, linear in linears.items():
+        stats = profile.sites[f"{name}.input"]
         summary = stats.summary()
         amax, shape = summary["channel_absmax"], summary["channel_absmax_shape"]
         if amax is None or shape != [linear.in_features]:
@@ -81,6 +84,29 @@ def act_scales(profile, model: nn.Module, names: str = "native") -> dict[str, to
         value = torch.tensor(amax, dtype=torch.float64).to(torch.float32)
         out[mapping[name] if mapping is not None else name] = value
     return out
+
+
+def _refuse_nonfinite(profile, names: list[str], shown: int = 4) -> None:
+    """Refuse act-scales when NaN / Inf reached a Linear's input, naming those Linears.
+
+    The profile leaves non-finite values out of the channel abs-max, so such a run would still produce
+    numbers: the abs-max of whatever stayed finite (all zeros past the first NaN of a broken model), which
+    smoothing would then fold into the weights as if they described the model.
+    """
+    bad = []
+    for name in names:
+        stats = profile.sites[f"{name}.input"]
+        n_bad = stats.nan_count + stats.posinf_count + stats.neginf_count
+        if n_bad:
+            bad.append((name, stats.nan_count, n_bad - stats.nan_count))
+    if not bad:
+        return
+    listed = ", ".join(f"{n} ({nan:,} NaN, {inf:,} Inf)" for n, nan, inf in bad[:shown])
+    more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+    raise DiffquantError(
+        f"non-finite inputs (NaN / Inf) reached {len(bad)} of {len(names)} Linears: {listed}{more}; "
+        "act-scales need a finite model (check its weights): none were taken"
+    )
 
 
 def hf_module_names(model: nn.Module) -> dict[str, str]:

@@ -25,8 +25,10 @@ from diffquant.stream.executor import (
     StreamedModel,
     available_bytes,
     open_streamed,
+    prepare_whole_load,
     resolve_stream_spec,
     weights_bytes,
+    whole_load_bytes,
     would_stream,
 )
 
@@ -218,9 +220,10 @@ def choose_stream(
 ) -> bool:
     """Whether model ``spec`` runs layer-streamed under ``mode``: ``off`` never; ``on`` always (a specifier
     that cannot stream is a one-line DiffquantError saying why); ``auto`` when :func:`would_stream` says its
-    weights do not fit ``device`` (said in one line on stderr; a model that fits, or cannot stream, runs
-    whole). A model to run whole whose weights exceed the memory left (:func:`available_bytes`) is a
-    one-line DiffquantError here, before anything is read."""
+    whole load does not fit ``device`` (said in one line on stderr; a model that fits, or cannot stream, runs
+    whole). A model to run whole whose load's peak (:func:`whole_load_bytes`: weights and temporaries)
+    exceeds the memory left (:func:`available_bytes`) is a one-line DiffquantError here, before anything
+    is read."""
     mode = stream_mode(mode)
     if mode == "off":
         _check_fits(spec, device, what)
@@ -239,18 +242,23 @@ def choose_stream(
     return streams
 
 
-def _check_fits(spec: str | Path, device: str | torch.device, what: str, size: int | None = None) -> None:
-    """Refuse, in one line, a whole-model load whose weights exceed the memory this process can still
-    use (:func:`available_bytes`: free memory, address-space limit, memory cgroup): under a container's
-    limit the load would otherwise end in the kernel's OOM kill, with no message at all. ``size``: the
-    weights' in-memory bytes when the caller has them already."""
-    size = weights_bytes(spec, in_memory=True) if size is None else size
+def _check_fits(spec: str | Path, device: str | torch.device, what: str, weights: int | None = None) -> None:
+    """Refuse, in one line, a whole-model load whose peak (:func:`whole_load_bytes`: the weights plus the
+    load's temporaries) exceeds the memory this process can still use (:func:`available_bytes`: free
+    memory, address-space limit, memory cgroup, measured once the one-time cost of building a model is
+    paid): under ``ulimit -v`` the load would otherwise die in an allocator abort, under a container's limit
+    in the kernel's OOM kill, with no message at all. ``weights``: the weights' in-memory bytes when the
+    caller has them already."""
+    weights = weights_bytes(spec, in_memory=True) if weights is None else weights
+    size = whole_load_bytes(spec, device, weights=weights)
+    prepare_whole_load()
     room = available_bytes(device)
     if size > room:
         hint = f"run it with {what} on" if _streamable(spec) else "use a machine or device with more memory"
         raise DiffquantError(
-            f"{spec}: weights {size / 2**30:.2f} GiB do not fit the {room / 2**30:.2f} GiB this process can "
-            f"use on {torch.device(device)}; {hint}"
+            f"{spec}: weights {weights / 2**30:.2f} GiB (a whole load {size / 2**30:.2f} GiB with its "
+            f"temporaries) do not fit the {room / 2**30:.2f} GiB this process can use on "
+            f"{torch.device(device)}; {hint}"
         )
 
 

@@ -38,7 +38,7 @@ from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json
 from diffquant.io.assemble import FLOAT_DTYPES, check_float_dtype, check_layer_count, check_source
 from diffquant.io.checkpoint import read_config, read_tokenizer, read_trained_seq_len
-from diffquant.io.convert_gguf import GGUF_LAYER_PATTERN, GGUFTensors
+from diffquant.io.convert_gguf import CHUNK_ELEMENTS, GGUF_LAYER_PATTERN, GGUFTensors
 from diffquant.io.convert_hf import (
     _folder_tokenizer,
     _import_transforms,
@@ -216,6 +216,59 @@ def _tensor_bytes(source: TensorSource, key: str) -> int:
 
 _TAG_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
+# A GGUF load parses the header again and rebuilds the tokenizer from its metadata: measured on SmolLM2-135M
+# (1.7 MiB of metadata, a 49k-token vocabulary and its merges), the address space grows by 37 MiB, ~22x.
+GGUF_METADATA_FACTOR = 24
+
+
+def whole_load_bytes(
+    spec: str | Path, device: str | torch.device = "cpu", *, weights: int | None = None
+) -> int:
+    """Address space a whole-model load of ``spec`` onto ``device`` takes at its peak, beyond what this
+    process holds now: what :func:`~diffquant.stream.api.choose_stream` must compare with :func:`available_bytes`.
+
+    Not the weights alone (under ``ulimit -v`` a check of the weights passes and the load dies in an
+    allocator abort): on the CPU the weights (:func:`weights_bytes` ``in_memory``) plus the load's own
+    temporaries, from the file headers:
+
+    * safetensors (native, ``hf:``): the loaders map each file whole while they copy its tensors out, so the
+      files' bytes count a second time;
+    * GGUF: the header parsed again with the tokenizer rebuilt from it (:data:`GGUF_METADATA_FACTOR` x the
+      metadata bytes), the dequantization's chunk temporaries (the raw rows and ``dequantize``'s two float32
+      copies of a chunk) and the Q/K re-layout's copy of the largest tensor;
+    * specifiers that do not stream (``init:``, ``unilm:``): the weights, which the model's own
+      initialisation writes in place.
+
+    The one-time cost of building a model (the meta-device initialisation imports torch's kernels: ~260 MiB
+    of address space with Triton installed) is not counted: :func:`prepare_whole_load` pays it before the
+    room is measured. On CUDA only the weights go to the device. ``weights``: the weights' in-memory bytes
+    when the caller has them already."""
+    size = weights_bytes(spec, in_memory=True) if weights is None else weights
+    if torch.device(device).type != "cpu":
+        return size
+    try:
+        resolved = resolve_stream_spec(spec)
+    except NotStreamable:
+        return size
+    if resolved.gguf is not None:
+        header = resolved.gguf.header
+        metadata = min((t.offset for t in header.tensors), default=0)
+        largest = max((t.n_elements * 4 for t in header.tensors), default=0)
+        chunk = CHUNK_ELEMENTS * (1 + 4 + 4)  # raw bytes (<= 1 per value) + two float32 copies
+        return size + GGUF_METADATA_FACTOR * metadata + chunk + largest
+    with open_tensors(resolved.folder, headers_only=True) as source:
+        files = {source.file(key) for key in source.keys()}  # noqa: SIM118
+    return size + sum(f.stat().st_size for f in files)
+
+
+def prepare_whole_load() -> None:
+    """Pay the one-time cost of building a model before the room for a load is measured: the first random
+    initialisation on the meta device imports torch's meta kernels (with Triton installed, ~260 MiB of
+    address space: measured on this project's environment), which :func:`available_bytes` would otherwise
+    count as room the load then does not find."""
+    with torch.device("meta"):
+        nn.init.normal_(torch.empty(1))
+
 
 def available_bytes(device: str | torch.device = "cpu") -> int:
     """Memory a model could use on ``device`` now: free CUDA memory; on the CPU the least of MemAvailable
@@ -308,19 +361,24 @@ def _cgroup_left(
 def would_stream(
     spec: str | Path, device: str | torch.device = "cpu", budget_bytes: int | None = None
 ) -> tuple[bool, int, str]:
-    """For ``--stream auto``: (stream?, weight bytes, reason in words). A model streams when its weights
-    do not fit in ``budget_bytes`` (default: 80 % of :func:`available_bytes` of ``device``) and its
-    specifier is streamable. The bytes are the weights' size in memory (``weights_bytes(in_memory=True)``:
-    for a GGUF the dequantized float32 size, not the smaller quantized file)."""
-    size = weights_bytes(spec, in_memory=True)
-    budget = budget_bytes if budget_bytes is not None else int(0.8 * available_bytes(device))
-    if size <= budget:
-        return False, size, f"weights {size / 2**30:.2f} GiB fit the budget {budget / 2**30:.2f} GiB"
+    """For ``--stream auto``: (stream?, weight bytes, reason in words). A model streams when a whole load's
+    peak (:func:`whole_load_bytes`: the weights in memory, for a GGUF dequantized to float32, plus the
+    load's temporaries) does not fit in ``budget_bytes`` (default: 80 % of :func:`available_bytes` of
+    ``device``, measured after :func:`prepare_whole_load`) and its specifier is streamable. The bytes
+    returned are the weights' in memory (``weights_bytes(in_memory=True)``)."""
+    weights = weights_bytes(spec, in_memory=True)
+    peak = whole_load_bytes(spec, device, weights=weights)
+    if budget_bytes is None:
+        prepare_whole_load()
+        budget_bytes = int(0.8 * available_bytes(device))
+    size = f"weights {weights / 2**30:.2f} GiB (a whole load {peak / 2**30:.2f} GiB)"
+    if peak <= budget_bytes:
+        return False, weights, f"{size} fit the budget {budget_bytes / 2**30:.2f} GiB"
     try:
         resolve_stream_spec(spec)
     except NotStreamable as err:
-        return False, size, f"weights {size / 2**30:.2f} GiB exceed the budget, but: {err}"
-    return True, size, f"weights {size / 2**30:.2f} GiB exceed the budget {budget / 2**30:.2f} GiB: streamed"
+        return False, weights, f"{size} exceed the budget, but: {err}"
+    return True, weights, f"{size} exceed the budget {budget_bytes / 2**30:.2f} GiB: streamed"
 
 
 def _libc_trim() -> Callable[[int], int] | None:
@@ -624,6 +682,8 @@ __all__ = [
     "available_bytes",
     "open_streamed",
     "resolve_stream_spec",
+    "prepare_whole_load",
     "weights_bytes",
+    "whole_load_bytes",
     "would_stream",
 ]

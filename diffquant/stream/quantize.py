@@ -52,6 +52,7 @@ from diffquant.io.quantize import (
     split_windows,
 )
 from diffquant.io.quantized import base_state_dict, write_quant_files
+from diffquant.io.runfolder import claim_checkpoint_folder
 from diffquant.models.taps import select_taps
 from diffquant.names import WEIGHTS_FILE
 from diffquant.progress import progress
@@ -124,7 +125,10 @@ def quantize_streamed(
             write_quant_files(folder, streamed.model, meta, {"quant_report.json": document})
             result.update(report=report, meta=meta, info=info)
 
-        write_folder_atomic(out, write, force)
+        # The one claim of every writer of a run or checkpoint folder: a second quantize into the same --out
+        # is refused at once (the rename at the end would otherwise silently replace one checkpoint).
+        with claim_checkpoint_folder(out, force):
+            write_folder_atomic(out, write, True)
     if stats is not None:
         stats.update(result["info"])
     return quantize_summary(plan, applied, calib_data, tok, windows, result["report"], result["meta"], out)
