@@ -33,6 +33,7 @@ from diffquant.stream import (
     weights_bytes,
     would_stream,
 )
+from diffquant.stream.executor import whole_load_bytes
 
 gguf = pytest.importorskip("gguf")
 
@@ -188,7 +189,11 @@ def test_weights_bytes_file_and_in_memory(files):
         between = (in_file + in_memory) // 2  # the file fits, the dequantized weights do not
         streams, size, reason = would_stream(spec, budget_bytes=between)
         assert streams and size == in_memory and "streamed" in reason, case
-        assert not would_stream(spec, budget_bytes=in_memory)[0]
+        # a whole load needs the weights and its own temporaries (whole_load_bytes): the weights alone do not fit
+        peak = whole_load_bytes(spec, weights=in_memory)
+        assert peak > in_memory
+        assert would_stream(spec, budget_bytes=in_memory)[0]
+        assert not would_stream(spec, budget_bytes=peak)[0]
 
 
 def test_truncated_gguf_is_one_line_naming_the_file(files, tmp_path, capsys):

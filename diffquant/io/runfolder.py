@@ -193,12 +193,16 @@ def lock_folder(out: str | Path) -> Iterator[Path]:
     if rank_and_world()[0] != 0:
         yield out
         return
+    created = not out.exists()
     _make(out)
     fd = _lock(out)
     try:
         yield out
     finally:
-        _unlock(fd)
+        if created and claim_files_only(out):  # refused before writing anything: leave no folder behind
+            _release_checkpoint_claim(out, fd, created)
+        else:
+            _unlock(fd)
 
 
 def _make(out: Path) -> None:
