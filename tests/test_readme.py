@@ -27,8 +27,8 @@ def readme_block(command: str) -> list[str]:
 NUMBER = re.compile(r"[-+]?\d[\d,]*\.\d+")
 
 
-def same_printout(printed: list[str], want: list[str]) -> None:
-    """Lines equal, except that a decimal number may differ by one unit in its last printed digit: float32
+def same_printout(printed: list[str], want: list[str], units: int = 1) -> None:
+    """Lines equal, except that a decimal number may differ by ``units`` in its last printed digit: float32
     reductions round differently on CPUs with other vector widths (AVX2 vs AVX-512), and a value near a
     rounding boundary then prints 1.4855 on one and 1.4854 on the other. Integers (counts, locations,
     positions) and every word must match exactly."""
@@ -37,7 +37,9 @@ def same_printout(printed: list[str], want: list[str]) -> None:
         assert NUMBER.sub("#", got) == NUMBER.sub("#", line), (got, line)
         for a, b in zip(NUMBER.findall(got), NUMBER.findall(line), strict=True):
             digits = len(b.rpartition(".")[2])
-            assert abs(float(a.replace(",", "")) - float(b.replace(",", ""))) <= 1.01 * 10**-digits, (
+            assert (
+                abs(float(a.replace(",", "")) - float(b.replace(",", ""))) <= (units + 0.01) * 10**-digits
+            ), (
                 got,
                 line,
             )
@@ -45,6 +47,7 @@ def same_printout(printed: list[str], want: list[str]) -> None:
 
 def test_same_printout_allows_one_unit_in_the_last_digit_only():
     same_printout(["x 1.4855 (+0.0128) at 222"], ["x 1.4854 (+0.0128) at 222"])
+    same_printout(["x 1.4858 (+0.0128) at 222"], ["x 1.4854 (+0.0128) at 222"], units=5)
     for bad in (["x 1.4856 (+0.0128) at 222"], ["x 1.4855 (+0.0128) at 223"], ["y 1.4855 (+0.0128) at 222"]):
         with pytest.raises(AssertionError):
             same_printout(bad, ["x 1.4854 (+0.0128) at 222"])
@@ -64,8 +67,12 @@ def test_demo_prints_what_the_readme_shows(tmp_path, capsys):
     printed = capsys.readouterr().out.replace(str(out), "runs/demo").splitlines()
     want = readme_block("diffquant demo")
     timing = re.compile(r"^demo finished in \d+ s; ")
+    # Quantized cells amplify a CPU's rounding: a float32 difference flips a few round-to-nearest decisions of
+    # the fake-quantizers. The demo of the commit before this tolerance, run on an AVX2 EPYC, printed the
+    # README's numbers but for four quantized cells, 1 to 3 units off (1.5107 for 1.5104); 5 units allowed.
     same_printout(
         [line for line in printed if not timing.match(line)],
         [line for line in want if not timing.match(line)],
+        units=5,
     )
     assert sum(bool(timing.match(line)) for line in want) == 1
