@@ -82,7 +82,8 @@ def init_model(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype
         seed = int(parts[3]) if len(parts) == 4 else 0
     except ValueError:
         raise DiffquantError(f"model specifier {spec!r}: seed {parts[3]!r} is not an integer") from None
-    if not 0 <= seed < 2**63:  # what torch.manual_seed takes; `diffquant init --seed` and recipes bound it alike
+    # what torch.manual_seed takes; `diffquant init --seed` and recipes bound it alike
+    if not 0 <= seed < 2**63:
         raise DiffquantError(f"model specifier {spec!r}: seed {seed} is not in [0, 2**63 - 1]")
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
