@@ -163,7 +163,7 @@ def test_cli_stream_on_prints_and_writes_what_stream_off_does(setup, tmp_path, c
     _same_checkpoint(tmp_path / "whole", tmp_path / "streamed")
 
 
-@pytest.mark.parametrize("plan", ["w8a8-smoothquant", "quanto-w8"])
+@pytest.mark.parametrize("plan", ["w8a8-smoothquant", "quanto-w8", "w4a8-quarot-smooth"])
 def test_cli_refuses_plans_that_cannot_stream_in_one_line(setup, tmp_path, capsys, plan):
     spec = str(setup["folders"]["baseline"])
     argv = ["quantize", spec, "--plan", plan, "--calib-data", setup["text"], "--seq-len", "32"]

@@ -23,6 +23,7 @@ from diffquant.io.quantized import is_quantized, save_quantized
 from diffquant.io.runfolder import claim_checkpoint_folder, claim_files_only
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
 from diffquant.quant.report import compare_models, format_report
+from diffquant.quant.rotate import rotate_model
 from diffquant.quant.smoothquant import apply_smoothing
 
 
@@ -92,6 +93,9 @@ def _quantize_into(
     model = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
     model.tokenizer = tok
     applied = apply_plan(model, plan)
+    if plan.rotate is not None:
+        # The float model rotated alike (exact), so each site compares rotated with rotated activations.
+        rotate_model(reference, plan.rotate)
     windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
     with torch.no_grad():
         calibrated = calibrate(model, windows.calib, batch_size=batch_size)
@@ -211,6 +215,8 @@ def quantize_summary(
         + ":",
         format_report(report),
     ]
+    rotations = [f"rotated {place}: {what}" for target, place, what in applied if target == "rotate"]
+    lines[1:1] = rotations  # after the plan's line: which matrices ran (a report must name them)
     if meta["nan_counts"]:
         lines.append(f"NaN seen by quantizers: {meta['nan_counts']}")
     lines.append(f"wrote {out} (load it like any checkpoint: diffquant profile {out} ...)")

@@ -89,11 +89,23 @@ def write_quant_files(
     """What a quantized checkpoint holds beside config and weights: plan.json (the model's plan and
     ``meta``), the quantizers' state (scales) and ``documents`` (file name -> JSON data). Written by
     :func:`save_quantized` and by the streamed quantize once its last stage has run."""
-    doc = {"format": PLAN_FORMAT, "plan": model.quant_plan.to_dict(), "meta": meta}
+    doc = {"format": PLAN_FORMAT, "plan": model.quant_plan.to_dict(), "transforms": applied_transforms(model)}
+    doc["meta"] = meta
     (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     save_file(quant_state(model), str(folder / STATE_FILE), metadata={"format": "pt"})
     for name, data in (documents or {}).items():
         (folder / name).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def applied_transforms(model: DecoderLM) -> list[str]:
+    """The weight transforms already applied to ``model``'s weights, in the order they ran (the saved weights
+    carry them; loading must not apply them again): ``rotate`` (at apply_plan), ``smooth`` (at calibration)."""
+    out = []
+    if getattr(model, "rotation", None) is not None:
+        out.append("rotate")
+    if getattr(model, "smooth_factors", None) is not None:
+        out.append("smooth")
+    return out
 
 
 def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
@@ -111,8 +123,9 @@ def load_quantized(
 ) -> DecoderLM:
     folder = Path(path)
     plan, _ = read_plan(folder)
+    transforms = read_json(folder / PLAN_FILE, "quantization plan").get("transforms", [])
     model = load_checkpoint(folder, device=device, dtype=dtype)
-    apply_plan(model, plan)
+    apply_plan(model, plan, rotated_weights="rotate" in transforms)
     state_path = folder / STATE_FILE
     if not state_path.is_file():
         raise DiffquantError(

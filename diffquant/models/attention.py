@@ -59,18 +59,23 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias by default) with a ``linear_in`` tap on its input (``layers.0.mlp.up.input``)
-    and an optional ``weight_quantizer`` (a fake-quantizer applied to the weight)."""
+    """nn.Linear (no bias by default) with a ``linear_in`` tap on its input (``layers.0.mlp.up.input``),
+    an optional ``weight_quantizer`` (a fake-quantizer applied to the weight) and an optional
+    ``input_rotation`` (an online orthogonal transform of the input, applied before the tap, so the tap
+    profiles and quantizes the rotated activation: QuaRot's R4 on the FFN's down projection)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.input = Tap("linear_in")
         self.weight_quantizer: nn.Module | None = None
+        self.input_rotation: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.weight_quantizer is not None:
             weight = self.weight_quantizer.quantize_weight(weight)
+        if self.input_rotation is not None:
+            x = self.input_rotation(x)
         return F.linear(self.input(x), weight, self.bias)
 
 
@@ -180,6 +185,9 @@ class Attention(nn.Module):
         self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
         self.kernel = "auto"  # "auto": Triton kernel on CUDA when the plan fits; "triton": also on CPU; "off"
         self.last_path = "not run"
+        # Optional online rotation of Q and K after RoPE (QuaRot's R3): a module called as
+        # qk_rotation(q, k) -> (q, k), before the q / k taps, the kernels and the cache; logits are unchanged.
+        self.qk_rotation: nn.Module | None = None
         # (key, inv_freq): a plain attribute, not a buffer, so state dicts and meta-device builds are unchanged.
         self._rope_cache: tuple[tuple, torch.Tensor] | None = None
 
@@ -221,6 +229,8 @@ class Attention(nn.Module):
         inv_freq = self.rope_inv_freq(x.device)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_rotation is not None:
+            q, k = self.qk_rotation(q, k)
         core = self._kernel_core(x, cache)
         if core is not None:
             # The fused kernel quantizes Q/K/P/V itself, exactly as the taps' fake-quantizers would;

@@ -14,6 +14,10 @@ A plan is a list of rules and an optional real backend::
       activations: qint8
       modules: ["layers.*"]
     smooth: {alpha: 0.5}                  # optional: SmoothQuant smoothing before calibration (fake-quant only)
+    rotate: {residual: hadamard, heads: hadamard, ffn: hadamard, qk: none}   # optional: QuaRot rotation
+
+The plan is a pipeline with one order: rotation (:mod:`~diffquant.quant.rotate`) when the plan is applied,
+then the quantizers are inserted, then (at calibration) SmoothQuant smoothing and static scales.
 
 ``apply_plan`` inserts FakeQuant modules at the matching taps and weights (weights are quantized once and
 cached), and swaps matching Linears for the backend's layers, keeping their input taps. This module holds
@@ -49,6 +53,7 @@ from diffquant.quant.modules import (
     quantized_taps,
 )
 from diffquant.quant.presets import PRESETS, preset_data
+from diffquant.quant.rotate import RotateSpec, rotate_model
 from diffquant.quant.schemes import Scheme, is_number
 from diffquant.schema import DOCS, check, key
 from diffquant.textfiles import read_yaml_file
@@ -60,6 +65,7 @@ __all__ = [
     "BackendLinear",
     "BackendSpec",
     "QuantPlan",
+    "RotateSpec",
     "Rule",
     "SmoothSpec",
     "apply_plan",
@@ -161,6 +167,7 @@ class PlanDoc:
     rules: list[RuleDoc] = key([])
     backend: BackendSpec | None = key(None, what="a mapping")
     smooth: SmoothSpec | None = key(None, what="a mapping")
+    rotate: RotateSpec | None = key(None, what="a mapping")
 
 
 @dataclass
@@ -170,6 +177,7 @@ class QuantPlan:
     rules: list[Rule] = field(default_factory=list)
     backend: BackendSpec | None = None
     smooth: SmoothSpec | None = None
+    rotate: RotateSpec | None = None
 
     # -------------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +186,8 @@ class QuantPlan:
             out["description"] = self.description
         if self.smooth is not None:  # only when set: plans without it keep their dict (and sweep cell keys)
             out["smooth"] = self.smooth.to_dict()
+        if self.rotate is not None:
+            out["rotate"] = self.rotate.to_dict()
         out["rules"] = [r.to_dict() for r in self.rules]
         if self.backend is not None:
             out["backend"] = self.backend.to_dict()
@@ -200,8 +210,8 @@ class QuantPlan:
         backend = None
         if doc["backend"] is not None:
             backend = _backend(doc["backend"], set(data["backend"]), f"{source}: backend")
-        if not rules and backend is None:
-            raise DiffquantError(f"{source}: a plan needs at least one rule or a backend")
+        if not rules and backend is None and doc["rotate"] is None:
+            raise DiffquantError(f"{source}: a plan needs at least one rule, a backend or a rotation")
         smooth = None
         if doc["smooth"] is not None:
             smooth = SmoothSpec(alpha=float(doc["smooth"]["alpha"]))
@@ -210,7 +220,15 @@ class QuantPlan:
                     f"{source}: smooth: works with fake-quant rules only; the backend {backend.name} converts "
                     "its Linears when the plan is applied, before calibration could smooth them"
                 )
-        return cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth)
+        rotate = None
+        if doc["rotate"] is not None:
+            rotate = RotateSpec(**doc["rotate"])
+            if backend is not None:
+                raise DiffquantError(
+                    f"{source}: rotate: works with fake-quant rules only; the backend {backend.name} would "
+                    "replace the Linears that carry the online rotations"
+                )
+        return cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate)
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
@@ -323,8 +341,13 @@ def _select_sites(model: nn.Module, rule: Rule, where: str) -> dict[str, Tap]:
     return kept
 
 
-def apply_plan(model: nn.Module, plan: QuantPlan) -> list[tuple[str, str, str]]:
-    """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion.
+def apply_plan(
+    model: nn.Module, plan: QuantPlan, rotated_weights: bool = False
+) -> list[tuple[str, str, str]]:
+    """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion,
+    after ("rotate", place, what ran) per rotation when the plan rotates (first: rotation changes the
+    weights the quantizers read). ``rotated_weights``: the weights were saved rotated (a quantized
+    checkpoint), so only the online rotations are attached.
 
     Every selection must select something in this model, checked per rule (and for the backend): each
     site / weight / module pattern must match (``kind:NAME`` included), and the exclude patterns must not
@@ -358,6 +381,9 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> list[tuple[str, str, str]]:
                     f"{clash[0]}: a plan rule already fake-quantizes this weight; the backend would too"
                 )
     applied = []
+    if plan.rotate is not None:
+        for place, what in rotate_model(model, plan.rotate, weights=not rotated_weights):
+            applied.append(("rotate", place, what))
     for rule, taps, linears in selected:
         for name, tap in taps.items():
             tap.quantizer = FakeQuant(rule.scheme, name, tap.kind)

@@ -154,6 +154,57 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
         "backend": {"name": "bnb", "mode": "nf4", "blocksize": 32},
     },
 }
+
+# ---- outlier remedies side by side (the remedies study): round-to-nearest weights per output channel and
+# Linear inputs per token (dynamic), with no remedy, SmoothQuant smoothing (alpha 0.5), QuaRot rotation
+# (R1 residual, R2 heads, R4 online before down_proj; Hadamard) or both (rotation first, then smoothing).
+QUAROT_ROTATION = {"residual": "hadamard", "heads": "hadamard", "ffn": "hadamard", "qk": "none"}
+ROTATION_WORDS = "QuaRot rotation (Hadamard R1 residual, R2 heads, R4 online before down)"
+
+
+def _remedy_presets() -> dict[str, dict[str, Any]]:
+    """w8a8 / w4a8-channel / w4a4, each plain and with -smooth, -quarot, -quarot-smooth (w4a8's remedies
+    drop "-channel": w4a8-quarot is w4a8-channel rotated; the plain w8a8 is the entry above)."""
+    remedies = {
+        "": ("", None, False),
+        "-smooth": ("SmoothQuant smoothing alpha 0.5, then ", {"alpha": 0.5}, False),
+        "-quarot": (f"{ROTATION_WORDS}, then ", None, True),
+        "-quarot-smooth": (
+            f"{ROTATION_WORDS}, then SmoothQuant smoothing alpha 0.5, then ",
+            {"alpha": 0.5},
+            True,
+        ),
+    }
+    out = {}
+    for bits, (w, a) in {
+        "w8a8": ("int8", "int8"),
+        "w4a8-channel": ("int4", "int8"),
+        "w4a4": ("int4", "int4"),
+    }.items():
+        for suffix, (words, smooth, rotate) in remedies.items():
+            name = bits.removesuffix("-channel") + suffix if suffix else bits
+            entry: dict[str, Any] = {
+                "description": f"{words}{w} weights per output channel (round to nearest), {a} Linear inputs "
+                "per token (dynamic)",
+                "rules": [
+                    {"weights": ["layers.*"], "scheme": f"{w}:channel"},
+                    {"sites": ["layers.*.input"], "scheme": f"{a}:token"},
+                ],
+            }
+            if smooth is not None:
+                entry["smooth"] = dict(smooth)
+            if rotate:
+                entry["rotate"] = dict(QUAROT_ROTATION)
+            out[name] = entry
+    out["quarot"] = {
+        "description": f"{ROTATION_WORDS} alone, nothing quantized: the rotated float model (the same logits), "
+        "to profile what rotation does to outliers",
+        "rotate": dict(QUAROT_ROTATION),
+    }
+    return out
+
+
+PRESET_TABLE.update({k: v for k, v in _remedy_presets().items() if k not in PRESET_TABLE})
 PRESETS = tuple(sorted(PRESET_TABLE))
 
 

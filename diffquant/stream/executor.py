@@ -10,7 +10,9 @@ a byte budget). Peak memory is one layer's weights plus the hidden states of all
 Everything the whole-model run attaches works unchanged, because the skeleton holds the same modules under
 the same names: a :class:`~diffquant.profile.profiler.Profiler` hooks the same taps (each batch begun with
 :meth:`~diffquant.profile.profiler.Profiler.begin_batch`, so sample indices and tokens are the whole-model
-run's), a :class:`~diffquant.quant.plan.QuantPlan` is applied to the skeleton, and static scales are
+run's), a :class:`~diffquant.quant.plan.QuantPlan` is applied to the skeleton (a rotating plan's rotation
+runs stage by stage: :meth:`StreamedModel.rotate_stage` rotates each stage's weights as they are read, with
+the matrices the whole-model :func:`~diffquant.quant.rotate.rotate_model` uses), and static scales are
 calibrated stage by stage: the calibration windows go through stage i with its static quantizers observing
 (passing values through, as :func:`~diffquant.quant.calibrate.calibrate` does on the whole model), the
 scales are fixed, and only then do the evaluated windows go through the quantized stage. Each site sees the
@@ -23,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +61,7 @@ from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.plan import QuantPlan, apply_plan
+from diffquant.quant.rotate import RotateSpec, StageRotation, drop_online, prepare_rotation
 from diffquant.zoo import zoo_path
 
 try:
@@ -477,6 +482,45 @@ class StreamedModel:
         self.peak_stage_bytes = 0
         self.stage_bytes: dict[str, int] = {}
         self.applied: list[tuple[str, str, str]] = []  # apply_plan's record (target, name, scheme)
+        self.rotation: StageRotation | None = None  # a rotating plan's stages: rotated as they are read
+
+    def apply_plan(self, plan: QuantPlan) -> list[tuple[str, str, str]]:
+        """:func:`~diffquant.quant.plan.apply_plan` on the skeleton, its record as the whole model's. A
+        rotating plan: the skeleton prepared as :func:`~diffquant.quant.rotate.rotate_model` prepares the
+        whole model (checked, the tied head untied, marked rotated), the quantizers inserted, and each stage's
+        weights rotated when :meth:`materialise` reads them (:meth:`rotate_stage`)."""
+        applied: list[tuple[str, str, str]] = []
+        rest = plan
+        if plan.rotate is not None:
+            applied = [("rotate", place, what) for place, what in self.rotate(plan.rotate)]
+            rest = dataclasses.replace(plan, rotate=None)
+        applied += apply_plan(self.model, rest)
+        self.model.quant_plan = plan
+        return applied
+
+    def rotate(self, spec: RotateSpec, weights: bool = True) -> list[tuple[str, str]]:
+        """Rotate this run per ``spec``, one stage at a time as the stages are read (``weights=False``: only
+        the online modules, for weights rotated already). A tied LM head is untied: the head stage reads the
+        embedding's tensor from the files again, as its own weight. Returns the rotation's report."""
+        report = prepare_rotation(self.model, spec, weights)
+        self.rotation = StageRotation(spec, weights)
+        if self.spec.config.tie_embeddings and not self.model.config.tie_embeddings:
+            self.spec = _untied(self.spec, self.model.config)
+            check_source(self.model, self.source, self.spec.key_map, self.dtype, self.spec.optional)
+        return report
+
+    def rotate_stage(self, prefixes: Sequence[str]) -> None:
+        """The rotation of the stage whose weights under ``prefixes`` were just read (nothing without one)."""
+        if self.rotation is None:
+            return
+        for prefix in prefixes:
+            layer = re.fullmatch(r"layers\.(\d+)\.", prefix)
+            if prefix == "embed.":
+                self.rotation.embedding(self.model)
+            elif prefix == "lm_head.":
+                self.rotation.head(self.model)
+            elif layer is not None:
+                self.rotation.layer(self.model, int(layer[1]))
 
     @property
     def config(self) -> ModelConfig:
@@ -511,6 +555,7 @@ class StreamedModel:
         self.model.load_state_dict(state, strict=False, assign=True)
         if self.config.tie_embeddings:
             self.model.lm_head.weight = self.model.embed.weight
+        self.rotate_stage(prefixes)
         size = sum(t.numel() * t.element_size() for t in state.values())
         return size
 
@@ -536,6 +581,8 @@ class StreamedModel:
                 quantizer = getattr(sub, "weight_quantizer", None)
                 if isinstance(quantizer, FakeQuant):
                     quantizer._weight_cache = None  # the quantized copy of the released weight
+            if self.rotation is not None:
+                drop_online(module)  # the stage's rotation matrices: attached again when it is read
         if self.config.tie_embeddings:
             self.model.lm_head.weight = self.model.embed.weight
         return_freed_memory()
@@ -659,6 +706,8 @@ def open_streamed(
     check_float_dtype(dtype, "requested dtype")
     resolved = resolve_stream_spec(spec)
     if plan is not None and (plan.smooth is not None or plan.backend is not None):
+        # smoothing rewrites norms and their readers from statistics of all layers; backend Linears hold
+        # their own copies of the weights. (Rotation streams: each stage is rotated as it is read.)
         what = "smooth (SmoothQuant)" if plan.smooth is not None else f"backend {plan.backend.name}"
         raise DiffquantError(
             f"plan {plan.name}: {what} is not supported in a streamed run (fake-quant rules only)"
@@ -669,8 +718,18 @@ def open_streamed(
     with resolved.open_source(dtype) as source:  # layer counts: checked by resolve / the GGUF's open
         streamed = StreamedModel(resolved, source, device, dtype)
         if plan is not None:
-            streamed.applied = apply_plan(streamed.model, plan)
+            streamed.applied = streamed.apply_plan(plan)
         yield streamed
+
+
+def _untied(spec: StreamSpec, config: ModelConfig) -> StreamSpec:
+    """``spec`` with its LM head untied (``config``): the head's weight read from the embedding's tensor
+    (and re-laid out as it is), as the whole model's untied head is a copy of the embedding."""
+    key_map = {**spec.key_map, "lm_head.weight": spec.key_map["embed.weight"]}
+    transforms = dict(spec.transforms)
+    if "embed.weight" in transforms:
+        transforms["lm_head.weight"] = transforms["embed.weight"]
+    return dataclasses.replace(spec, config=config, key_map=key_map, transforms=transforms)
 
 
 __all__ = [

@@ -22,8 +22,11 @@ comes from the same tensors in the same order:
   loadable by the ordinary loader. The folder is filled in a temporary sibling and renamed into place at the end
   (:func:`~diffquant.io.artifacts.write_folder_atomic`), so a failed run leaves no half-written output.
 
-Plans with SmoothQuant smoothing or a backend are refused in one line (:func:`open_streamed`): smoothing
-rewrites weights from statistics of all layers, and backend Linears hold their own copies of the weights.
+A rotating plan (QuaRot / SpinQuant) streams: each stage's weights are rotated as they are read
+(:meth:`~diffquant.stream.executor.StreamedModel.rotate_stage`), so the checkpoint holds the rotated weights
+the whole-model quantize saves, and its plan records the rotation (``transforms``). Plans with SmoothQuant
+smoothing or a backend are refused in one line (:func:`open_streamed`): smoothing rewrites weights from
+statistics of all layers, and backend Linears hold their own copies of the weights.
 """
 
 from __future__ import annotations
@@ -149,6 +152,10 @@ def _run(
     stream), compared site by site as :func:`~diffquant.quant.report.compare_models` compares. Returns the
     report and the run's memory numbers."""
     reference = StreamedModel(streamed.spec, streamed.source, streamed.device, streamed.dtype)
+    if streamed.rotation is not None:
+        # the whole-model reference is rotated alike; here it shares the rotated weights, so only the
+        # online rotations (R3, R4) are attached to it, stage by stage
+        reference.rotate(streamed.rotation.spec, weights=False)
     ref_taps, q_taps = select_taps(reference.model, "*"), select_taps(streamed.model, "*")
     names = [n for n in ref_taps if n in q_taps]
     site_stats = {name: ErrorStats() for name in names}
@@ -170,6 +177,7 @@ def _run(
             streamed.stage_bytes[name] = size
             streamed.peak_stage_bytes = max(streamed.peak_stage_bytes, size)
             state = _share(streamed, reference, prefixes)
+            reference.rotate_stage(prefixes)
             weights.write_all(state)
             _count_weight_nans(modules)
             if calib is not None:
