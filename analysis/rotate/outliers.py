@@ -4,10 +4,10 @@
 
 Profiles ``--model`` on WikiText-2 test (windows of 512 tokens) twice: as it is, and rotated by the preset
 ``quarot`` (Hadamard R1 residual, R2 heads, R4 online before down_proj; no quantizer: the same logits, checked
-here). Per activation kind it prints the pooled top-1 |x| and where it sits, the median |x| and the Pearson
-kurtosis (E[(x - mu)^4] / sigma^4 over all values; 3 for a Gaussian), and per Linear the inputs that the
-rotation changes (every reader of the residual stream, o_proj, down_proj). Writes outliers.json beside this
-script.
+here). For the residual stream (every layer's output, pooled) it prints the top-1 |x| and where it sits, the
+median |x| and the Pearson kurtosis (E[(x - mu)^4] / sigma^4 over all values; 3 for a Gaussian), and the same
+per Linear input over all layers (q_proj and up read the residual stream, o_proj the heads, down the FFN).
+Writes outliers.json beside this script.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from diffquant.profile.tables import describe_location
 from diffquant.quant.plan import preset
 from diffquant.quant.rotate import rotate_model
 
-KINDS = {"residual stream (layer outputs)": "resid", "Linear inputs": "linear_in"}
+KINDS = {"residual stream (layer outputs)": "resid"}  # Linear inputs: per Linear (widths differ: 576, 1536)
 LINEARS = ("attn.q_proj", "attn.o_proj", "mlp.up", "mlp.down")
 
 

@@ -111,6 +111,11 @@ def orthogonal(n: int, method: str, spec: RotateSpec, tag: str, where: str) -> t
     return hadamard_orthogonal(n, spec.block, where)
 
 
+# Below this size a dense matmul by the (float32) matrix beats the butterflies on CPU (analysis/rotate/bench.py:
+# 576 dense 16 ms vs fast 26 ms, 1536 dense 107 ms vs fast 70 ms, for 1,024 rows).
+FAST_MIN = 1024
+
+
 class OnlineRotation(nn.Module):
     """x -> x Q along the last dimension (``Q`` float64 (n, n), kept as a non-persistent buffer: the plan
     rebuilds it, so state dicts stay the base model's). A Hadamard ``Q`` of a supported size runs as the
@@ -409,7 +414,7 @@ def _rotate_ffn_layer(i: int, block: nn.Module, spec: RotateSpec, weights: bool)
     q, how = orthogonal(n, spec.ffn, spec, f"ffn.{i}", "rotate.ffn")
     if weights:
         _mul_right(down, q)
-    fast = spec.ffn == "hadamard" and had.has_hadamard(n)
+    fast = spec.ffn == "hadamard" and had.has_hadamard(n) and n >= FAST_MIN
     down.input_rotation = OnlineRotation(q.to(down.weight.device), fast, how)
 
 
@@ -425,5 +430,5 @@ def _rotate_qk_layer(i: int, block: nn.Module, spec: RotateSpec) -> None:
         mats.append(r)
     matrices = torch.stack(mats * (n_k if len(mats) == 1 else 1)).to(attn.q_proj.weight.device)
     n_q = attn.q_proj.out_features // d
-    fast = spec.qk == "hadamard" and had.has_hadamard(d)
+    fast = spec.qk == "hadamard" and had.has_hadamard(d) and d >= FAST_MIN
     attn.qk_rotation = QKRotation(matrices, _q_to_k(attn.kind, n_q, n_k), fast, how)
