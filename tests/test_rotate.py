@@ -235,12 +235,15 @@ def test_rotate_key_is_schema_checked():
 
 def test_a_size_without_hadamard_is_refused_before_anything_changes():
     """ffn 156 has no Hadamard matrix here: refused in one line, the model untouched; block 4 or random run."""
-    model = _scrambled("baseline", torch.float64, ffn_dim=156)
+    model = _scrambled("baseline", torch.float64, ffn_dim=156, tie=True)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     with pytest.raises(DiffquantError, match=r"rotate.ffn: size 156 has no Hadamard matrix") as err:
         apply_plan(model, preset("w8a8-quarot"))
     assert "\n" not in str(err.value)
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+    # not even untied: the head still is the embedding, the config still says tied, nothing marked rotated
+    assert model.lm_head.weight is model.embed.weight and model.config.tie_embeddings
+    assert getattr(model, "rotation", None) is None
     assert model.quant_plan is None if hasattr(model, "quant_plan") else True
     ids = _ids(model.config.vocab_size)
     with torch.no_grad():
