@@ -66,15 +66,6 @@ class RotateSpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def any(self) -> bool:
-        return any(getattr(self, p) != "none" for p in PLACES)
-
-    @property
-    def rotates_weights(self) -> bool:
-        """Whether applying this changes the weights (anything but a model with R3 alone would)."""
-        return self.any
-
 
 # --------------------------------------------------------------------------------------------- matrices
 
