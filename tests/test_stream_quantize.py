@@ -37,6 +37,18 @@ rules:
   - sites: ["lm_head.input"]
     scheme: {format: int8, granularity: tensor, calibration: percentile, percentile: 99.9}
 """
+# GPTQ weights (sequential: each layer's Hessians from the quantized layers before it) with rotation, the LM
+# head included (its Hessian from the last layer's stream), dynamic and static activations: the streamed
+# run must choose the same codes stage by stage as the whole-model pass does.
+GPTQ_PLAN = """name: gptq-rotated
+rotate: {residual: hadamard, heads: hadamard, ffn: hadamard}
+weights: {method: gptq, bits: 4, group_size: 16, act_order: true, modules: ["layers.*", "lm_head"]}
+rules:
+  - sites: ["kind:linear_in"]
+    scheme: int8:token
+  - sites: ["kind:logits"]
+    scheme: {format: int8, granularity: tensor, calibration: absmax}
+"""
 
 
 def _text(path) -> str:
@@ -53,7 +65,9 @@ def setup(tmp_path_factory):
     folders = {k: save_checkpoint(load_model(f"init:{k}:tiny"), root / k) for k in KINDS}
     plan = root / "maps.yaml"
     plan.write_text(MAPS_PLAN)
-    return {"folders": folders, "text": _text(root / "t.txt"), "maps": str(plan)}
+    gptq = root / "gptq.yaml"
+    gptq.write_text(GPTQ_PLAN)
+    return {"folders": folders, "text": _text(root / "t.txt"), "maps": str(plan), "gptq": str(gptq)}
 
 
 def _options(setup, **extra):
@@ -101,9 +115,9 @@ def _quantize_both(spec, plan, tmp_path, options):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("plan", ["w8a8-tensor", "w8a8", "maps"])
+@pytest.mark.parametrize("plan", ["w8a8-tensor", "w8a8", "maps", "gptq"])
 def test_streamed_quantize_equals_whole(setup, tmp_path, kind, plan):
-    plan = setup["maps"] if plan == "maps" else plan
+    plan = setup.get(plan, plan)
     spec = str(setup["folders"][kind])
     a, b = _quantize_both(spec, plan, tmp_path, _options(setup))
     _close(a["report"], b["report"])

@@ -25,8 +25,11 @@ from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE, PLAN_FILE, STATE_FILE, WEIGHTS_FILE
 from diffquant.quant.backends.quanto import load_quanto_state, quanto_state
 from diffquant.quant.plan import BackendLinear, QuantPlan, apply_plan, fake_quantizers
+from diffquant.quant.weightcodes import GroupCodes
+from diffquant.quant.weights import weight_modules
 
 PLAN_FORMAT = "diffquant-quantized"
+CODE_BUFFERS = ("codes", "scale", "zero")
 
 
 def is_quantized(path: str | Path) -> bool:
@@ -49,13 +52,18 @@ def base_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
 
 
 def quant_state(model: DecoderLM) -> dict[str, torch.Tensor]:
-    """Static scales of the fake-quantizers and calibration state of backend layers."""
+    """Static scales of the fake-quantizers, the codes, scales and zero points of the weights section
+    (``layers.0.attn.q.weight_quantizer.codes``: uint8) and calibration state of backend layers."""
     state = {}
     for name, q in fake_quantizers(model).items():
         for buf in ("scale", "zero_point"):
             value = getattr(q, buf)
             if value is not None:
                 state[f"{name}.{buf}"] = value.detach().contiguous()
+    for name, q in weight_modules(model).items():
+        if q.filled:
+            for buf in CODE_BUFFERS:
+                state[f"{name}.{buf}"] = getattr(q, buf).detach().contiguous()
     for name, module in model.named_modules():
         if isinstance(module, BackendLinear) and module.backend == "quanto":
             for key, value in quanto_state(module.inner).items():
@@ -99,12 +107,16 @@ def write_quant_files(
 
 def applied_transforms(model: DecoderLM) -> list[str]:
     """The weight transforms already applied to ``model``'s weights, in the order they ran (the saved weights
-    carry them; loading must not apply them again): ``rotate`` (at apply_plan), ``smooth`` (at calibration)."""
+    carry them; loading must not apply them again): ``rotate`` (at apply_plan), ``smooth`` (at calibration),
+    then ``weights`` (the weights section's codes, saved in the quant state: served as stored, not
+    recomputed)."""
     out = []
     if getattr(model, "rotation", None) is not None:
         out.append("rotate")
     if getattr(model, "smooth_factors", None) is not None:
         out.append("smooth")
+    if any(q.filled for q in weight_modules(model).values()):
+        out.append("weights")
     return out
 
 
@@ -125,7 +137,7 @@ def load_quantized(
     plan, _ = read_plan(folder)
     transforms = read_json(folder / PLAN_FILE, "quantization plan").get("transforms", [])
     model = load_checkpoint(folder, device=device, dtype=dtype)
-    apply_plan(model, plan, rotated_weights="rotate" in transforms)
+    apply_plan(model, plan, rotated_weights="rotate" in transforms, saved_codes="weights" in transforms)
     state_path = folder / STATE_FILE
     if not state_path.is_file():
         raise DiffquantError(
@@ -137,12 +149,17 @@ def load_quantized(
     except (SafetensorError, OSError) as err:
         raise DiffquantError(f"{state_path}: not a readable safetensors file ({err})") from None
     quantizers = fake_quantizers(model)
+    coded = weight_modules(model)
+    codes: dict[str, dict[str, torch.Tensor]] = {}
     backends = {n: m for n, m in model.named_modules() if isinstance(m, BackendLinear)}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         owner, _, buf = key.rpartition(".")
         if owner in quantizers and buf in ("scale", "zero_point"):
             setattr(quantizers[owner], buf, value)
+            continue
+        if owner in coded and buf in CODE_BUFFERS:
+            codes.setdefault(owner, {})[buf] = value
             continue
         module_name, sep, inner_key = key.partition(".inner.")
         if sep and module_name in backends:
@@ -151,6 +168,14 @@ def load_quantized(
         raise DiffquantError(f"{state_path}: unexpected tensor {key} for plan {plan.name!r}")
     for module_name, values in pending.items():
         load_quanto_state(backends[module_name].inner, values)
+    for owner, q in coded.items():
+        given = codes.get(owner, {})
+        if q.filled and not given:  # computed from the weights at apply_plan (a checkpoint before codes)
+            continue
+        missing_buffers = [b for b in CODE_BUFFERS if b not in given]
+        if missing_buffers:
+            raise DiffquantError(f"{state_path}: missing {owner}.{missing_buffers[0]} (the weights' codes)")
+        q.set_codes(GroupCodes(given["codes"], given["scale"], given["zero"], q.grid))
     missing = [n for n, q in quantizers.items() if q.scheme.is_static and q.scale is None]
     if missing:
         raise DiffquantError(f"{state_path}: missing static scales for {', '.join(missing[:5])}")

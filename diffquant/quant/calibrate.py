@@ -15,6 +15,7 @@ from diffquant.progress import progress
 from diffquant.quant import smoothquant  # called through the module, so tests can patch it
 from diffquant.quant.backends.quanto import quanto_calibration
 from diffquant.quant.modules import fake_quantizers
+from diffquant.quant.weights import quantize_weights
 
 if TYPE_CHECKING:
     from diffquant.quant.plan import QuantPlan
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> int:
-    """Run calibration batches: SmoothQuant smoothing (when the plan has ``smooth``), then static FakeQuant
-    scales and quanto activation scales. Returns tokens seen (0: nothing to calibrate).
+    """Run calibration batches: SmoothQuant smoothing (when the plan has ``smooth``), then the weights
+    section's codes (GPTQ sequentially over ``windows``; rtn / hqq of a smoothing plan), then static
+    FakeQuant scales and quanto activation scales. Returns tokens seen (0: nothing to calibrate).
 
     Smoothing comes first and on the float model: act-scales of the Linear inputs with every fake-quantizer
     detached (:func:`diffquant.quant.smoothquant.collect_act_scales`), then the norm weights and Linear
@@ -35,13 +37,18 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
     quantizers = [q for q in fake_quantizers(model).values() if q.scheme.is_static]
     uses_quanto = plan is not None and plan.backend is not None and plan.backend.activations is not None
     smooth = plan.smooth if plan is not None else None
-    if not quantizers and not uses_quanto and smooth is None:
+    weights = plan.weights if plan is not None else None
+    if not quantizers and not uses_quanto and smooth is None and weights is None:
         return 0
     if smooth is not None and getattr(model, "smooth_factors", None) is None:
         scales = smoothquant.collect_act_scales(model, windows, batch_size=batch_size)
         model.smooth_factors = smoothquant.smooth_model(model, scales, alpha=smooth.alpha)
-    if not quantizers and not uses_quanto:  # smoothing only: nothing static to observe
-        return windows.numel()
+    if weights is not None:
+        stats = quantize_weights(model, windows, batch_size=batch_size)
+        if stats is not None:
+            model.gptq_stats = stats
+    if not quantizers and not uses_quanto:  # smoothing / weights only: nothing static to observe
+        return windows.numel() if smooth is not None or weights.needs_data else 0
     for q in quantizers:
         q.start_calibration()
     context = nullcontext()

@@ -38,7 +38,6 @@ from typing import Any
 from torch import nn
 
 from diffquant.errors import DiffquantError
-from diffquant.models.attention import Linear
 from diffquant.models.taps import Tap, select_taps
 from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, BNB_MODES
 from diffquant.quant.backends.quanto import QUANTO_ACTIVATIONS, QUANTO_WEIGHTS
@@ -55,6 +54,8 @@ from diffquant.quant.modules import (
 from diffquant.quant.presets import PRESETS, preset_data
 from diffquant.quant.rotate import RotateSpec, rotate_model
 from diffquant.quant.schemes import Scheme, is_number
+from diffquant.quant.select import pattern_list, patterns, select_linears
+from diffquant.quant.weights import WeightsSpec, attach_weights
 from diffquant.schema import DOCS, check, key
 from diffquant.textfiles import read_yaml_file
 
@@ -68,6 +69,7 @@ __all__ = [
     "RotateSpec",
     "Rule",
     "SmoothSpec",
+    "WeightsSpec",
     "apply_plan",
     "calibrate",
     "fake_quantizers",
@@ -80,28 +82,17 @@ __all__ = [
 BACKENDS = ("quanto", "bnb")
 
 
-def _pattern_list(value: Any) -> str | None:
-    """The check of a pattern list key: a glob, or a list of them (what was expected, or None)."""
-    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        return None
-    return "a pattern or a list of patterns"
-
-
 def _finite_at_least_0(value: Any) -> str | None:
     return None if is_number(value) and math.isfinite(value) and value >= 0 else "a finite number >= 0"
-
-
-def _patterns(value: list[str] | str) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
 
 
 @dataclass(kw_only=True)
 class RuleDoc:
     """The schema of a plan's rule (its scheme is checked by :meth:`Scheme.parse`)."""
 
-    sites: list[str] = key([], check=_pattern_list)
-    weights: list[str] = key([], check=_pattern_list)
-    exclude: list[str] = key([], check=_pattern_list)
+    sites: list[str] = key([], check=pattern_list)
+    weights: list[str] = key([], check=pattern_list)
+    exclude: list[str] = key([], check=pattern_list)
     scheme: Any = key()
 
 
@@ -127,8 +118,8 @@ class BackendSpec:
     pattern as a list of one."""
 
     name: str = key()
-    modules: list[str] = key(["layers.*"], check=_pattern_list)
-    exclude: list[str] = key([], check=_pattern_list)
+    modules: list[str] = key(["layers.*"], check=pattern_list)
+    exclude: list[str] = key([], check=pattern_list)
     weights: str = key("qint8")  # quanto
     activations: str | None = key(None)  # quanto
     mode: str = key("int8")  # bnb
@@ -168,6 +159,7 @@ class PlanDoc:
     backend: BackendSpec | None = key(None, what="a mapping")
     smooth: SmoothSpec | None = key(None, what="a mapping")
     rotate: RotateSpec | None = key(None, what="a mapping")
+    weights: WeightsSpec | None = key(None, what="a mapping")
 
 
 @dataclass
@@ -178,6 +170,7 @@ class QuantPlan:
     backend: BackendSpec | None = None
     smooth: SmoothSpec | None = None
     rotate: RotateSpec | None = None
+    weights: WeightsSpec | None = None
 
     # -------------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +181,8 @@ class QuantPlan:
             out["smooth"] = self.smooth.to_dict()
         if self.rotate is not None:
             out["rotate"] = self.rotate.to_dict()
+        if self.weights is not None:
+            out["weights"] = self.weights.to_dict()
         out["rules"] = [r.to_dict() for r in self.rules]
         if self.backend is not None:
             out["backend"] = self.backend.to_dict()
@@ -202,16 +197,18 @@ class QuantPlan:
         rules = []
         for i, raw in enumerate(doc["rules"]):
             where = f"{source}: rules[{i}]"
-            sites, weights = _patterns(raw["sites"]), _patterns(raw["weights"])
+            sites, weights = patterns(raw["sites"]), patterns(raw["weights"])
             if not sites and not weights:
                 raise DiffquantError(f"{where}: give 'sites' (taps) and/or 'weights' (Linear modules)")
             scheme = Scheme.parse(raw["scheme"], where=f"{where}.scheme")
-            rules.append(Rule(scheme, sites, weights, _patterns(raw["exclude"])))
+            rules.append(Rule(scheme, sites, weights, patterns(raw["exclude"])))
         backend = None
         if doc["backend"] is not None:
             backend = _backend(doc["backend"], set(data["backend"]), f"{source}: backend")
-        if not rules and backend is None and doc["rotate"] is None:
-            raise DiffquantError(f"{source}: a plan needs at least one rule, a backend or a rotation")
+        if not rules and backend is None and doc["rotate"] is None and doc["weights"] is None:
+            raise DiffquantError(
+                f"{source}: a plan needs at least one rule, a backend, a rotation or a weights section"
+            )
         smooth = None
         if doc["smooth"] is not None:
             smooth = SmoothSpec(alpha=float(doc["smooth"]["alpha"]))
@@ -228,7 +225,18 @@ class QuantPlan:
                     f"{source}: rotate: works with fake-quant rules only; the backend {backend.name} would "
                     "replace the Linears that carry the online rotations"
                 )
-        return cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate)
+        weights = None
+        if doc["weights"] is not None:
+            try:
+                weights = WeightsSpec(**doc["weights"])
+            except DiffquantError as err:
+                raise DiffquantError(f"{source}: {err}") from None
+            if backend is not None:
+                raise DiffquantError(
+                    f"{source}: weights: works with fake-quant rules only; the backend {backend.name} "
+                    "quantizes its Linears' weights itself"
+                )
+        return cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate, weights)
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
@@ -247,9 +255,11 @@ class QuantPlan:
     @property
     def uses_static(self) -> bool:
         """True when applying the plan needs a calibration pass (:func:`calibrate`): static scales, quanto
-        activations, or SmoothQuant smoothing (which needs act-scales of calibration text)."""
+        activations, SmoothQuant smoothing (which needs act-scales of calibration text) or GPTQ weights (which
+        need each Linear's calibration inputs)."""
         return (
             self.smooth is not None
+            or (self.weights is not None and self.weights.needs_data)
             or any(r.scheme.is_static for r in self.rules)
             or (
                 self.backend is not None
@@ -264,8 +274,8 @@ def _backend(raw: dict[str, Any], given: set[str], where: str) -> BackendSpec:
     name = raw["name"]
     if name not in BACKENDS:
         raise DiffquantError(f"{where}.name: {name!r}; valid backends: {', '.join(BACKENDS)}")
-    spec = BackendSpec(**{**raw, "modules": _patterns(raw["modules"]) or ["layers.*"]})
-    spec.exclude = _patterns(raw["exclude"])
+    spec = BackendSpec(**{**raw, "modules": patterns(raw["modules"]) or ["layers.*"]})
+    spec.exclude = patterns(raw["exclude"])
     if name == "quanto":
         extra = sorted(given & {"mode", "threshold", "blocksize"})
         if extra:
@@ -302,30 +312,6 @@ def preset(name: str) -> QuantPlan:
 # ------------------------------------------------------------------------------------------- apply
 
 
-def _select_linears(
-    model: nn.Module, patterns: list[str], exclude: list[str], where: str
-) -> dict[str, Linear]:
-    """Linears matching any of ``patterns`` but none of ``exclude``; each pattern must match, and the
-    excludes must leave something (see :func:`apply_plan`)."""
-    linears = linear_modules(model)
-    chosen = {}
-    for pattern in patterns:
-        hits = {n: m for n, m in linears.items() if fnmatch.fnmatchcase(n, pattern)}
-        if not hits:
-            example = ", ".join(list(linears)[:3])
-            raise DiffquantError(
-                f"{where}: weight pattern {pattern!r} matches no Linear (names look like {example})"
-            )
-        chosen.update(hits)
-    kept = {n: m for n, m in chosen.items() if not any(fnmatch.fnmatchcase(n, e) for e in exclude)}
-    if not kept:
-        raise DiffquantError(
-            f"{where}: patterns {patterns} select {len(chosen)} Linear(s), all removed by exclude {exclude}; "
-            "it would quantize nothing"
-        )
-    return kept
-
-
 def _select_sites(model: nn.Module, rule: Rule, where: str) -> dict[str, Tap]:
     """The taps of ``rule.sites`` minus ``rule.exclude``; like :func:`_select_linears`, never empty."""
     try:
@@ -342,12 +328,17 @@ def _select_sites(model: nn.Module, rule: Rule, where: str) -> dict[str, Tap]:
 
 
 def apply_plan(
-    model: nn.Module, plan: QuantPlan, rotated_weights: bool = False
+    model: nn.Module, plan: QuantPlan, rotated_weights: bool = False, saved_codes: bool = False
 ) -> list[tuple[str, str, str]]:
     """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion,
     after ("rotate", place, what ran) per rotation when the plan rotates (first: rotation changes the
     weights the quantizers read). ``rotated_weights``: the weights were saved rotated (a quantized
-    checkpoint), so only the online rotations are attached.
+    checkpoint), so only the online rotations are attached. ``saved_codes``: the ``weights`` section's codes
+    come from a quantized checkpoint's state, so none are computed here.
+
+    The ``weights`` section (:mod:`~diffquant.quant.weights`) puts a QuantizedWeight on its Linears; rtn
+    and hqq codes are computed here unless the plan smooths (then at calibration, after smoothing, as gptq's
+    always are).
 
     Every selection must select something in this model, checked per rule (and for the backend): each
     site / weight / module pattern must match (``kind:NAME`` included), and the exclude patterns must not
@@ -366,12 +357,25 @@ def apply_plan(
     for i, rule in enumerate(plan.rules):
         where = f"plan {plan.name}: rules[{i}]"
         taps = _select_sites(model, rule, where) if rule.sites else {}
-        linears = _select_linears(model, rule.weights, rule.exclude, where) if rule.weights else {}
+        linears = select_linears(model, rule.weights, rule.exclude, where) if rule.weights else {}
         selected.append((rule, taps, linears))
+    weight_linears = {}
+    if plan.weights is not None:
+        spec = plan.weights
+        weight_linears = select_linears(model, spec.modules, spec.exclude, f"plan {plan.name}: weights")
+        for i, (_, _, linears) in enumerate(selected):
+            clash = sorted(set(linears) & set(weight_linears))
+            if clash:
+                raise DiffquantError(
+                    f"{clash[0]}: plan {plan.name}: rules[{i}] fake-quantizes this weight and the weights "
+                    "section quantizes it too; exclude it from one of them"
+                )
+        for name in weight_linears:
+            spec.grid.check(tuple(weight_linears[name].weight.shape), f"plan {plan.name}: weights: {name}")
     backend_linears = {}
     if plan.backend is not None:
         spec = plan.backend
-        backend_linears = _select_linears(
+        backend_linears = select_linears(
             model, spec.modules, spec.exclude, f"plan {plan.name}: backend {spec.name}"
         )
         for _, _, linears in selected:
@@ -392,6 +396,9 @@ def apply_plan(
             linear.weight_quantizer = FakeQuant(rule.scheme, f"{name}.weight", "weight")
             linear.weight_quantizer.quantize_weight(linear.weight)  # checks the shape now, not mid-run
             applied.append(("weight", name, rule.scheme.label()))
+    if plan.weights is not None:
+        fill = plan.smooth is None and not saved_codes
+        applied += attach_weights(plan.weights, weight_linears, fill=fill)
     if plan.backend is not None:
         applied += apply_backend(model, plan.backend, backend_linears)
     model.quant_plan = plan

@@ -1,5 +1,5 @@
 """The shipped plan presets, as data: each entry is what a plan file holds (description, rules, backend,
-smooth), read by :func:`diffquant.quant.plan.preset` through ``QuantPlan.from_dict`` like any plan file.
+smooth, rotate, weights), read by :func:`diffquant.quant.plan.preset` through ``QuantPlan.from_dict`` like any plan file.
 
 Weights: ``layers.*`` is every Linear inside the blocks (the LM head stays in full precision); sites:
 ``layers.*.input`` is the input of every such Linear. Every preset selects only sites all three attention
@@ -204,7 +204,48 @@ def _remedy_presets() -> dict[str, dict[str, Any]]:
     return out
 
 
+# ---- weights as the field reports them (the weights section, diffquant/quant/weights.py): one grid (GPTQ's:
+# symmetric 2^b levels, or asymmetric for HQQ), the codes chosen by round-to-nearest, GPTQ or HQQ.
+METHOD_WORDS = {
+    "rtn": "round to nearest",
+    "gptq": "GPTQ (Frantar et al. 2022; sequential, calibration data)",
+    "hqq": "HQQ (Badri & Shaji 2023; asymmetric, data-free)",
+}
+
+
+def _weight_presets() -> dict[str, dict[str, Any]]:
+    """w4a16 / w3a16 in groups of 128 (the W4A16 tables' rows) and of 32 (models narrower than 128) by each
+    method; w4a8 / w4a4 with int4 weights per output channel by rtn or gptq, plain and rotated (QuaRot's
+    W4A4 rows: rotation, then GPTQ)."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in (128, 32):
+        for bits in (4, 3):
+            for method, words in METHOD_WORDS.items():
+                weights: dict[str, Any] = {"method": method, "bits": bits, "group_size": group}
+                out[f"w{bits}a16-{method}-g{group}"] = {
+                    "description": f"int{bits} weights in groups of {group} by {words}, activations "
+                    "unquantized",
+                    "weights": weights,
+                }
+    for act in ("int8", "int4"):
+        name = f"w4a{act[3:]}"
+        for method in ("rtn", "gptq"):
+            for rotate in (False, True):
+                words = f"{ROTATION_WORDS}, then " if rotate else ""
+                entry: dict[str, Any] = {
+                    "description": f"{words}int4 weights per output channel by {METHOD_WORDS[method]}, "
+                    f"{act} Linear inputs per token (dynamic)",
+                    "weights": {"method": method, "bits": 4, "group_size": "channel"},
+                    "rules": [{"sites": ["layers.*.input"], "scheme": f"{act}:token"}],
+                }
+                if rotate:
+                    entry["rotate"] = dict(QUAROT_ROTATION)
+                out[f"{name}{'-quarot' if rotate else ''}-{method}"] = entry
+    return out
+
+
 PRESET_TABLE.update({k: v for k, v in _remedy_presets().items() if k not in PRESET_TABLE})
+PRESET_TABLE.update({k: v for k, v in _weight_presets().items() if k not in PRESET_TABLE})
 PRESETS = tuple(sorted(PRESET_TABLE))
 
 

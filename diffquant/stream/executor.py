@@ -62,6 +62,7 @@ from diffquant.progress import progress as show_progress
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.plan import QuantPlan, apply_plan
 from diffquant.quant.rotate import RotateSpec, StageRotation, drop_online, prepare_rotation
+from diffquant.quant.weights import GptqStats, activations_float, fill_data_free, gptq_stage
 from diffquant.zoo import zoo_path
 
 try:
@@ -483,6 +484,10 @@ class StreamedModel:
         self.stage_bytes: dict[str, int] = {}
         self.applied: list[tuple[str, str, str]] = []  # apply_plan's record (target, name, scheme)
         self.rotation: StageRotation | None = None  # a rotating plan's stages: rotated as they are read
+        # a plan with gptq weights: the calibration stream GPTQ reads (float activations, quantized weights
+        # of the stages before), advanced stage by stage beside the static-scale stream
+        self.gptq_store: HiddenStore | None = None
+        self.gptq_stats = GptqStats()
 
     def apply_plan(self, plan: QuantPlan) -> list[tuple[str, str, str]]:
         """:func:`~diffquant.quant.plan.apply_plan` on the skeleton, its record as the whole model's. A
@@ -556,6 +561,8 @@ class StreamedModel:
         if self.config.tie_embeddings:
             self.model.lm_head.weight = self.model.embed.weight
         self.rotate_stage(prefixes)
+        # rtn / hqq codes of the weights section, from the weights just read (and rotated)
+        fill_data_free([self.model.get_submodule(p.rstrip(".")) for p in prefixes])
         size = sum(t.numel() * t.element_size() for t in state.values())
         return size
 
@@ -665,12 +672,38 @@ class StreamedModel:
             hidden.close()
             if calib is not None:
                 calib.close()
+            if self.gptq_store is not None:
+                self.gptq_store.close()
         info["peak_stage_bytes"] = self.peak_stage_bytes
         return info
 
+    def gptq_step(self, name: str, modules: Sequence[nn.Module], fn: Callable, calibration) -> None:
+        """The stage's GPTQ codes (:func:`~diffquant.quant.weights.gptq_stage`, the step the whole-model
+        :func:`~diffquant.quant.weights.quantize_weights` takes per stage) from the GPTQ stream, which
+        then advances through the stage with its new codes."""
+        if name == "embed" or self.gptq_store is None:
+            if self.gptq_store is not None:
+                self.gptq_store.close()
+            self.gptq_store = HiddenStore(None)
+        store = self.gptq_store
+
+        def get(k: int) -> torch.Tensor:
+            return calibration[k].to(self.device) if name == "embed" else store.get(k, self.device)
+
+        with activations_float(self.model):
+            gptq_stage(
+                modules, fn, len(calibration), get, None if name == "head" else store.put, self.gptq_stats
+            )
+        if name == "head":
+            store.close()
+
     def calibrate_stage(self, name, modules, fn, calibration, store, profiler) -> None:
-        """Calibration batches through one stage, static quantizers observing (values pass through); then
-        the stage's scales are fixed. The calibration hidden states advance with the stage."""
+        """Calibration batches through one stage: first the stage's GPTQ codes when the plan has gptq weights
+        (:meth:`gptq_step`), then static quantizers observing (values pass through), then the stage's scales
+        are fixed. The calibration hidden states advance with the stage."""
+        plan = getattr(self.model, "quant_plan", None)
+        if plan is not None and plan.weights is not None and plan.weights.needs_data:
+            self.gptq_step(name, modules, fn, calibration)
         quantizers = [
             q for mod in modules for q in mod.modules() if isinstance(q, FakeQuant) and q.scheme.is_static
         ]
@@ -707,7 +740,8 @@ def open_streamed(
     resolved = resolve_stream_spec(spec)
     if plan is not None and (plan.smooth is not None or plan.backend is not None):
         # smoothing rewrites norms and their readers from statistics of all layers; backend Linears hold
-        # their own copies of the weights. (Rotation streams: each stage is rotated as it is read.)
+        # their own copies of the weights. (Rotation streams: each stage is rotated as it is read; so do
+        # the weights section's codes: rtn / hqq as a stage is read, gptq as it is calibrated.)
         what = "smooth (SmoothQuant)" if plan.smooth is not None else f"backend {plan.backend.name}"
         raise DiffquantError(
             f"plan {plan.name}: {what} is not supported in a streamed run (fake-quant rules only)"

@@ -34,6 +34,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -58,7 +60,8 @@ from diffquant.io.quantized import base_state_dict, write_quant_files
 from diffquant.io.runfolder import claim_checkpoint_folder
 from diffquant.models.taps import select_taps
 from diffquant.names import WEIGHTS_FILE
-from diffquant.progress import progress
+from diffquant.progress import is_quiet, progress
+from diffquant.quant.fake import FakeQuant
 from diffquant.quant.modules import fake_quantizers
 from diffquant.quant.plan import QuantPlan
 from diffquant.quant.report import ErrorStats, compare_batch
@@ -104,7 +107,9 @@ def quantize_streamed(
         calib_data = calib_data or default_text([tok], "calib")
         applied = streamed.applied
         windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
-        static = any(q.scheme.is_static for q in fake_quantizers(streamed.model).values())
+        static = any(q.scheme.is_static for q in fake_quantizers(streamed.model).values()) or (
+            plan.weights is not None and plan.weights.needs_data  # gptq reads the calibration windows
+        )
         calibrated = windows.calib.numel() if static else 0
         result: dict[str, Any] = {}
 
@@ -112,6 +117,7 @@ def quantize_streamed(
             """Fill the temporary folder: config and tokenizer, the weights stage by stage (the run itself),
             then the plan, the scales and the report, which exist only once every stage has run."""
             write_config(folder, streamed.model)
+            started = time.monotonic()
             with _TensorFileWriter(folder / WEIGHTS_FILE, _base_shapes(streamed), streamed.dtype) as weights:
                 report, info = _run(
                     streamed,
@@ -121,6 +127,8 @@ def quantize_streamed(
                     weights,
                     hidden_budget,
                 )
+            if streamed.gptq_stats.linears and not is_quiet():
+                print(streamed.gptq_stats.line(time.monotonic() - started), file=sys.stderr)
             meta = quantize_meta(
                 checkpoint, plan_spec, calib_data, calibrated, seq_len, tok, windows, streamed.model
             )
@@ -204,6 +212,8 @@ def _run(
             info[f"hidden_peak_bytes_{key}"] = store.peak_bytes
             info[f"hidden_spilled_{key}"] = store.spilled
             store.close()
+        if streamed.gptq_store is not None:
+            streamed.gptq_store.close()
     weights.check_complete()
     report = {name: s.summary() for name, s in site_stats.items()}
     report["logits"] = logits.summary()
@@ -228,7 +238,7 @@ def _count_weight_nans(modules: Sequence[nn.Module]) -> None:
     for module in modules:
         for sub in module.modules():
             quantizer = getattr(sub, "weight_quantizer", None)
-            if quantizer is not None:
+            if isinstance(quantizer, FakeQuant):  # (the weights section's codes count no NaNs)
                 quantizer(sub.weight)
 
 
