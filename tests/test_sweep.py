@@ -131,8 +131,10 @@ def _tiny(raw: dict, text: str) -> dict:
     """The recipe with tiny random models and small budgets, everything else as shipped."""
     raw = json.loads(json.dumps(raw))
     kinds = ("baseline", "diff_v1", "diff_v2")  # zoo:KIND keeps its kind; real checkpoints are Llamas
+    # weights in groups of 128 need Linears at least 128 wide: the small preset (d 256), not tiny (d 96)
+    size = "small" if any("g128" in p for p in raw.get("sweep", {}).get("plans", [])) else "tiny"
     raw["models"] = {
-        name: f"init:{spec.split(':')[1] if spec.split(':')[1] in kinds else 'baseline'}:tiny"
+        name: f"init:{spec.split(':')[1] if spec.split(':')[1] in kinds else 'baseline'}:{size}"
         for name, spec in raw["models"].items()
     }
     raw.setdefault("data", {})["calib"] = {"source": text, "tokens": 128, "seq_len": 64}

@@ -196,11 +196,11 @@ def _layer_inputs(model, windows, batch: int = 4) -> list[dict[str, torch.Tensor
 
 
 def _check_gptq_layers(model, floats, windows, grid, rtn, exact: bool = True) -> int:
-    """Every GPTQ Linear of every layer: its codes are GPTQ's for the inputs :func:`_layer_inputs` records
-    (H = 2 X^T X / N, computed here) and its layer objective ||(W - Q) X^T||^2 is below round-to-nearest's.
-    ``exact`` False (a real model, whose Hessians from 1,024 tokens are near singular: a code flipped by the
-    last bit of a float32 sum changes the updates after it): the objective within 2 % of the one of the
-    codes computed here instead of the codes themselves. Returns the number of Linears checked."""
+    """Every GPTQ Linear of every layer: its layer objective ||(W - Q) X^T||^2 on the inputs
+    :func:`_layer_inputs` records is below round-to-nearest's, and (``exact``) its codes are GPTQ's for
+    those inputs (H = 2 X^T X / N, computed here). Not ``exact`` (a real model, whose near-singular Hessians
+    make the codes hinge on the last bit of float32 sums): the objective only, which is also half the time.
+    Returns the number of Linears checked."""
     checked = 0
     for layer, inputs in enumerate(_layer_inputs(model, windows)):
         for name, module in model.layers[layer].named_modules():
@@ -209,13 +209,10 @@ def _check_gptq_layers(model, floats, windows, grid, rtn, exact: bool = True) ->
             x = inputs[name]
             w = floats[f"layers.{layer}.{name}"].double()
             q = module.weight_quantizer.quantize_weight(module.weight).double()
-            expected = gptq_codes(w, 2 * x.T @ x / x.shape[0], grid).dequantize()
             ours = ((w - q) @ x.T).square().sum()
             if exact:  # equal codes up to the odd rounding decided by the last bit of a float32 sum
+                expected = gptq_codes(w, 2 * x.T @ x / x.shape[0], grid).dequantize()
                 assert ((q - expected).abs() > 1e-5).float().mean() < 1e-3, (layer, name)
-            else:
-                reference = ((w - expected) @ x.T).square().sum()
-                assert abs(ours / reference - 1) < 0.02, (layer, name, float(ours), float(reference))
             theirs = ((w - rtn(w)) @ x.T).square().sum()
             assert ours < theirs, (layer, name, float(ours), float(theirs))
             checked += 1
@@ -332,7 +329,8 @@ def test_checkpoint_stores_codes_and_reloads_bit_for_bit(tmp_path, method):
 @pytest.mark.slow
 def test_gptq_beats_rtn_on_every_linear_of_smollm2():
     """SmolLM2-135M (30 layers, 210 Linears; width 576 = 4 x 128 + 64: partial last groups), w4a16 g128
-    asymmetric, calibrated on 4 x 256 tokens of WikiText-2 validation."""
+    asymmetric, calibrated on 2 x 256 tokens of WikiText-2 validation (small, to keep the suite short: GPTQ
+    must still win on every Linear)."""
     from diffquant.data import token_windows
     from diffquant.io import fetch
 
@@ -342,7 +340,7 @@ def test_gptq_beats_rtn_on_every_linear_of_smollm2():
         pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched (no network?): {err}")
     model = load_model(f"gguf:{path}")
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Linear)}
-    windows = token_windows("wikitext2:validation", 1024, 256, model.tokenizer)
+    windows = token_windows("wikitext2:validation", 512, 256, model.tokenizer)
     apply_plan(model, _plan({"method": "gptq", "bits": 4, "group_size": 128, "sym": False}))
     calibrate(model, windows, batch_size=4)
     grid = WeightGrid(4, 128, False)
