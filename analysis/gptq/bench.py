@@ -97,13 +97,12 @@ def main() -> None:
             ).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
-    print(
-        "\n| mode | calibration | GPTQ s | Linears | Hessians MiB | peak RSS GiB |\n|---|---|---|---|---|---|"
-    )
+    print("\n| mode | calibration | GPTQ s | Linears | Hessians MiB | peak RSS GiB | WikiText-2 test ppl |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['mode']} | {r['windows']} x {r['seq_len']} = {r['tokens']:,} | {r['gptq_seconds']} | "
-            f"{r['linears']} | {r['peak_hessian_mib']} | {r['peak_rss_gib']} |"
+            f"{r['linears']} | {r['peak_hessian_mib']} | {r['peak_rss_gib']} | {r.get('wikitext2_test_ppl', '-')} |"
         )
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo"], capture_output=True, text=True)
     doc = {"model": args.model, "plan": "w4a16-gptq-g128", "cpu": cpu.stdout.strip(), "rows": rows}
