@@ -36,14 +36,14 @@ def bpb(
         plan.weights.act_order = True
     apply_plan(model, plan)
     windows = token_windows("stdlib:train", calib_tokens, 256, model.tokenizer)
-    saved = W.activations_float
+    saved = W.taps_detached
     if aware:
-        W.activations_float = lambda _model: contextlib.nullcontext()
+        W.taps_detached = lambda _model: contextlib.nullcontext()
     try:
         with torch.no_grad():
             calibrate(model, windows, batch_size=8)
     finally:
-        W.activations_float = saved
+        W.taps_detached = saved
     return evaluate_bpb(model, "stdlib:validation", max_tokens=8192, seq_len=256, batch_size=8)[
         "bits_per_byte"
     ]

@@ -466,8 +466,8 @@ MUTANTS = [
     M(
         "stream: layer stage prefix without its dot (layers.1 reads layers.10)",
         "diffquant/stream/executor.py",
-        'out.append((f"layers.{i}", [f"layers.{i}."], [block], block))',
-        'out.append((f"layers.{i}", [f"layers.{i}"], [block], block))',
+        'head if name == "head" else [f"{name}."]',
+        'head if name == "head" else [f"{name}"]',
         ("tests/test_stream_gguf.py::test_twelve_layers_each_stage_reads_its_own_block",),
     ),
     # --- issue 23: tokenizers, text, scoring
@@ -1042,8 +1042,8 @@ MUTANTS = [
     M(
         "gptq with activation quantizers on",
         "diffquant/quant/weights.py",
-        "            tap.quantizer = None\n        yield",
-        "            pass\n        yield",
+        "    with taps_detached(model):\n        chosen",
+        "    with torch.no_grad():\n        chosen",
         ("tests/test_weights.py::test_gptq_is_sequential_and_beats_rtn_on_every_linear",),
     ),
     M(
@@ -1084,7 +1084,7 @@ MUTANTS = [
     M(
         "streamed gptq with the activation quantizers on",
         "diffquant/stream/executor.py",
-        "        with activations_float(self.model):\n            gptq_stage(",
+        "        with taps_detached(self.model):\n            gptq_stage(",
         "        with contextlib.nullcontext():\n            gptq_stage(",
         ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
     ),

@@ -2,18 +2,22 @@
 
 :class:`BackendLinear` (a real backend's quantized layer behind the original Linear's input tap) and
 :func:`apply_backend` (swap chosen Linears for optimum-quanto / bitsandbytes layers); the lookups
-:func:`linear_modules`, :func:`fake_quantizers`, :func:`quantized_taps` and :func:`nan_counts`.
+:func:`linear_modules`, :func:`fake_quantizers`, :func:`quantized_taps` and :func:`nan_counts`; and
+:func:`taps_detached` / :func:`weight_quantizers_detached`, which take inserted quantizers out for a while
+(the float model SmoothQuant's act-scales read, the float activations GPTQ's Hessians read).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from diffquant.models.attention import Linear
-from diffquant.models.taps import Tap
+from diffquant.models.taps import Tap, model_taps
 from diffquant.quant.backends.bnb import to_bnb
 from diffquant.quant.backends.quanto import to_quanto
 from diffquant.quant.fake import FakeQuant
@@ -75,3 +79,29 @@ def nan_counts(model: nn.Module) -> dict[str, int]:
 
 def quantized_taps(model: nn.Module) -> dict[str, Tap]:
     return {n: m for n, m in model.named_modules() if isinstance(m, Tap) and m.quantizer is not None}
+
+
+@contextmanager
+def taps_detached(model: nn.Module) -> Iterator[None]:
+    """Every tap's quantizer of ``model`` detached for the duration (weights stay as they are)."""
+    taps = [(tap, tap.quantizer) for tap in model_taps(model).values() if tap.quantizer is not None]
+    try:
+        for tap, _ in taps:
+            tap.quantizer = None
+        yield
+    finally:
+        for tap, quantizer in taps:
+            tap.quantizer = quantizer
+
+
+@contextmanager
+def weight_quantizers_detached(linears: Iterable[Linear]) -> Iterator[None]:
+    """The weight quantizers of ``linears`` detached for the duration: they compute with their float weights."""
+    held = [(lin, lin.weight_quantizer) for lin in linears if lin.weight_quantizer is not None]
+    try:
+        for lin, _ in held:
+            lin.weight_quantizer = None
+        yield
+    finally:
+        for lin, quantizer in held:
+            lin.weight_quantizer = quantizer

@@ -34,10 +34,14 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear, RMSNorm
 from diffquant.models.hf_names import hf_key_map
-from diffquant.models.taps import model_taps
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
-from diffquant.quant.modules import BackendLinear, linear_modules
+from diffquant.quant.modules import (
+    BackendLinear,
+    linear_modules,
+    taps_detached,
+    weight_quantizers_detached,
+)
 
 NAMINGS = ("hf", "native")
 # Specifiers of models that came from Hugging Face / llama.cpp: their act-scales use HF module names.
@@ -143,23 +147,8 @@ def float_model(model: nn.Module) -> Iterator[nn.Module]:
             raise DiffquantError(
                 f"{name}: a {module.backend} layer; act-scales need the float model (give the base checkpoint)"
             )
-    taps = [(tap, tap.quantizer) for tap in model_taps(model).values() if tap.quantizer is not None]
-    weights = [
-        (lin, lin.weight_quantizer)
-        for lin in linear_modules(model).values()
-        if lin.weight_quantizer is not None
-    ]
-    try:
-        for tap, _ in taps:
-            tap.quantizer = None
-        for lin, _ in weights:
-            lin.weight_quantizer = None
+    with taps_detached(model), weight_quantizers_detached(linear_modules(model).values()):
         yield model
-    finally:
-        for tap, quantizer in taps:
-            tap.quantizer = quantizer
-        for lin, quantizer in weights:
-            lin.weight_quantizer = quantizer
 
 
 @torch.no_grad()

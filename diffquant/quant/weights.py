@@ -29,8 +29,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +38,10 @@ from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear
-from diffquant.models.taps import model_taps
 from diffquant.progress import is_quiet, progress
 from diffquant.quant.gptq import Hessian, gptq_codes
 from diffquant.quant.hqq import hqq_codes
+from diffquant.quant.modules import taps_detached, weight_quantizers_detached
 from diffquant.quant.select import pattern_list
 from diffquant.quant.weightcodes import GroupCodes, QuantizedWeight, WeightGrid, rtn_codes
 from diffquant.schema import key
@@ -139,14 +138,8 @@ def attach_weights(
         linear.weight_quantizer = QuantizedWeight(name, spec, tuple(linear.weight.shape))
         applied.append(("weight", name, spec.label()))
     if fill and not spec.needs_data:
-        fill_data_free(linears.values())
+        fill_data_free(list(linears.values()))
     return applied
-
-
-def quantized_weights(modules: nn.Module | Sequence[nn.Module]) -> dict[str, QuantizedWeight]:
-    """Every QuantizedWeight under ``modules`` (a model, or a stage's modules), by its site."""
-    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-    return {q.site: q for root in roots for q in root.modules() if isinstance(q, QuantizedWeight)}
 
 
 def weight_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
@@ -155,6 +148,7 @@ def weight_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
 
 
 def _owners(modules: nn.Module | Sequence[nn.Module]) -> list[tuple[Linear, QuantizedWeight]]:
+    """(Linear, its QuantizedWeight) under ``modules`` (a model, a stage's modules, or Linears)."""
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     return [
         (m, m.weight_quantizer)
@@ -164,16 +158,12 @@ def _owners(modules: nn.Module | Sequence[nn.Module]) -> list[tuple[Linear, Quan
     ]
 
 
-def fill_data_free(modules: Any) -> int:
-    """Codes for the rtn / hqq weights under ``modules`` (Linears or their parents) not filled yet."""
-    roots = list(modules) if not isinstance(modules, nn.Module) else [modules]
-    count = 0
-    for linear, q in _owners(roots):
-        if q.filled or q.spec.needs_data or linear.weight.device.type == "meta":
-            continue
-        q.set_codes(weight_codes(linear.weight, q.spec))
-        count += 1
-    return count
+def fill_data_free(modules: nn.Module | Sequence[nn.Module]) -> None:
+    """Codes for the rtn / hqq weights under ``modules`` (Linears or their parents) not filled yet (a
+    streamed skeleton's weights still on the meta device wait until their stage is read)."""
+    for linear, q in _owners(modules):
+        if not (q.filled or q.spec.needs_data or linear.weight.device.type == "meta"):
+            q.set_codes(weight_codes(linear.weight, q.spec))
 
 
 def weight_codes(
@@ -192,30 +182,6 @@ def weight_codes(
 
 
 # ------------------------------------------------------------------------------------------- gptq
-@contextmanager
-def activations_float(model: nn.Module) -> Iterator[None]:
-    """The taps' quantizers detached for the duration (weights stay as they are): the stream GPTQ reads."""
-    taps = [(tap, tap.quantizer) for tap in model_taps(model).values() if tap.quantizer is not None]
-    try:
-        for tap, _ in taps:
-            tap.quantizer = None
-        yield
-    finally:
-        for tap, quantizer in taps:
-            tap.quantizer = quantizer
-
-
-@contextmanager
-def float_weights(pairs: Sequence[tuple[Linear, QuantizedWeight]]) -> Iterator[None]:
-    try:
-        for linear, _ in pairs:
-            linear.weight_quantizer = None
-        yield
-    finally:
-        for linear, q in pairs:
-            linear.weight_quantizer = q
-
-
 @dataclass
 class GptqStats:
     """What a GPTQ pass did: Linears quantized, calibration tokens per Linear, the largest Hessian bytes held
@@ -256,7 +222,7 @@ def gptq_stage(
     GPTQ weights in float, accumulating each Linear's Hessian from its input; the codes chosen; then the
     batches through again with the new codes, each output handed to ``put(k, y)`` (the next stage's input).
     Linears that read the same tensor (q, k and v; gate and up) share one Hessian. The caller has the
-    activation quantizers detached (:func:`activations_float`)."""
+    activation quantizers detached (:func:`~diffquant.quant.modules.taps_detached`)."""
     pairs = [(lin, q) for lin, q in _owners(modules) if q.spec.needs_data and not q.filled]
     if pairs:
         hessians: dict[int, Hessian] = {}  # owner index -> its Hessian
@@ -284,7 +250,7 @@ def gptq_stage(
             # the tap's input: after an online rotation (R4), what the weight multiplies
             handles.append(linear.input.register_forward_pre_hook(hook(i)))
         try:
-            with float_weights(pairs):
+            with weight_quantizers_detached(lin for lin, _ in pairs):
                 for k in range(count):
                     seen.clear()
                     fn(get(k))
@@ -323,7 +289,7 @@ def quantize_weights(
     """Fill every QuantizedWeight of ``model`` not filled yet: rtn / hqq from the weights, gptq sequentially
     over ``windows`` (N, L) token ids. Returns the GPTQ pass's :class:`GptqStats` summary (None: no gptq)."""
     fill_data_free(model)
-    pending = [q for q in quantized_weights(model).values() if not q.filled]
+    pending = [q for _, q in _owners(model) if not q.filled]
     if not pending:
         return None
     if windows is None or windows.numel() == 0:
@@ -332,9 +298,7 @@ def quantize_weights(
     batches = [windows[s : s + batch_size].to(device) for s in range(0, windows.shape[0], batch_size)]
     stages = model_stages(model)
     last = max(
-        i
-        for i, (_, modules, _) in enumerate(stages)
-        if any(not q.filled for q in quantized_weights(modules).values())
+        i for i, (_, modules, _) in enumerate(stages) if any(not q.filled for _, q in _owners(modules))
     )
     hidden: list[torch.Tensor | None] = list(batches)
     stats = GptqStats()
@@ -346,7 +310,7 @@ def quantize_weights(
         hidden[k] = y
 
     start = time.monotonic()
-    with activations_float(model):
+    with taps_detached(model):
         chosen = progress(stages[: last + 1], "gptq", "stage", leave=False, enabled=show)
         for i, (_, modules, fn) in enumerate(chosen):
             gptq_stage(modules, fn, len(batches), get, put if i < last else None, stats)

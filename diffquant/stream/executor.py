@@ -60,9 +60,10 @@ from diffquant.names import CONFIG_FILE
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
 from diffquant.quant.fake import FakeQuant
+from diffquant.quant.modules import taps_detached
 from diffquant.quant.plan import QuantPlan, apply_plan
 from diffquant.quant.rotate import RotateSpec, StageRotation, drop_online, prepare_rotation
-from diffquant.quant.weights import GptqStats, activations_float, fill_data_free, gptq_stage
+from diffquant.quant.weights import GptqStats, fill_data_free, gptq_stage, model_stages
 from diffquant.zoo import zoo_path
 
 try:
@@ -596,15 +597,13 @@ class StreamedModel:
 
     # ------------------------------------------------------------------------------------ stages
     def stages(self) -> list[tuple[str, list[str], list[nn.Module], Callable]]:
-        """(name, weight prefixes, modules, hidden -> hidden) in execution order."""
-        m = self.model
-        out: list[tuple[str, list[str], list[nn.Module], Callable]] = []
-        out.append(("embed", ["embed."], [m.embed], m.embed))
-        for i, block in enumerate(m.layers):
-            out.append((f"layers.{i}", [f"layers.{i}."], [block], block))
+        """(name, weight prefixes, modules, hidden -> hidden) in execution order: the whole model's stages
+        (:func:`~diffquant.quant.weights.model_stages`, which GPTQ walks too), each with the tensors it reads."""
         head = ["norm.", "lm_head."] + (["embed."] if self.config.tie_embeddings else [])
-        out.append(("head", head, [m.norm, m.lm_head], lambda h: m.lm_head(m.norm(h))))
-        return out
+        return [
+            (name, head if name == "head" else [f"{name}."], modules, fn)
+            for name, modules, fn in model_stages(self.model)
+        ]
 
     @torch.no_grad()
     def run(
@@ -690,7 +689,7 @@ class StreamedModel:
         def get(k: int) -> torch.Tensor:
             return calibration[k].to(self.device) if name == "embed" else store.get(k, self.device)
 
-        with activations_float(self.model):
+        with taps_detached(self.model):
             gptq_stage(
                 modules, fn, len(calibration), get, None if name == "head" else store.put, self.gptq_stats
             )

@@ -62,7 +62,6 @@ from diffquant.models.taps import select_taps
 from diffquant.names import WEIGHTS_FILE
 from diffquant.progress import is_quiet, progress
 from diffquant.quant.fake import FakeQuant
-from diffquant.quant.modules import fake_quantizers
 from diffquant.quant.plan import QuantPlan
 from diffquant.quant.report import ErrorStats, compare_batch
 from diffquant.stream.executor import DEFAULT_HIDDEN_BUDGET, HiddenStore, StreamedModel, open_streamed
@@ -107,9 +106,9 @@ def quantize_streamed(
         calib_data = calib_data or default_text([tok], "calib")
         applied = streamed.applied
         windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
-        static = any(q.scheme.is_static for q in fake_quantizers(streamed.model).values()) or (
-            plan.weights is not None and plan.weights.needs_data  # gptq reads the calibration windows
-        )
+        # static scales or gptq weights (smoothing and backends, the plan's other readers of calibration
+        # text, do not stream)
+        static = plan.uses_static
         calibrated = windows.calib.numel() if static else 0
         result: dict[str, Any] = {}
 
