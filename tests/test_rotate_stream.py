@@ -199,18 +199,6 @@ def test_rotated_streamed_quantize_writes_the_whole_checkpoint(setup, tmp_path, 
         assert torch.equal(load_model(str(tmp_path / "whole"))(ids), loaded(ids))
 
 
-def test_cli_quantize_stream_on_with_rotation_equals_off(setup, tmp_path, capsys):
-    spec = str(setup["folders"]["diff_v1"])
-    args = ["quantize", spec, "--plan", "w4a8-quarot", "--calib-data", setup["text"], "--seq-len", "32"]
-    args += ["--calib-tokens", "200", "--eval-tokens", "160", "--batch-size", "3"]
-    assert main([*args, "--out", str(tmp_path / "whole"), "--stream", "off"]) == 0
-    whole = capsys.readouterr().out
-    assert main([*args, "--out", str(tmp_path / "streamed"), "--stream", "on"]) == 0
-    assert capsys.readouterr().out == whole.replace("whole", "streamed")
-    assert "rotated heads (R2)" in whole
-    _same_checkpoint(tmp_path / "whole", tmp_path / "streamed")
-
-
 def test_cli_eval_sweep_stream_on_with_rotation_equals_off(setup, tmp_path, capsys):
     specs = [str(setup["folders"][k]) for k in ("diff_v2", "tied")]
     task = ["--task", "bpb:tokens=600,seq_len=48", "--batch-size", "3", "--calib-tokens", "384"]

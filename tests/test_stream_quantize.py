@@ -166,14 +166,17 @@ def test_nan_weights_are_counted_alike(setup, tmp_path):
     _same_checkpoint(tmp_path / "whole", tmp_path / "streamed")
 
 
-def test_cli_stream_on_prints_and_writes_what_stream_off_does(setup, tmp_path, capsys):
+@pytest.mark.parametrize("plan", ["w8a8-tensor", "w4a8-quarot"])
+def test_cli_stream_on_prints_and_writes_what_stream_off_does(setup, tmp_path, capsys, plan):
     spec = str(setup["folders"]["diff_v1"])
-    args = ["quantize", spec, "--plan", "w8a8-tensor", "--calib-data", setup["text"], "--seq-len", "32"]
+    args = ["quantize", spec, "--plan", plan, "--calib-data", setup["text"], "--seq-len", "32"]
     args += ["--calib-tokens", "200", "--eval-tokens", "160", "--batch-size", "3"]
     assert main([*args, "--out", str(tmp_path / "whole"), "--stream", "off"]) == 0
     whole = capsys.readouterr().out
     assert main([*args, "--out", str(tmp_path / "streamed"), "--stream", "on"]) == 0
     assert capsys.readouterr().out == whole.replace("whole", "streamed")
+    if plan == "w4a8-quarot":  # the rotation's report names what ran, alike in both runs
+        assert "rotated heads (R2)" in whole
     _same_checkpoint(tmp_path / "whole", tmp_path / "streamed")
 
 

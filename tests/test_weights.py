@@ -126,18 +126,19 @@ def test_gptq_without_calibration_data_is_refused():
 
 
 # ------------------------------------------------------------------------------------------- rtn / hqq
-@pytest.mark.parametrize("sym", [True, False])
-def test_rtn_weights_are_the_grid_of_the_float_weights(sym):
+@pytest.mark.parametrize(("sym", "group"), [(True, 16), (False, 16), (True, 48), (False, 48)])
+def test_rtn_weights_are_the_grid_of_the_float_weights(sym, group):
+    # group 48: the 64-wide Linears get groups of 48 and 16, the 128-wide down projection 48, 48 and 32
     model = _model("diff_v1")
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Linear)}
-    apply_plan(model, _plan({"method": "rtn", "bits": 3, "group_size": 16, "sym": sym}))
+    apply_plan(model, _plan({"method": "rtn", "bits": 3, "group_size": group, "sym": sym}))
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.startswith("layers."):
             served = module.weight_quantizer.quantize_weight(module.weight)
             assert served.dtype == module.weight.dtype
-            torch.testing.assert_close(
-                served.double(), _grid_rtn(floats[name], 3, 16, sym), rtol=0, atol=1e-6
-            )
+            assert module.weight_quantizer.scale.shape[1] == -(-module.weight.shape[1] // group)
+            want = _grid_rtn(floats[name], 3, group, sym)
+            torch.testing.assert_close(served.double(), want, rtol=0, atol=1e-6)
     assert model.lm_head.weight_quantizer is None  # layers.* only: the head stays float
 
 
