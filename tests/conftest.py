@@ -170,6 +170,27 @@ def quiet_progress(monkeypatch):
     progress.set_quiet(None)
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """One ``diffquant demo`` per test session (two minutes on two cores), shared by the tests that read its
+    output and its run folder (tests/test_readme.py, tests/test_zoo.py): running it once per test doubled
+    the suite's slowest step without asserting anything more. A fresh process, quiet, as a user would run it.
+    """
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    out = tmp_path_factory.mktemp("demo-run") / "demo"
+    env = {**os.environ, "DIFFQUANT_QUIET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffquant.cli", "demo", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    return SimpleNamespace(out=out, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
+
+
 @pytest.fixture(params=["baseline", "diff_v1", "diff_v2"])
 def kind(request) -> str:
     return request.param

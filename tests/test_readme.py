@@ -59,12 +59,12 @@ def test_zoo_table_is_what_the_cards_say(capsys):
 
 
 @pytest.mark.slow
-def test_demo_prints_what_the_readme_shows(tmp_path, capsys):
+def test_demo_prints_what_the_readme_shows(demo_run, capsys):
     """Every line of the README's demo output, numbers included (Table 5, locations, both sweep grids,
     figure count), equals the demo's own output; only the run folder and the wall time differ."""
-    out = tmp_path / "demo"
-    assert main(["--quiet", "demo", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out.replace(str(out), "runs/demo").splitlines()
+    out = demo_run.out
+    assert demo_run.returncode == 0, demo_run.stderr[-3000:]
+    printed = demo_run.stdout.replace(str(out), "runs/demo").splitlines()
     want = readme_block("diffquant demo")
     timing = re.compile(r"^demo finished in \d+ s; ")
     # Quantized cells amplify a CPU's rounding: a float32 difference flips a few round-to-nearest decisions of

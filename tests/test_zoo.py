@@ -1,8 +1,6 @@
 """The shipped zoo: matched trio, honest cards, loadable by every command; the demo end to end."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -58,13 +56,10 @@ def test_zoo_cli(capsys):
 
 
 @pytest.mark.slow
-def test_demo_writes_report_profile_and_sweep(tmp_path):
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "diffquant.cli", "demo", "--out", str(out)], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "attention logits" in proc.stdout and "report.html" in proc.stdout
+def test_demo_writes_report_profile_and_sweep(demo_run):
+    out = demo_run.out
+    assert demo_run.returncode == 0, demo_run.stderr[-3000:]
+    assert "attention logits" in demo_run.stdout and "report.html" in demo_run.stdout
     for kind in KINDS:
         assert json.loads((out / "profile" / f"{kind}.json").read_text())["meta"]["model"] == kind
     assert (out / "sweep" / "results.csv").read_text().startswith("model,attention,plan,task")
