@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_llama, tiny_model
+from docpages import doc_block
 
 from diffquant.cli import main
 from diffquant.data.tokenizer import ByteTokenizer
@@ -285,16 +286,11 @@ def test_auto_over_two_gpus_equals_one_gpu(specs, tmp_path, capsys):
 
 @needs_accelerate
 def test_readme_example_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
-    """The README's --device-map example (stderr's placement line, then the profile) line for line, the
-    temporary offload folder aside."""
-    lines = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
-    start = next(
-        i
-        for i, line in enumerate(lines)
-        if line.startswith("$ diffquant profile diff") and "--device-map" in line
+    """The documentation's --device-map example (docs/device-maps.md: stderr's placement line, then the
+    profile) line for line, the temporary offload folder aside."""
+    _, command, want = doc_block(
+        lambda line: line.startswith("$ diffquant profile diff") and "--device-map" in line
     )
-    end = lines.index("```", start)
-    command, want = lines[start], lines[start + 1 : end]
     monkeypatch.chdir(tmp_path)
     # A slow step prints progress lines on stderr (a busy machine makes every step slow; interval 0 plays
     # it): the README shows a quiet run, so compare a quiet one.

@@ -1,27 +1,26 @@
-"""The README's example outputs are what the commands print: the zoo table and the whole demo.
+"""The documentation's example outputs are what the commands print: the zoo table, the whole demo, the
+README's Python example; and the documentation holds together (every relative link resolves, the README stays
+a landing page).
 
-A number in the README that no test reproduces can drift from the code unnoticed; these tests rerun the
-commands and compare their output with the README's blocks line for line (paths and the wall time aside).
+A number in the README or docs/ that no test reproduces can drift from the code unnoticed; these tests rerun
+the commands and compare their output with the pages' blocks line for line (paths and the wall time aside).
+A block is found in whichever page holds it (tests/docpages.py), and a block no page holds fails the test.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from docpages import DOCS, README, ROOT, anchors, code_block, doc_block, links, pages
 
 from diffquant.cli import main
 
-README = Path(__file__).parents[1] / "README.md"
-
 
 def readme_block(command: str) -> list[str]:
-    """The lines of the README code block that starts with ``$ COMMAND`` (without that prompt line)."""
-    lines = README.read_text().splitlines()
-    start = lines.index(f"$ {command}")
-    end = next(i for i in range(start, len(lines)) if lines[i] == "```")
-    return lines[start + 1 : end]
+    """The lines of the documentation's code block that starts with ``$ COMMAND`` (without that prompt line),
+    in README.md or whichever docs/ page holds it."""
+    return doc_block(command)[2]
 
 
 NUMBER = re.compile(r"[-+]?\d[\d,]*\.\d+")
@@ -76,3 +75,52 @@ def test_demo_prints_what_the_readme_shows(demo_run, capsys):
         units=5,
     )
     assert sum(bool(timing.match(line)) for line in want) == 1
+
+
+def test_the_landing_page_shows_the_first_run():
+    # the demo is the README's first result; test_demo_prints_what_the_readme_shows checks its lines
+    assert doc_block("diffquant demo")[0] == README
+
+
+@pytest.mark.slow
+def test_the_python_example_prints_what_the_readme_shows(tmp_path, monkeypatch, capsys):
+    """The README's load -> profile -> quantize -> evaluate snippet, run as it stands, prints the README's
+    output of it (numbers within 5 units of their last digit, as for the demo)."""
+    code = code_block(README, "## From Python", "python")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (From Python)", "exec"), {"__name__": "__main__"})
+    same_printout(capsys.readouterr().out.splitlines(), readme_block("python example.py"), units=5)
+
+
+def test_every_relative_link_points_at_a_file_and_heading():
+    broken = []
+    for page in pages():
+        for target in links(page):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_the_readme_is_a_landing_page_that_links_every_docs_page():
+    text = README.read_text()
+    assert len(text.encode()) <= 16_000, "README.md is a landing page; move the details into docs/"
+    assert any(line.startswith("**Contents:**") for line in text.splitlines()[:25])
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in links(README)}
+    assert [p.name for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked] == []
+
+
+def test_no_page_offers_an_install_from_a_package_index():
+    # diffquant is not on any index: `pip install diffquant` / 'diffquant[lmeval]' would fail or fetch another
+    # project; the install paths are a clone ('.[lmeval]') or a built wheel
+    offending = [
+        (page.name, m.group(0))
+        for page in pages()
+        for m in re.finditer(r"pip install '?diffquant\b[^\s`]*", page.read_text())
+    ]
+    assert offending == []

@@ -32,18 +32,18 @@ def test_wikitext2_perplexity_equals_transformers(smollm2):
     from diffquant.eval.perplexity import evaluate_bpb
 
     path, model = smollm2
-    ours = evaluate_bpb(model, "wikitext2:test", max_tokens=8 * 1024, seq_len=1024, batch_size=2)
-    assert (ours["n_windows"], ours["windows"], ours["n_tokens_scored"]) == (8, "disjoint", 8 * 1023)
+    ours = evaluate_bpb(model, "wikitext2:test", max_tokens=4 * 1024, seq_len=1024, batch_size=2)
+    assert (ours["n_windows"], ours["windows"], ours["n_tokens_scored"]) == (4, "disjoint", 4 * 1023)
     # The same windows, independently: the text's ids through transformers' GGUF model and its own loss.
-    ids = token_stream("wikitext2:test", 8 * 1024, model.tokenizer).view(8, 1024)
+    ids = token_stream("wikitext2:test", 4 * 1024, model.tokenizer).view(4, 1024)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name
     ).eval()
     with torch.no_grad():
-        losses = [reference(ids[i : i + 2], labels=ids[i : i + 2]).loss.item() for i in range(0, 8, 2)]
+        losses = [reference(ids[i : i + 2], labels=ids[i : i + 2]).loss.item() for i in range(0, 4, 2)]
     theirs = math.exp(sum(losses) / len(losses))  # equal-length windows: the mean of means is the mean
     print(
-        f"\nSmolLM2 WikiText-2 test ppl (8 x 1024): ours {ours['perplexity']:.4f}, transformers {theirs:.4f}"
+        f"\nSmolLM2 WikiText-2 test ppl (4 x 1024): ours {ours['perplexity']:.4f}, transformers {theirs:.4f}"
     )
     assert ours["perplexity"] == pytest.approx(theirs, rel=1e-4)
     assert 10 < ours["perplexity"] < 60 and 0.5 < ours["bits_per_byte"] < 1.5
