@@ -21,6 +21,7 @@ from diffquant.io.artifacts import library_versions
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.quantized import is_quantized, save_quantized
 from diffquant.io.runfolder import claim_checkpoint_folder, claim_files_only
+from diffquant.progress import step
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
 from diffquant.quant.report import compare_models, format_report
 from diffquant.quant.rotate import rotate_model
@@ -105,13 +106,14 @@ def _quantize_into(
             apply_smoothing(reference, model.smooth_factors)
         report = compare_models(reference, model, windows.held_out, batch_size=batch_size)
     meta = quantize_meta(checkpoint, plan_spec, calib_data, calibrated, seq_len, tok, windows, model)
-    save_quantized(
-        model,
-        out,
-        meta=meta,
-        overwrite=True,  # the claimed folder (checked free unless --force)
-        documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
-    )
+    with step(f"write {out}"):
+        save_quantized(
+            model,
+            out,
+            meta=meta,
+            overwrite=True,  # the claimed folder (checked free unless --force)
+            documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
+        )
     return quantize_summary(plan, applied, calib_data, tok, windows, report, meta, out)
 
 

@@ -44,8 +44,12 @@ def profile_model(
     rank, world = rank_and_world()
     mine = shard_starts(windows.shape[0], batch_size, rank, world)
     with torch.no_grad(), Profiler(model, sites=sites, topk=topk, attention=attention) as prof:
-        # A bar when asked (progress=True), else periodic lines once a run takes a while (off with --quiet).
-        for start in show_progress(mine, desc, "batch", bar=progress or None, enabled=rank == 0, leave=False):
+        # A bar on a terminal (or when asked), else a line when it starts (one batch can take minutes) and
+        # every few seconds while it runs (off with --quiet).
+        batches = show_progress(
+            mine, desc, "batch", bar=progress or None, enabled=rank == 0, leave=False, announce=True
+        )
+        for start in batches:
             prof.start_samples_at(start)
             model(windows[start : start + batch_size])
     return gather_profile(prof.take())  # the profiler is done: its statistics are handed over, not copied

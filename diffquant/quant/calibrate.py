@@ -58,7 +58,7 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
 
     with context:
         starts = range(0, windows.shape[0], batch_size)
-        for start in progress(starts, "calibrate", "batch", leave=False):
+        for start in progress(starts, "static scales", "batch", leave=False, announce=True):
             model(windows[start : start + batch_size].to(device))
     for q in quantizers:
         q.finish_calibration()

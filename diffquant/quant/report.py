@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from diffquant.models.taps import select_taps
+from diffquant.progress import progress
 
 
 @dataclass
@@ -105,7 +106,8 @@ def compare_models(
     for model in (reference, quantized):
         model.set_attention_path("auto", chunk_size=windows.shape[1])
     try:
-        for start in range(0, windows.shape[0], batch_size):
+        starts = range(0, windows.shape[0], batch_size)
+        for start in progress(starts, "error report", "batch", leave=False, announce=True):
             batch = windows[start : start + batch_size]
             ref_logits, q_logits = compare_batch(reference, quantized, batch, ref_taps, q_taps, stats)
             logits.update(ref_logits, q_logits)

@@ -174,7 +174,9 @@ def collect_act_scales(
     device = next(model.parameters()).device
     with float_model(model), Profiler(model, sites=["kind:linear_in"], topk=1, attention=False) as prof:
         starts = range(0, windows.shape[0], batch_size)
-        for start in show_progress(starts, "act-scales", "batch", bar=progress or None, leave=False):
+        for start in show_progress(
+            starts, "act-scales", "batch", bar=progress or None, leave=False, announce=True
+        ):
             prof.start_samples_at(start)
             model(windows[start : start + batch_size].to(device))
         profile = prof.take()

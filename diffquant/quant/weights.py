@@ -27,7 +27,6 @@ A quantized checkpoint stores the codes, scales and zero points (``quant_state.s
 from __future__ import annotations
 
 import resource
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear
-from diffquant.progress import is_quiet, progress
+from diffquant.progress import is_quiet, progress, write
 from diffquant.quant.gptq import Hessian, gptq_codes
 from diffquant.quant.hqq import hqq_codes
 from diffquant.quant.modules import taps_detached, weight_quantizers_detached
@@ -138,7 +137,7 @@ def attach_weights(
         linear.weight_quantizer = QuantizedWeight(name, spec, tuple(linear.weight.shape))
         applied.append(("weight", name, spec.label()))
     if fill and not spec.needs_data:
-        fill_data_free(list(linears.values()))
+        fill_data_free(list(linears.values()), show=True)
     return applied
 
 
@@ -158,12 +157,20 @@ def _owners(modules: nn.Module | Sequence[nn.Module]) -> list[tuple[Linear, Quan
     ]
 
 
-def fill_data_free(modules: nn.Module | Sequence[nn.Module]) -> None:
+def fill_data_free(modules: nn.Module | Sequence[nn.Module], show: bool = False) -> None:
     """Codes for the rtn / hqq weights under ``modules`` (Linears or their parents) not filled yet (a
-    streamed skeleton's weights still on the meta device wait until their stage is read)."""
-    for linear, q in _owners(modules):
-        if not (q.filled or q.spec.needs_data or linear.weight.device.type == "meta"):
-            q.set_codes(weight_codes(linear.weight, q.spec))
+    streamed skeleton's weights still on the meta device wait until their stage is read); ``show``: progress
+    over the Linears (hqq on a 1.7B model takes minutes)."""
+    pending = [
+        (linear, q)
+        for linear, q in _owners(modules)
+        if not (q.filled or q.spec.needs_data or linear.weight.device.type == "meta")
+    ]
+    if not pending:
+        return
+    desc = f"{pending[0][1].spec.method} weights"
+    for linear, q in progress(pending, desc, "linear", leave=False, enabled=show, announce=True):
+        q.set_codes(weight_codes(linear.weight, q.spec))
 
 
 def weight_codes(
@@ -288,7 +295,7 @@ def quantize_weights(
 ) -> dict[str, Any] | None:
     """Fill every QuantizedWeight of ``model`` not filled yet: rtn / hqq from the weights, gptq sequentially
     over ``windows`` (N, L) token ids. Returns the GPTQ pass's :class:`GptqStats` summary (None: no gptq)."""
-    fill_data_free(model)
+    fill_data_free(model, show=show)
     pending = [q for _, q in _owners(model) if not q.filled]
     if not pending:
         return None
@@ -311,9 +318,9 @@ def quantize_weights(
 
     start = time.monotonic()
     with taps_detached(model):
-        chosen = progress(stages[: last + 1], "gptq", "stage", leave=False, enabled=show)
+        chosen = progress(stages[: last + 1], "gptq", "stage", leave=False, enabled=show, announce=True)
         for i, (_, modules, fn) in enumerate(chosen):
             gptq_stage(modules, fn, len(batches), get, put if i < last else None, stats)
     if show and not is_quiet():
-        print(stats.line(time.monotonic() - start), file=sys.stderr)
+        write(stats.line(time.monotonic() - start))  # through tqdm: a bar on the terminal stays whole
     return stats.summary()

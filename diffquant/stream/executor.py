@@ -644,7 +644,7 @@ class StreamedModel:
             # One line every few seconds on a pipe (a bar on a terminal): a streamed 70B run takes hours.
             desc = f"streamed {Path(self.spec.spec).name or self.spec.spec}"
             for name, prefixes, modules, fn in show_progress(
-                stages, desc, "stage", enabled=progress, leave=False
+                stages, desc, "stage", enabled=progress, leave=False, announce=True
             ):
                 size = self.materialise(prefixes)
                 self.stage_bytes[name] = size

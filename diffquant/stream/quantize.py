@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,6 +60,7 @@ from diffquant.io.runfolder import claim_checkpoint_folder
 from diffquant.models.taps import select_taps
 from diffquant.names import WEIGHTS_FILE
 from diffquant.progress import is_quiet, progress
+from diffquant.progress import write as write_line
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.plan import QuantPlan
 from diffquant.quant.report import ErrorStats, compare_batch
@@ -127,7 +127,7 @@ def quantize_streamed(
                     hidden_budget,
                 )
             if streamed.gptq_stats.linears and not is_quiet():
-                print(streamed.gptq_stats.line(time.monotonic() - started), file=sys.stderr)
+                write_line(streamed.gptq_stats.line(time.monotonic() - started))
             meta = quantize_meta(
                 checkpoint, plan_spec, calib_data, calibrated, seq_len, tok, windows, streamed.model
             )
@@ -178,7 +178,7 @@ def _run(
         desc = f"quantize {Path(streamed.spec.spec).name or streamed.spec.spec} streamed"
         pairs = list(zip(streamed.stages(), reference.stages(), strict=True))
         for (name, prefixes, modules, fn), (_, _, ref_modules, ref_fn) in progress(
-            pairs, desc, "stage", leave=False
+            pairs, desc, "stage", leave=False, announce=True
         ):
             size = streamed.materialise(prefixes)
             streamed.stage_bytes[name] = size
