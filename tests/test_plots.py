@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,15 +127,47 @@ def _assert_readable(fig) -> None:
     assert texts
     for t in texts:
         assert t.get_fontsize() >= MIN_FONT_PT, (t.get_text(), t.get_fontsize())
-    # what is drawn: each axes with its ticks, labels, title and legend; figure legends and titles
+    # what is drawn: each axes with its ticks, labels, title and legend; figure legends
     drawn = [(ax.get_title() or "axes", ax.get_tightbbox(renderer)) for ax in fig.axes]
     drawn += [("figure legend", leg.get_window_extent(renderer)) for leg in fig.legends]
-    drawn += [(t.get_text(), t.get_window_extent(renderer)) for t in fig.texts if t.get_text().strip()]
+    drawn += _drawn_texts(fig, renderer)
     for what, ext in drawn:
         inside = (
             ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1 and ext.y0 >= box.y0 - 1 and ext.y1 <= box.y1 + 1
         )
         assert inside, f"{what!r} is clipped: {ext} outside {box}"
+
+
+def _drawn_texts(fig, renderer) -> list[tuple[str, Any]]:
+    """Every text artist the figure draws, each on its own: the suptitle and figure texts, axes titles,
+    axis labels, legend entries, annotations and the tick labels of the ticks in view (an axis keeps
+    labels of ticks outside its view limits, which are not drawn). A text clipped to its axes counts as
+    far as it is drawn, not beyond."""
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    ticks = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                ticks.update((tick.label1, tick.label2))
+    shown = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis._update_ticks():
+                shown.update(t for t in (tick.label1, tick.label2) if t.get_visible())
+    out = []
+    for t in fig.findobj(Text):
+        if not (t.get_visible() and t.get_text().strip()) or (t in ticks and t not in shown):
+            continue
+        ext = t.get_window_extent(renderer)
+        if t.get_clip_on() and t.get_clip_box() is not None and t not in shown:
+            ext = Bbox.intersection(ext, t.get_clip_box())
+            if ext is None:  # wholly outside its axes: not drawn
+                continue
+        out.append((t.get_text(), ext))
+    assert out
+    return out
 
 
 def _pool_top(art, kind: str) -> float:
@@ -278,6 +311,20 @@ def test_attention_maps(art, tmp_path):
         fig_attention_maps(art.maps, layer=0, head=7)
 
 
+def test_attention_maps_of_one_real_sized_model_fit_the_canvas(tmp_path):
+    """SmolLM2's run: one baseline model, so one panel column and a narrow figure, under a suptitle as long
+    as any run's (layer 15 of 30, 256 tokens) and a model named like its checkpoint folder. The suptitle
+    (once 5.6 in wide on a 3.3 in canvas, cut on both sides) and the panel title stay inside."""
+    import torch
+
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(9, 256, 256, dtype=torch.float64), dim=-1).tril()  # SmolLM2: 9 heads
+    fig = fig_attention_maps({"SmolLM2-135M-Instruct": {"layers.15.probs": probs}}, layer=15, head=0)
+    assert "first 256 tokens" in fig.texts[0].get_text()
+    _assert_readable(fig)
+    _assert_png(fig, tmp_path)
+
+
 def test_degradation(art, tmp_path):
     colors = art.colors()
     fig = fig_degradation(art.results, art.sweep, colors=colors)
@@ -292,13 +339,22 @@ def test_degradation(art, tmp_path):
     assert sorted(labels) == sorted(f"{m} · {g}" for m in MODELS for g in ("per-tensor", "per-row"))
     for line in lines:
         if not line.get_label().startswith("_"):
-            assert list(line.get_xdata()) == [4.0, 8.0, 16.0]
+            assert list(line.get_xdata()) == [4.0, 8.0, 32.0]  # the unquantized fp32 model at 32 bits
             assert line.get_color() == colors[line.get_label().split(" · ")[0]]
     assert sum(ln.get_label() == "_ref" for ln in lines) == len(MODELS)  # unquantized levels
     # w8a8 mixes granularities: it is a bar per model in the second panel
     assert [c.get_label() for c in bars_ax.containers] == list(MODELS)
     assert [t.get_text() for t in bars_ax.get_xticklabels()] == ["w8a8"]
+    # the unquantized point is labelled by the dtype the sweep ran the model in, not "16 (none)"
+    assert art.results["dtypes"] == dict.fromkeys(MODELS, "float32")
+    for ax in curve_axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "8", "32\n(fp32)"]
     _assert_readable(fig)
+    # the bar panel's legend sits beside the bars, on none of them
+    renderer = fig.canvas.get_renderer()
+    legend = bars_ax.get_legend().get_window_extent(renderer)
+    bars = [patch.get_window_extent(renderer) for c in bars_ax.containers for patch in c]
+    assert bars and not any(legend.overlaps(bar) for bar in bars)
     _assert_png(fig, tmp_path)
     with pytest.raises(DiffquantError, match="no task 'nope'"):
         fig_degradation(art.results, art.sweep, task="nope")
@@ -332,6 +388,31 @@ def test_degradation_shares_y_and_marks_chance():
     _assert_readable(fig)
 
 
+def test_degradation_bars_legend_beside_the_bars_and_dtype_label():
+    """SmolLM2's sweep shape: one model, and plans that are no single curve (W8A8 two ways, LLM.int8) as
+    bars tall enough to fill their panel: the legend goes beside them, on none of them. The model ran in
+    bfloat16 (the sweep's dtype): its unquantized point is labelled bf16 at 16 bits."""
+    from diffquant.quant.plan import preset
+
+    names = ("none", "attn-logits-int8", "w8a8-tensor", "w8a8", "bnb-int8")
+    plans = {p: None if p == "none" else preset(p).to_dict() for p in names}
+    values = dict(zip(names, (17.0, 17.2, 60.0, 58.0, 59.0), strict=True))
+    rows = [
+        {"model": "smollm2", "attention": "baseline", "plan": p, "task": "ppl", "metric": "perplexity",
+         "value": v, "unquantized": 17.0, "delta": v - 17.0}
+        for p, v in values.items()
+    ]  # fmt: skip
+    results = {"primary": {"ppl": {"metric": "perplexity", "higher_is_better": False}}, "rows": rows}
+    fig = fig_degradation(results, {"models": {"smollm2": "x"}, "plans": plans, "dtype": "bfloat16"})
+    curve_ax, bars_ax = fig.axes
+    assert [t.get_text() for t in curve_ax.get_xticklabels()] == ["8", "16\n(bf16)"]
+    _assert_readable(fig)
+    renderer = fig.canvas.get_renderer()
+    legend = bars_ax.get_legend().get_window_extent(renderer)
+    bars = [patch.get_window_extent(renderer) for c in bars_ax.containers for patch in c]
+    assert len(bars) == 3 and not any(legend.overlaps(bar) for bar in bars)
+
+
 def test_plan_point_classifies_plans():
     from diffquant.quant.plan import preset
 
@@ -350,13 +431,74 @@ def test_act_scales(art, tmp_path):
     assert len(fig.axes) == 2
     for ax in fig.axes:
         assert sorted(_labelled(ax)) == sorted(MODELS)
-    assert "layers.0.mlp.down.input" in fig.axes[0].get_title()
-    width = art.profiles["baseline"].sites["layers.0.mlp.down.input"].summary()["channel_absmax_shape"][0]
+    from diffquant.plots.figures import act_peaks, default_act_site
+
+    site = default_act_site(art.profiles)
+    assert site in fig.axes[0].get_title() and act_peaks(art.profiles)[site] == max(
+        act_peaks(art.profiles).values()
+    )
+    width = art.profiles["baseline"].sites[site].summary()["channel_absmax_shape"][0]
     assert len(fig.axes[0].get_lines()[0].get_xdata()) == width
     _assert_readable(fig)
     _assert_png(fig, tmp_path)
     with pytest.raises(DiffquantError, match="no per-channel"):
         fig_act_scales(art.profiles, site="no.such.site")
+
+
+# SmolLM2-135M's Linears: per layer (name, input width); d_model 576, MLP 1536.
+SMOLLM2_LINEARS = (("attn.q", 576), ("attn.k", 576), ("attn.v", 576), ("attn.o", 576),
+                   ("mlp.gate", 576), ("mlp.up", 576), ("mlp.down", 1536))  # fmt: skip
+
+
+def _act_scales_run(root: Path, peak_site: str, peak: float = 3124.0) -> Path:
+    """A run folder holding one synthetic profile of SmolLM2's Linear inputs (three layers of its widths),
+    |x| ~ N(0, 1) everywhere but one channel of ``peak_site``, which reaches ``peak``."""
+    import torch
+
+    from diffquant.io.artifacts import write_json_atomic
+    from diffquant.profile.profiler import Profile
+    from diffquant.profile.stats import SiteStats
+
+    gen = torch.Generator().manual_seed(0)
+    sites = {}
+    for layer in range(3):
+        for name, width in SMOLLM2_LINEARS:
+            site = f"layers.{layer}.{name}.input"
+            x = torch.randn(1, 8, width, generator=gen)
+            if site == peak_site:
+                x[0, 3, 17] = peak
+            stats = SiteStats(site, "linear_in", topk=4)
+            stats.update(x)
+            sites[site] = stats
+    profile = Profile(sites=sites, meta={"model": "smollm2", "attention": "baseline", "tokens": 8})
+    write_json_atomic(root / "run" / "profile" / "smollm2.json", profile.to_dict())
+    return root / "run"
+
+
+def test_act_scales_default_is_the_largest_linear(tmp_path, capsys):
+    """The default Linear is the one with the largest act scale (SmolLM2: layer 11's down_proj, not the
+    first layer's); here the peak sits in a middle Linear, neither the first nor the last profiled."""
+    from diffquant.cli import main
+    from diffquant.plots.figures import default_act_site
+
+    peak_site = "layers.1.mlp.down.input"
+    run = _act_scales_run(tmp_path, peak_site)
+    (profile,) = load_run(run, maps=False).profiles.values()
+    names = list(profile.sites)
+    assert names.index(peak_site) not in (0, len(names) - 1)
+    assert default_act_site({"smollm2": profile}) == peak_site
+    (record,) = render_run(run, what="act-scales", dpi=DPI)
+    assert record.title == f"Per-channel abs-max: {peak_site}" and "largest act scale" in record.caption
+    # --linear picks another, by the Linear's name (or its input site's); a bad name lists the choices
+    assert main(["plot", str(run), "--what", "act-scales", "--linear", "layers.2.attn.q", "--dpi", "20"]) == 0
+    index = json.loads((run / "figures" / "figures.json").read_text())
+    assert index["figures"][0]["title"] == "Per-channel abs-max: layers.2.attn.q.input"
+    capsys.readouterr()
+    assert main(["plot", str(run), "--what", "hist", "act-scales", "--linear", "layers.9.mlp.down"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'layers.9.mlp.down'" in err
+    assert "choices: layers.N.attn.q, layers.N.attn.k" in err and "layers.N.mlp.down (N = 0..2)" in err
+    assert not (run / "figures" / "hist-linear_in.png").exists()  # refused before drawing anything
 
 
 def test_lambda(art, tmp_path):
@@ -530,7 +672,7 @@ def test_histogram_plots_the_profile_counts(art):
 
 
 def test_degradation_plots_the_results(art):
-    """Each curve point (bits, value) is the result row of that model and plan: 16 bits = unquantized."""
+    """Each curve point (bits, value) is the result row of that model and plan: 32 bits = unquantized fp32."""
     fig = fig_degradation(art.results, art.sweep, colors=art.colors())
     rows = {
         (r["model"], r["plan"]): r["value"] for r in art.results["rows"] if r["metric"] == "bits_per_byte"
@@ -552,8 +694,10 @@ def test_degradation_plots_the_results(art):
 
 def test_act_scales_plot_the_channel_absmax(art):
     fig = fig_act_scales(art.profiles, colors=art.colors())
+    from diffquant.plots.figures import default_act_site
+
     by_index, by_rank = fig.axes
-    site = "layers.0.mlp.down.input"
+    site = default_act_site(art.profiles)
     for name in MODELS:
         absmax = art.profiles[name].sites[site].summary()["channel_absmax"]
         (line,) = [ln for ln in by_index.get_lines() if ln.get_label() == name]

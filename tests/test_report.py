@@ -169,17 +169,18 @@ def _summary(run) -> str:
 def test_summary_names_the_model_that_loses_least(tmp_path):
     run = _synthetic_run(tmp_path, _bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5)))
     text = _summary(run)
-    assert "unquantized, A is best (1.0000; B 1.1000)" in text
+    assert "Unquantized, A is best (1.0000; B 1.1000)" in text
     assert (
         "A loses least at attn-logits-int8 (+0.0100; next B +0.0300) and attn-logits-int4 (+0.2000; next B +0.4000)"
         in text
     )
-    assert "of the 2 quantized plans, A fares best at 2" in text
+    assert "Of the 2 quantized plans, A fares best at 2" in text
+    assert "no spread is known for bits_per_byte" not in text  # these cells are not a text task's totals
     assert "no run-to-run spread is known for bits_per_byte" in text and "within noise" not in text
     # swap the models' numbers: the sentences name the other model
     shutil.rmtree(run)
     text = _summary(_synthetic_run(tmp_path, _bpb((1.1, 1.13, 1.5), (1.0, 1.01, 1.2))))
-    assert "unquantized, B is best (1.0000; A 1.1000)" in text
+    assert "Unquantized, B is best (1.0000; A 1.1000)" in text
     assert "B loses least at attn-logits-int8 (+0.0100; next A +0.0300)" in text
     # the winner differs per plan: one clause per winner
     shutil.rmtree(tmp_path / "run")
@@ -194,8 +195,69 @@ def test_summary_direction_higher_is_better(tmp_path, mc_file):
     tasks["mc"][3]["A"]["attn-logits-int8"]["acc_norm"] = 0.79
     tasks["mc"][3]["B"]["attn-logits-int8"]["acc_norm"] = 0.65
     text = _summary(_synthetic_run(tmp_path, tasks))
-    assert "**mc** (acc_norm, higher is better): unquantized, A is best (0.8000; B 0.7000)" in text
+    assert "**mc** (acc_norm, higher is better): Unquantized, A is best (0.8000; B 0.7000)" in text
     assert "A loses least at attn-logits-int8 (-0.0100; next B -0.0500)" in text
+
+
+def test_summary_uses_the_spread_of_the_windows_for_bits_per_byte(tmp_path):
+    """bpb cells carry the standard error over their windows (bits_per_byte_stderr, from the scorer):
+    the noise topic names it, and a gap within 2 of them is marked; cells with totals alone say so."""
+    tasks = _bpb((1.0, 1.01, 1.2), (1.02, 1.13, 1.5))
+    for by_plan in tasks["bpb"][3].values():
+        for metrics in by_plan.values():
+            metrics |= {"bits_per_byte_stderr": 0.02, "n_windows": 8}
+    text = _summary(_synthetic_run(tmp_path, tasks))
+    assert "Unquantized, A is best (1.0000; B 1.0200; within noise)" in text
+    assert (
+        "1 of 3 differences between models at the same plan are smaller than 2 standard errors (standard "
+        "errors from the spread of each cell's 8 windows (bits_per_byte_stderr, median 0.0200))" in text
+    )
+    assert "not tested against noise" not in text
+    shutil.rmtree(tmp_path / "run")
+    tasks = _bpb((1.0, 1.01, 1.2), (1.02, 1.13, 1.5))
+    for by_plan in tasks["bpb"][3].values():
+        for metrics in by_plan.values():
+            metrics["n_windows"] = 8
+    text = _summary(_synthetic_run(tmp_path, tasks))
+    assert "no spread is known for bits_per_byte. This run's cells store only totals" in text
+
+
+def test_scorer_standard_error_is_the_spread_of_the_windows():
+    """The ratio estimator over windows: with equal-sized windows it is the plain standard error of the
+    per-window means."""
+    import math
+
+    import numpy as np
+
+    from diffquant.data.scoring import _ratio_stderr
+
+    nats = [10.0, 12.0, 8.0, 11.0]
+    windows = [(x, 5, 20) for x in nats]
+    per_byte = np.array(nats) / 20
+    expected = per_byte.std(ddof=1) / math.sqrt(len(nats))
+    assert _ratio_stderr(windows, 2) == pytest.approx(expected, rel=1e-12)
+    assert math.isnan(_ratio_stderr(windows[:1], 2))  # one window: no spread
+
+
+def test_plans_explained_from_the_plans_themselves(tmp_path):
+    from diffquant.quant.plan import preset
+
+    run = _synthetic_run(tmp_path, _bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5)))
+    md, _ = write_report(run, figures=[])
+    text = md.read_text()
+    assert "**The plans: what each one quantizes**" in text
+    described = preset("attn-logits-int4").to_dict()["description"]
+    assert (
+        f"| attn-logits-int4 | {described}. In detail: attention logits (kind:logits) to int4 per-tensor dynamic. |"
+        in text
+    )
+    assert "| none | the unquantized model" in text
+    from diffquant.report import describe_plan
+
+    w8a8 = describe_plan("w8a8", preset("w8a8").to_dict())
+    assert w8a8.endswith(
+        "In detail: weights of layers.* to int8 per-channel dynamic; layers.*.input to int8 per-token dynamic."
+    )
 
 
 def test_summary_flags_results_near_chance(tmp_path, mc_file):
@@ -223,12 +285,12 @@ def test_summary_flags_results_near_chance(tmp_path, mc_file):
 def test_summary_flags_differences_within_the_spread(tmp_path, mc_file):
     # 0.60 vs 0.62 with standard errors 0.05: the difference is noise
     text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.60, 0.05), "B": (0.62, 0.05)})))
-    assert "unquantized, B is best (0.6200; A 0.6000; within noise)" in text
+    assert "Unquantized, B is best (0.6200; A 0.6000; within noise)" in text
     assert "1 of 1 differences between models at the same plan are smaller than 2 standard errors" in text
     assert "no model is distinguishable from another" in text
     shutil.rmtree(tmp_path / "run")
     text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.60, 0.001), "B": (0.62, 0.001)})))
-    assert "unquantized, B is best (0.6200; A 0.6000)" in text and "within noise" not in text
+    assert "Unquantized, B is best (0.6200; A 0.6000)" in text and "within noise" not in text
     assert "0 of 1 differences" in text
 
 
@@ -300,6 +362,69 @@ def test_report_header_grid_and_figure_index(tmp_path):
         assert f"Command: `{expected}`" in md.read_text()
 
 
+def _with_profile(run):
+    """Add a small profile (Linear inputs of two layers) to a synthetic run folder: 3 figures beside the
+    degradation one."""
+    import torch
+
+    from diffquant.profile.profiler import Profile
+    from diffquant.profile.stats import SiteStats
+
+    sites = {}
+    for layer in range(2):
+        stats = SiteStats(f"layers.{layer}.mlp.down.input", "linear_in", topk=4)
+        stats.update(torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(layer)))
+        sites[stats.site] = stats
+    profile = Profile(sites=sites, meta={"model": "A", "attention": "baseline", "tokens": 8})
+    write_json_atomic(run / "profile" / "A.json", profile.to_dict())
+    record = json.loads((run / "manifest.json").read_text())
+    write_json_atomic(run / "manifest.json", {**record, "streamed": ["A"]})  # so: no attention maps
+    return run
+
+
+def test_report_reuses_current_figures_and_redraws_changed_ones(tmp_path, monkeypatch, capsys):
+    """`plot` draws, saying so as each family starts; a report after it draws nothing (the same artifacts
+    at the same dpi); a changed artifact or another dpi has the figures drawn again. Renders are counted
+    through the one save function."""
+    import os
+
+    import diffquant.plots.run as plots_run
+
+    folder = _with_profile(_synthetic_run(tmp_path, _bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5))))
+    saved: list[str] = []
+    real_save = plots_run.save_figure
+
+    def counting_save(fig, out, name, formats, dpi):
+        saved.append(name)
+        return real_save(fig, out, name, formats, dpi)
+
+    monkeypatch.setattr(plots_run, "save_figure", counting_save)
+    monkeypatch.setenv("DIFFQUANT_QUIET", "0")
+    assert main(["plot", str(folder), "--dpi", "20"]) == 0
+    drawn = sorted(saved)
+    assert drawn == ["act-scales", "degradation-bpb", "hist-layers-linear_in", "hist-linear_in"]
+    err = capsys.readouterr().err
+    assert (
+        "plot: hist: drawing (family 1 of 7)" in err and "plot: degradation: drawing (family 5 of 7)" in err
+    )
+    assert main(["report", str(folder), "--dpi", "20"]) == 0
+    assert len(saved) == len(drawn)  # nothing drawn again
+    assert (
+        "report: 4 figures current (drawn from these artifacts at 20 dpi), reused" in capsys.readouterr().err
+    )
+    assert (folder / "report.html").read_text().count("<figure id=") == len(drawn)
+    # a changed artifact: drawn again (the colours hang on every artifact, so every family)
+    results = folder / "sweep" / "results.json"
+    st = results.stat()
+    os.utime(results, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    write_report(folder, dpi=20)
+    assert sorted(saved[len(drawn) :]) == drawn
+    write_report(folder, dpi=20)
+    assert len(saved) == 2 * len(drawn)  # current again
+    write_report(folder, dpi=25)  # another dpi
+    assert len(saved) == 3 * len(drawn)
+
+
 def test_numbers_in_one_format_per_column():
     from diffquant.report import format_column
 
@@ -366,6 +491,6 @@ def test_noise_between_results_of_different_sample_sizes_pools_by_items(tmp_path
     unweighted = math.sqrt(0.865 * 0.135 * (1 / 4 + 1 / 400))
     assert 2 * expected < 0.23 < 2 * unweighted  # the case tells the two means apart
     text = _summary(run)
-    assert "unquantized, B is best (0.9800; A 0.7500)" in text and "within noise" not in text
+    assert "Unquantized, B is best (0.9800; A 0.7500)" in text and "within noise" not in text
     assert "0 of 1 differences between models at the same plan are smaller than 2 standard errors" in text
     assert "binomial standard errors sqrt(p(1-p)/n) over 4 to 400 items" in text

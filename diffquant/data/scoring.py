@@ -141,6 +141,18 @@ def check_settings(
     return seq_len
 
 
+def _ratio_stderr(per_window: Sequence[tuple[float, int, int]], denominator: int) -> float:
+    """Standard error of sum(nats) / sum(column ``denominator``) over windows (the ratio estimator's
+    sqrt(n / (n - 1) * sum((nats_i - R d_i)^2)) / sum(d_i)); NaN below two windows (no spread to measure)."""
+    rows = [(w[0], w[denominator]) for w in per_window if w[denominator] > 0]
+    total = sum(d for _, d in rows)
+    if len(rows) < 2 or total <= 0:
+        return math.nan
+    ratio = sum(x for x, _ in rows) / total
+    squares = sum((x - ratio * d) ** 2 for x, d in rows)
+    return math.sqrt(len(rows) / (len(rows) - 1) * squares) / total
+
+
 class StreamScorer:
     """The scoring of one token stream: validated settings, the window batches to run (``batches``: per
     batch its windows and ids (B, T)), and the tally of each batch's target log-probabilities (``add``)
@@ -184,6 +196,7 @@ class StreamScorer:
         ]
         self.nats = 0.0  # natural-log NLL of the scored targets, accumulated in float64
         self.n_scored = self.n_bytes = 0
+        self.per_window: list[tuple[float, int, int]] = []  # (nats, targets, bytes) of each window scored
 
     def add(self, batch: Sequence[Window], ids: torch.Tensor, logp: torch.Tensor) -> None:
         """Tally one batch: ``logp`` (B, T-1), column j the log-probability of target start + j + 1."""
@@ -193,17 +206,21 @@ class StreamScorer:
         target_bytes = torch.stack([self.position_bytes[start + 1 : end] for start, end, _ in batch])
         # text tokens are scored (a lone dummy-prefix piece too, though it stands for no byte of the text)
         keep = (positions[None, :] >= first[:, None]) & (self.byte_len[ids[:, 1:]] > 0)
-        self.nats -= torch.where(keep, logp, torch.zeros((), dtype=logp.dtype)).sum().item()
+        kept = torch.where(keep, logp, torch.zeros((), dtype=logp.dtype))
+        self.nats -= kept.sum().item()
         self.n_scored += int(keep.sum())
         self.n_bytes += int(target_bytes[keep].sum())
+        row_bytes = torch.where(keep, target_bytes, torch.zeros((), dtype=target_bytes.dtype)).sum(1)
+        self.per_window += zip((-kept.sum(1)).tolist(), keep.sum(1).tolist(), row_bytes.tolist(), strict=True)
 
     def result(self) -> dict[str, Any]:
         if self.n_scored == 0:
             raise DiffquantError("the token stream holds no text tokens to score")
         nats, mean = self.nats, self.nats / self.n_scored
+        ppl = math.exp(mean) if mean < 700 else math.inf  # exp overflows near 709
         return {
             "bits_per_byte": nats / math.log(2) / self.n_bytes,
-            "perplexity": math.exp(mean) if mean < 700 else math.inf,  # exp overflows near 709
+            "perplexity": ppl,
             "nll_bits": nats / math.log(2),
             "n_tokens_scored": self.n_scored,
             "n_bytes": self.n_bytes,
@@ -213,4 +230,15 @@ class StreamScorer:
             "stride": self.stride,
             "windows": self.windows,
             "tokenizer": self.tokenizer.name,
+            **self.spread(ppl),
         }
+
+    def spread(self, ppl: float) -> dict[str, float]:
+        """The spread over windows: standard errors of bits per byte and perplexity (delta method:
+        ppl x the standard error of the mean NLL per token), each a ratio mean over the windows scored;
+        left out below two windows or where not finite (nothing is measured then)."""
+        out = {
+            "bits_per_byte_stderr": _ratio_stderr(self.per_window, 2) / math.log(2),
+            "perplexity_stderr": ppl * _ratio_stderr(self.per_window, 1),
+        }
+        return {k: v for k, v in out.items() if math.isfinite(v)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -14,17 +15,62 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def default_act_site(profiles: Mapping[str, Profile]) -> str | None:
-    """The first layer's MLP down-projection input if every profile has it (the SmoothQuant hot spot),
-    else the first linear_in site of the first profile, else None."""
-    preferred = "layers.0.mlp.down.input"
-    if profiles and all(preferred in p.sites for p in profiles.values()):
-        return preferred
+def act_peaks(profiles: Mapping[str, Profile]) -> dict[str, float]:
+    """{Linear-input (linear_in) site: its largest act scale, the largest |x| any profile saw there}, in
+    the first profile's site order (sites of the other profiles after)."""
+    peaks: dict[str, float] = {}
     for p in profiles.values():
         for name, s in p.sites.items():
-            if s.kind == "linear_in":
-                return name
-    return None
+            if s.kind != "linear_in" or not s.count:
+                continue
+            ends = [abs(v) for v in (s.min, s.max) if v is not None and math.isfinite(v)]
+            if ends:
+                peaks[name] = max(peaks.get(name, 0.0), *ends)
+    return peaks
+
+
+def default_act_site(profiles: Mapping[str, Profile]) -> str | None:
+    """The Linear input with the largest act scale (per-channel abs-max) in any profile, among the sites
+    every profile has (else among all); None without a linear_in site. SmoothQuant's hot spot is where
+    the largest channel is, not a fixed layer (SmolLM2: layer 11's down_proj, 3,124; layer 0's: ~7)."""
+    peaks = act_peaks(profiles)
+    shared = {n: v for n, v in peaks.items() if all(n in p.sites for p in profiles.values())}
+    pool = shared or peaks
+    return max(pool, key=pool.__getitem__) if pool else None
+
+
+def resolve_act_site(profiles: Mapping[str, Profile], linear: str | None) -> str | None:
+    """The site of the act-scales figure: :func:`default_act_site` for None, else the Linear named
+    ``linear`` (``layers.11.mlp.down``, its input site ``layers.11.mlp.down.input`` too); a name that is
+    no profiled Linear is a one-line DiffquantError naming the choices."""
+    if linear is None:
+        return default_act_site(profiles)
+    peaks = act_peaks(profiles)
+    for site in (linear, f"{linear}.input"):
+        if site in peaks:
+            return site
+    names = [n.removesuffix(".input") for n in peaks]
+    raise DiffquantError(
+        f"--linear {linear!r}: no profiled Linear of that name; "
+        + (f"choices: {_name_choices(names)}" if names else "the profiles hold no Linear input")
+    )
+
+
+def _name_choices(names: list[str]) -> str:
+    """Linear names, those in the blocks once per name with the layer range (``layers.N.mlp.down``)."""
+    inside: dict[str, list[int]] = {}
+    outside: list[str] = []
+    for n in names:
+        head, dot, rest = n.partition(".")
+        layer, _, tail = rest.partition(".")
+        if head == "layers" and dot and layer.isdigit() and tail:
+            inside.setdefault(tail, []).append(int(layer))
+        else:
+            outside.append(n)
+    layers = sorted({k for v in inside.values() for k in v})
+    text = [f"layers.N.{tail}" for tail in inside] + outside
+    span = f" (N = {layers[0]}..{layers[-1]})" if layers else ""
+    return ", ".join(text) + span
 
 
 def fig_act_scales(

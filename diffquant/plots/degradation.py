@@ -84,6 +84,29 @@ def chance_levels(results: Mapping[str, Any], task: str) -> dict[str, float]:
     return out
 
 
+# The unquantized model on the bits axis: its dtype's short name and width.
+DTYPE_BITS = {"float32": ("fp32", 32.0), "bfloat16": ("bf16", 16.0), "float16": ("fp16", 16.0)}
+
+
+def unquantized_dtypes(results: Mapping[str, Any], sweep: Mapping[str, Any]) -> dict[str, str]:
+    """{model: dtype name (``float32``)} of the unquantized cells: what the sweep recorded per model
+    (results.json ``dtypes``), else the sweep's ``dtype`` setting for every model; {} when neither says."""
+    spec = sweep.get("spec", sweep)
+    recorded = results.get("dtypes")
+    out = {str(m): str(d) for m, d in recorded.items()} if isinstance(recorded, Mapping) else {}
+    if spec.get("dtype"):
+        for model in spec.get("models") or {}:
+            out.setdefault(str(model), str(spec["dtype"]))
+    return out
+
+
+def _unquantized_point(dtype: str | None) -> tuple[float, str]:
+    """(x position, tick label) of the unquantized model: its dtype's width and name; a dtype the run
+    does not record sits at 16 bits, labelled as unquantized only."""
+    short, bits = DTYPE_BITS.get(dtype or "", (None, 16.0))
+    return bits, f"{bits:g}\n({short})" if short else "unquantized"
+
+
 def fig_degradation(
     results: Mapping[str, Any],
     sweep: Mapping[str, Any],
@@ -94,7 +117,8 @@ def fig_degradation(
 
     Why: the DIFF paper's Figure 8 claim is that DIFF degrades more gracefully as attention logits lose
     bits, and per-row scales shift where each architecture breaks. x is bits per element (log2 axis,
-    16 = the unquantized model, also drawn as a dotted horizontal line per model). The model panels share
+    the unquantized model at its dtype's width, labelled fp32 / bf16 / fp16 as the sweep recorded it, also
+    drawn as a dotted horizontal line per model). The model panels share
     one y scale, so a steeper curve is a larger loss whichever panel it is in; where the task reports a
     chance level (retrieval), it is drawn as a grey dashed line. Plans that are not one format at one
     granularity (mixed weight/activation formats, backends) get a panel of their own below: grouped bars
@@ -124,6 +148,7 @@ def fig_degradation(
     colors = colors_for(models, kinds, colors)
     value = {(r["model"], r["plan"]): r for r in rows}
     chance = chance_levels(results, task)
+    dtypes = unquantized_dtypes(results, sweep)
 
     points: dict[str, tuple[float, str]] = {}
     other: list[str] = []
@@ -164,6 +189,7 @@ def fig_degradation(
             )
             if ref is None and (name, "none") in value:
                 ref = value[(name, "none")]["value"]
+            ref_bits, ref_label = _unquantized_point(dtypes.get(name))
             for i, line in enumerate(lines):
                 pts = sorted(
                     (bits, value[(name, plan)]["value"])
@@ -173,7 +199,7 @@ def fig_degradation(
                 if not pts:
                     continue
                 if ref is not None:
-                    pts.append((16.0, ref))
+                    pts.append((ref_bits, ref))
                 ticks.update(b for b, _ in pts)
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(
@@ -191,7 +217,7 @@ def fig_degradation(
                 ax.axhline(chance[name], color="0.45", linestyle="--", linewidth=1.0, label="_chance")
             ax.set_xscale("log", base=2)
             ticks_sorted = sorted(ticks)
-            ax.set_xticks(ticks_sorted, [("16\n(none)" if t == 16 else f"{t:g}") for t in ticks_sorted])
+            ax.set_xticks(ticks_sorted, [(ref_label if t == ref_bits else f"{t:g}") for t in ticks_sorted])
             ax.minorticks_off()
             ax.set_xlabel("bits per element")
             if k % ncols == 0:
@@ -227,5 +253,5 @@ def fig_degradation(
             ax.set_ylabel(f"Δ {metric}\nvs unquantized")
             ax.set_title(f"{task}: other plans, change vs unquantized ({direction} is better)")
             ax.grid(False, axis="x")
-            ax.legend(loc="best")
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the bars
     return fig

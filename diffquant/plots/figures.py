@@ -19,7 +19,7 @@ One module per family, re-exported here (the import path of every figure functio
 * :mod:`~diffquant.plots.common`: ``KIND_TITLES`` and helpers shared by the families.
 """
 
-from diffquant.plots.channels import default_act_site, fig_act_scales
+from diffquant.plots.channels import act_peaks, default_act_site, fig_act_scales, resolve_act_site
 from diffquant.plots.common import KIND_TITLES
 from diffquant.plots.degradation import chance_levels, chance_metric, fig_degradation, plan_point
 from diffquant.plots.hist import (
@@ -50,6 +50,7 @@ __all__ = [
     "MASSIVE_FLOOR",
     "SIGMAS",
     "Pool",
+    "act_peaks",
     "chance_levels",
     "chance_metric",
     "default_act_site",
@@ -63,4 +64,5 @@ __all__ = [
     "hist_xlimits",
     "lambda_summaries",
     "plan_point",
+    "resolve_act_site",
 ]

@@ -56,7 +56,7 @@ def _show_map(fig: Figure, ax: Axes, data: Any, title: str) -> None:
     peak = float(visible.max()) if visible.size else 0.0
     vmax = vmax if vmax > 0 else (peak if peak > 0 else 1e-6)
     im = ax.imshow(data, cmap=cmap, vmin=-vmax, vmax=vmax, interpolation="nearest", aspect="equal")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=9, wrap=True)  # a long model name wraps at the figure's edge
     ax.grid(False)
     fig.colorbar(im, ax=ax, shrink=0.75, pad=0.03, extend="both" if peak > vmax else "neither")
 
@@ -153,5 +153,8 @@ def fig_attention_maps(
             for c in range(ncols):
                 if (r, c) not in used:
                     axes[r, c].remove()
-        fig.suptitle(f"Attention maps, layer {layer}, head {head} (first {length} tokens of one sample)")
+        # wrapped to the figure's width: one model is one narrow column of panels (SmolLM2's 3.3 in)
+        fig.suptitle(
+            f"Attention maps, layer {layer}, head {head} (first {length} tokens of one sample)", wrap=True
+        )
     return fig

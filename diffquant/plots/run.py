@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffquant import __version__
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import write_json_atomic
 from diffquant.plots.artifacts import (  # noqa: F401 (old import path)
@@ -26,7 +27,7 @@ from diffquant.plots.artifacts import (  # noqa: F401 (old import path)
     load_run,
     one_line,
 )
-from diffquant.plots.channels import default_act_site, fig_act_scales
+from diffquant.plots.channels import fig_act_scales, resolve_act_site
 from diffquant.plots.common import KIND_TITLES
 from diffquant.plots.degradation import fig_degradation
 from diffquant.plots.hist import (
@@ -40,6 +41,7 @@ from diffquant.plots.layers import fig_lambda, fig_layerwise, lambda_summaries
 from diffquant.plots.maps import fig_attention_maps
 from diffquant.plots.style import DEFAULT_DPI, FORMATS, safe_name, save_figure
 from diffquant.profile.sites import layer_of
+from diffquant.progress import is_quiet, write
 
 LAYERWISE_KINDS = ("resid", "logits")
 FIGURES_DIR = "figures"
@@ -92,6 +94,7 @@ class FigureContext:
     strict: bool  # the user named the families: a family the artifacts cannot feed is an error
     layer: int | None
     head: int
+    linear: str | None = None  # the act-scales figure's Linear (None: the one with the largest act scale)
 
     @property
     def present(self) -> list[str]:
@@ -199,22 +202,26 @@ def draw_degradation(ctx: FigureContext) -> Iterator[Drawn]:
             f"degradation-{safe_name(task)}",
             fig,
             f"{task}: {metric} vs bits per element for single-format plans (one panel per model, all "
-            f"on one y scale; one line per granularity, 16 = unquantized, dotted = unquantized level, "
-            f"grey dashed = chance where the task reports it); other plans as bars of the "
-            f"change vs unquantized.",
+            f"on one y scale; one line per granularity, ending at the unquantized model placed at its "
+            f"dtype's width (fp32: 32); dotted = unquantized level, grey dashed = chance where the task "
+            f"reports it); other plans as bars of the change vs unquantized.",
             f"Degradation under quantization: {task} ({metric})",
         )
 
 
 def draw_act_scales(ctx: FigureContext) -> Iterator[Drawn]:
     profiles = ctx.art.profiles
-    site = default_act_site(profiles) if profiles else None
+    site = resolve_act_site(profiles, ctx.linear) if profiles or ctx.linear is not None else None
     if site is None:
         return
+    chosen = (
+        "chosen with --linear" if ctx.linear is not None else "the Linear input with the largest act scale"
+    )
     yield Drawn(
         "act-scales",
         fig_act_scales(profiles, site, colors=ctx.colors),
-        f"Per-channel abs-max of {site} per model (SmoothQuant act scales), by channel and sorted.",
+        f"Per-channel abs-max of {site} ({chosen}) per model (SmoothQuant act scales), by channel and "
+        "sorted.",
         f"Per-channel abs-max: {site}",
     )
 
@@ -264,18 +271,86 @@ def _check_formats(formats: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chosen))
 
 
-def _write_index(art: RunArtifacts, records: list[FigureRecord], dpi: int) -> None:
-    index_path = art.run_dir / FIGURES_DIR / INDEX_NAME
-    previous = []
-    if index_path.is_file():  # keep entries of families not redrawn this time
-        try:
-            previous = json.loads(index_path.read_text()).get("figures", [])
-        except (json.JSONDecodeError, AttributeError, OSError):
-            previous = []
+def _read_index(run_dir: Path) -> dict[str, Any]:
+    """figures.json ({} when absent or unreadable: nothing is known to be current)."""
+    try:
+        index = json.loads((run_dir / FIGURES_DIR / INDEX_NAME).read_text())
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def inputs_stamp(run_dir: Path) -> list[list[Any]]:
+    """What every figure is drawn from, as [relative path, size, mtime_ns] per artifact file (manifest,
+    profiles, attention maps, sweep results and description; the colours depend on all of them), plus the
+    diffquant version that drew them: a figure recorded with this stamp is current."""
+    files = [run_dir / "manifest.json", *sorted((run_dir / "profile").glob("*.json"))]
+    files += sorted((run_dir / "profile").glob("*.maps.safetensors"))
+    found = _sweep_files(run_dir)
+    files += list(found) if found is not None else []
+    out: list[list[Any]] = [["diffquant", __version__, 0]]
+    for path in files:
+        if path.name.startswith(".") or not path.is_file():  # a writer's temporary file; absent manifest
+            continue
+        st = path.stat()
+        out.append([str(path.relative_to(run_dir)), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _current(
+    run_dir: Path, families: tuple[str, ...], formats: tuple[str, ...], dpi: int
+) -> dict[str, list[FigureRecord]]:
+    """{family: its recorded figures} for each family figures.json records as drawn from exactly the
+    current artifacts (:func:`inputs_stamp`) at ``dpi`` in every one of ``formats``, with its files present."""
+    index = _read_index(run_dir)
+    stamps = index.get("families")
+    if not isinstance(stamps, dict):
+        return {}
+    stamp = inputs_stamp(run_dir)
+    out: dict[str, list[FigureRecord]] = {}
+    entries = [e for e in index.get("figures", []) if isinstance(e, dict)]
+    for family in families:
+        recorded = stamps.get(family)
+        if not isinstance(recorded, dict) or recorded.get("inputs") != stamp or recorded.get("dpi") != dpi:
+            continue
+        if not set(formats) <= set(recorded.get("formats") or ()):
+            continue
+        records = []
+        for e in (e for e in entries if e.get("kind") == family):
+            paths = tuple(run_dir / f for f in e.get("files", []) if Path(f).suffix[1:] in formats)
+            if len(paths) != len(formats) or not all(p.is_file() for p in paths):
+                break
+            records.append(
+                FigureRecord(
+                    str(e.get("name")), paths, str(e.get("caption", "")), family, str(e.get("title", ""))
+                )
+            )
+        else:
+            out[family] = records
+    return out
+
+
+def _write_index(
+    run_dir: Path, records: list[FigureRecord], drawn: dict[str, dict[str, Any]], dpi: int
+) -> None:
+    """figures.json: every figure with its files and caption, and per family drawn the stamp it was drawn
+    from (inputs, formats, dpi); entries and stamps of families not drawn this time are kept."""
+    index = _read_index(run_dir)
+    previous = [e for e in index.get("figures", []) if isinstance(e, dict)]
+    stamps = index.get("families") if isinstance(index.get("families"), dict) else {}
     names = {r.name for r in records}
-    kept = [e for e in previous if isinstance(e, dict) and e.get("name") not in names]
-    entries = kept + [r.to_dict(art.run_dir) for r in records]
-    write_json_atomic(index_path, {"dpi": dpi, "figures": entries})
+    kept = [e for e in previous if e.get("kind") not in drawn and e.get("name") not in names]
+    entries = kept + [r.to_dict(run_dir) for r in records]
+    stamps = {f: v for f, v in stamps.items() if f not in drawn} | drawn
+    write_json_atomic(
+        run_dir / FIGURES_DIR / INDEX_NAME, {"dpi": dpi, "figures": entries, "families": stamps}
+    )
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr (``plot: hist: drawing``), unless quiet."""
+    if not is_quiet():
+        write(line)
 
 
 def render_run(
@@ -285,6 +360,9 @@ def render_run(
     dpi: int = DEFAULT_DPI,
     layer: int | None = None,
     head: int = 0,
+    linear: str | None = None,
+    reuse: bool = False,
+    command: str = "plot",
 ) -> list[FigureRecord]:
     """Draw every applicable figure of ``run_dir`` into RUN/figures/NAME.FMT and return their records.
 
@@ -295,22 +373,47 @@ def render_run(
         formats: any of png, svg, pdf; each figure is written once per format.
         dpi: raster resolution; a PNG is figsize x dpi pixels.
         layer, head: the attention maps shown (layer None = the middle layer common to all models).
+        linear: the Linear of the act-scales figure (``layers.11.mlp.down``); None = the one with the
+            largest act scale in any profile.
+        reuse: keep the figures of each family that figures.json records as drawn from the current
+            artifacts (same files, sizes and mtimes, same diffquant version) at this dpi in these formats,
+            whatever layer / head / linear they were drawn with (a report keeps what ``plot`` drew);
+            redraw the others.
+        command: the name progress lines start with (``plot: hist: drawing``, one as each family starts).
     """
     families = _check_what(what)
     formats = _check_formats(formats)
     if not isinstance(dpi, int) or isinstance(dpi, bool) or not 10 <= dpi <= 2400:
         raise DiffquantError(f"dpi: expected an integer in 10..2400, got {dpi!r}")
-    art = load_run(run_dir, maps="maps" in families)
+    current = _current(Path(run_dir), families, formats, dpi) if reuse else {}
+    if current and all(f in current for f in families):
+        kept = [r for f in families for r in current[f]]
+        _say(f"{command}: {len(kept)} figures current (drawn from these artifacts at {dpi} dpi), reused")
+        return kept
+    art = load_run(run_dir, maps="maps" in families and "maps" not in current)
+    if linear is not None and "act-scales" in families:
+        resolve_act_site(art.profiles, linear)  # a bad name is refused before any figure is drawn
     out = art.run_dir / FIGURES_DIR
-    ctx = FigureContext(art, art.colors(), strict=what is not None, layer=layer, head=head)
+    ctx = FigureContext(art, art.colors(), strict=what is not None, layer=layer, head=head, linear=linear)
     records: list[FigureRecord] = []
     produced: set[str] = set()
-    for family in families:
+    stamps: dict[str, dict[str, Any]] = {}
+    stamp = inputs_stamp(art.run_dir)
+    for number, family in enumerate(families, start=1):
+        where = f"family {number} of {len(families)}"
+        if family in current:
+            records += current[family]
+            if current[family]:
+                produced.add(family)
+            _say(f"{command}: {family}: {len(current[family])} figures current, reused ({where})")
+            continue
+        _say(f"{command}: {family}: drawing ({where})")
         for drawn in FIGURES[family](ctx):
             paths = save_figure(drawn.figure, out, drawn.name, formats, dpi)
             drawn.figure.clear()  # release the artists now; a long run draws dozens of figures
             records.append(FigureRecord(drawn.name, tuple(paths), drawn.caption, family, drawn.title))
             produced.add(family)
+        stamps[family] = {"inputs": stamp, "formats": list(formats), "dpi": dpi}
     if what is not None:
         missing = [f for f in families if f not in produced]
         if missing:
@@ -318,6 +421,6 @@ def render_run(
                 f"{art.run_dir}: cannot draw {missing[0]!r} figures from this run's artifacts "
                 f"(drawn: {', '.join(sorted(produced)) or 'none'})"
             )
-    if records:
-        _write_index(art, records, dpi)
+    if records or stamps:
+        _write_index(art.run_dir, [r for r in records if r.kind in stamps], stamps, dpi)
     return records

@@ -30,8 +30,10 @@ from diffquant.io.artifacts import read_json, write_text_atomic
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 from diffquant.plots import render_run
+from diffquant.plots.common import KIND_TITLES
 from diffquant.plots.run import _sweep_files, load_run
 from diffquant.profile.tables import describe_location
+from diffquant.quant.schemes import Scheme, describe
 from diffquant.report.summary import summarize
 
 PAPER_SCALE = (
@@ -140,7 +142,7 @@ def _model_scale(profiles: dict[str, Any]) -> list[list[str]]:
                 name,
                 cfg.attention,
                 f"{_count_parameters(cfg):,}",
-                f"{cfg.n_layers} x d_model {cfg.d_model}, {cfg.n_heads} heads",
+                f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads",
                 f"{meta.get('tokens', 0):,}",
             ]
         )
@@ -165,6 +167,45 @@ def results_grid(results: dict[str, Any], sweep: dict[str, Any] | None) -> str |
         return format_results(sweep_spec, results)
     except (DiffquantError, KeyError, TypeError, ValueError, AttributeError):
         return None
+
+
+def describe_plan(name: str, plan: dict[str, Any] | None) -> str:
+    """What a plan does, in words, from the plan itself (sweep.json holds each plan's content): its own
+    description, then each rule as 'SITES -> scheme' (:func:`diffquant.quant.schemes.describe`), weight
+    rules and a backend named as such. ``none`` is the unquantized model."""
+    if plan is None:
+        return "the unquantized model (the reference every change is measured against)"
+    parts = []
+    for rule in plan.get("rules") or []:
+        try:
+            scheme = describe(Scheme.parse(rule.get("scheme"), where=f"plan {name!r}"))
+        except DiffquantError:
+            scheme = str(rule.get("scheme"))
+        if rule.get("weights"):
+            parts.append(f"weights of {', '.join(map(str, rule['weights']))} to {scheme}")
+        if rule.get("sites"):
+            parts.append(f"{', '.join(_site_words(str(p)) for p in rule['sites'])} to {scheme}")
+    backend = plan.get("backend")
+    if isinstance(backend, dict):
+        settings = ", ".join(f"{k} {v}" for k, v in backend.items() if k not in ("name", "modules"))
+        modules = ", ".join(map(str, backend.get("modules") or []))
+        parts.append(f"{backend.get('name')} layers for {modules}" + (f" ({settings})" if settings else ""))
+    for transform in ("rotate", "weights"):
+        if plan.get(transform):
+            parts.append(f"{transform} transform first")
+    text = str(plan.get("description") or "").strip().rstrip(".")
+    rules = "; ".join(parts)
+    if text and rules:
+        return f"{text}. In detail: {rules}."
+    return f"{text or rules}." if text or rules else "no rules"
+
+
+def _site_words(pattern: str) -> str:
+    """A site pattern, with the kind's title where it names one (``attention logits (kind:logits)``)."""
+    kind = pattern.removeprefix("kind:")
+    return (
+        f"{KIND_TITLES[kind]} ({pattern})" if pattern.startswith("kind:") and kind in KIND_TITLES else pattern
+    )
 
 
 def _artifacts(run: Path):
@@ -278,6 +319,10 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
             sec.blocks.append(("Model x plan grid (as `diffquant eval` prints it)", grid))
         else:
             sec.text += " (The sweep description could not be read, so no grid is shown.)"
+        plans = ((art.sweep or {}).get("spec") or {}).get("plans")
+        if isinstance(plans, dict) and plans:
+            rows = [[name, describe_plan(name, plan)] for name, plan in plans.items()]
+            sec.tables.append(("The plans: what each one quantizes", ["plan name", "what it does"], rows))
         sections.append(sec)
 
     if figures:
@@ -430,12 +475,14 @@ def run_status(manifest: dict[str, Any]) -> str | None:
 
 
 def write_report(run_dir: str | Path, figures: list[Any] | None = None, dpi: int = 150) -> tuple[Path, Path]:
-    """Render missing figures (from artifacts), then write report.md and report.html into the run folder."""
+    """Draw the figures that are not current (from artifacts), then write report.md and report.html into
+    the run folder. Figures ``diffquant plot`` (or an earlier report) drew from the same artifacts at the same
+    dpi are reused as they are, not drawn again (:func:`diffquant.plots.render_run`'s ``reuse``)."""
     run = Path(run_dir)
     if not run.is_dir():
         raise DiffquantError(f"{run}: run folder not found")
     if figures is None:
-        figures = render_run(run, dpi=dpi)
+        figures = render_run(run, dpi=dpi, reuse=True, command="report")
     sections = build_sections(run, figures)
     if len(sections) <= 1 and not figures:
         raise DiffquantError(

@@ -11,8 +11,9 @@ a run whose data say otherwise gets other sentences. Three topics:
   are flagged (retrieval reports its chance level; multiple choice's is 1 / choices, read from the items
   file), and so are differences between models smaller than 2 standard errors of their difference. The
   standard error is the task's own where it reports one (``METRIC_stderr``), else, for accuracies over
-  ``n`` items, the binomial sqrt(p (1 - p) / n); a task with neither (bits per byte) says that no spread
-  is known rather than guessing one.
+  ``n`` items, the binomial sqrt(p (1 - p) / n); bits per byte and perplexity report theirs from the spread
+  of the run's own windows (``bits_per_byte_stderr``, data/scoring.py); a cell with none (written before
+  they were kept) says that no spread is known rather than guessing one.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def outlier_sentences(
                         best = (e["abs"], site, e.get("loc"))
             if count:
                 where = f", the largest {_g(best[0])} at {_where(best[2], best[1])}" if best else ""
-                found.append(f"{name} {'' if exact else 'at least '}{count:,}{where}")
+                found.append(f"{name} {'' if exact else 'at least '}{count:,} values{where}")
         if found:
             out.append(
                 "Massive activations (|x| > 100 and > 1000x the site's median |x|, Sun et al. 2024): "
@@ -192,6 +193,7 @@ class Cell:
     raw: Any
     se: float | None = None  # the task's own standard error, if it reports one
     n: int | None = None  # items behind an accuracy
+    windows: int | None = None  # windows a text task scored (bpb / ppl: its standard error is over them)
 
 
 @dataclass
@@ -285,6 +287,8 @@ def task_views(results: Mapping[str, Any], sweep: Mapping[str, Any] | None) -> l
             se_row = by_metric.get((model, plan, f"{metric}_stderr"))
             n_row = by_metric.get((model, plan, "n"))
             n = _number(n_row["value"]) if n_row else None
+            w_row = by_metric.get((model, plan, "n_windows"))
+            windows = _number(w_row["value"]) if w_row else None
             view.cells[(model, plan)] = Cell(
                 model,
                 plan,
@@ -293,6 +297,7 @@ def task_views(results: Mapping[str, Any], sweep: Mapping[str, Any] | None) -> l
                 r.get("value"),
                 se=_number(se_row["value"]) if se_row else None,
                 n=int(n) if n else None,
+                windows=int(windows) if windows else None,
             )
         view.chance = chance_levels(results, label)
         if view.chance:
@@ -354,22 +359,22 @@ def quant_sentences(views: Sequence[TaskView]) -> list[str]:
         near, far = _near_chance(view, [c for c in view.cells.values() if c.value is not None])
         if near and len(near) >= len(far):
             parts.append(
-                f"{len(near)} of {len(near) + len(far)} results are at chance level (see Noise), "
-                "so read what follows as noise"
+                f"{len(near)} of {len(near) + len(far)} results are at chance level (see Noise): "
+                "read what follows as noise"
             )
         sign = -1.0 if view.higher else 1.0
         ref = _ranked(view, NONE_PLAN, lambda c, s=sign: None if c.value is None else s * c.value)
         if len(ref) >= 2:
             tied, rest = _tied(ref)
             who = _join([c.model for c in tied])
-            text = f"unquantized, {who} {'tie for best' if len(tied) > 1 else 'is best'} ({_v(tied[0].value)}"
+            text = f"Unquantized, {who} {'tie for best' if len(tied) > 1 else 'is best'} ({_v(tied[0].value)}"
             if rest:
                 text += "; " + ", ".join(f"{c.model} {_v(c.value)}" for c, _ in rest)
                 if _within_noise(view, tied[0], rest[0][0]):
                     text += "; within noise"
             parts.append(text + ")")
         elif len(ref) == 1:
-            parts.append(f"unquantized, {ref[0][0].model} scores {_v(ref[0][0].value)}")
+            parts.append(f"Unquantized, {ref[0][0].model} scores {_v(ref[0][0].value)}")
         quantized = [p for p in view.plans if p != NONE_PLAN]
         winners: dict[tuple[tuple[str, ...], str], list[str]] = {}
         alone: list[str] = []
@@ -399,11 +404,11 @@ def quant_sentences(views: Sequence[TaskView]) -> list[str]:
         for (models, verb), details in winners.items():
             parts.append(f"{_join(list(models))} {verb} at {_join(details)}")
         if alone:
-            parts.append(f"change vs unquantized (no other model to compare): {', '.join(alone)}")
+            parts.append(f"Change vs unquantized (no other model to compare): {', '.join(alone)}")
         if tally and len(quantized) > 1 and len(view.models) > 1:
             counted = sorted(tally.items(), key=lambda kv: -kv[1])
             parts.append(
-                f"of the {len(quantized)} quantized plans, "
+                f"Of the {len(quantized)} quantized plans, "
                 + ", ".join(f"{m} fares best at {k}" for m, k in counted)
                 + (" (the others are ties)" if sum(tally.values()) < len(quantized) else "")
             )
@@ -413,8 +418,9 @@ def quant_sentences(views: Sequence[TaskView]) -> list[str]:
             if c.value is None and isinstance(c.raw, str)
         ]
         if broken:
-            parts.append(f"not finite, left out: {_join(broken)}")
-        out.append(f"{head}: " + "; ".join(parts) + "." if parts else f"{head}: no results.")
+            parts.append(f"Not finite, left out: {_join(broken)}")
+        # one short sentence per finding (a sweep of twelve plans made one sentence of twelve clauses)
+        out.append(f"{head}: " + ". ".join(parts) + "." if parts else f"{head}: no results.")
     return out
 
 
@@ -428,17 +434,30 @@ def noise_sentences(views: Sequence[TaskView]) -> list[str]:
         spread = view.spread
         head = f"**{view.label}**"
         if spread == "none":
-            out.append(
-                f"{head}: no run-to-run spread is known for {view.metric} (the task reports no standard "
-                f"error and the run has no repeats), so differences between models are not tested "
-                f"against noise."
-            )
+            if any(c.windows for c in cells):  # a text task whose cells predate per-window errors
+                out.append(
+                    f"{head}: no spread is known for {view.metric}. This run's cells store only totals "
+                    f"over their windows (nll_bits, n_tokens_scored, n_windows), not each window's loss. "
+                    f"Run the sweep again for per-window standard errors."
+                )
+            else:
+                out.append(
+                    f"{head}: no run-to-run spread is known for {view.metric} (the task reports no standard "
+                    f"error and the run has no repeats), so differences between models are not tested "
+                    f"against noise."
+                )
         else:
             if spread == "reported":
                 ses = sorted(c.se for c in cells if c.se is not None)
-                basis = (
-                    f"the task's own standard errors ({view.metric}_stderr, median {ses[len(ses) // 2]:.4f})"
-                )
+                median = ses[len(ses) // 2]
+                basis = f"the task's own standard errors ({view.metric}_stderr, median {median:.4f})"
+                windows = sorted({c.windows for c in cells if c.windows})
+                if windows:  # bpb / ppl: the spread of the run's own windows
+                    w_text = f"{windows[0]:,}" if len(windows) == 1 else f"{windows[0]:,} to {windows[-1]:,}"
+                    basis = (
+                        f"standard errors from the spread of each cell's {w_text} windows "
+                        f"({view.metric}_stderr, median {median:.4f})"
+                    )
             else:
                 ns = sorted({c.n for c in cells if c.n})
                 n_text = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]} to {ns[-1]}"
