@@ -18,7 +18,7 @@ from diffquant.cli_options import add_model_options as _add_model_options
 from diffquant.cli_options import check_positive as _positive
 from diffquant.cli_options import load_for_args as _load
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import MODEL_FORMS
+from diffquant.names import MODEL_FORMS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--tokens", type=int, default=16384, help="tokens to read (default: 16384)")
     parser.add_argument("--seq-len", type=int, default=256, help="window length (default: 256)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default: 8)")
     parser.add_argument(
         "--names",
         choices=("hf", "native"),

@@ -18,9 +18,9 @@ from diffquant import __version__
 from diffquant.cli_options import add_model_options as _add_model_options
 from diffquant.cli_options import load_for_args as _load
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import MODEL_FORMS
 from diffquant.models.config import ATTENTION_KINDS
 from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not quant.plan.PRESETS)
+from diffquant.names import MODEL_FORMS
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -295,6 +295,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         dpi=args.dpi,
         layer=args.layer,
         head=args.head,
+        linear=args.linear,
     )
     if not records:
         raise DiffquantError(f"{args.run_dir}: no figure could be drawn from its artifacts")
@@ -319,16 +320,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from diffquant.io.runfolder import lock_folder
+    from diffquant.shipped import resolve
     from diffquant.train.trainer import TrainConfig, train
 
-    cfg = TrainConfig.load(args.recipe, args.set)
+    recipe = resolve(args.recipe, "train")  # a file, or a shipped training recipe by name
+    cfg = TrainConfig.load(recipe, args.set)
     if args.out:
         cfg.out = args.out
     with lock_folder(cfg.out):  # one writer per output folder, as every other command
-        train(cfg, resume=args.resume, stop_after=args.stop_after, recipe_text=Path(args.recipe).read_text())
+        train(cfg, resume=args.resume, stop_after=args.stop_after, recipe_text=recipe.read_text())
     return 0
 
 
@@ -437,14 +438,32 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from diffquant.shipped import shipped
+
+    heads = {
+        "run": "recipes (diffquant run NAME)",
+        "train": "training recipes (diffquant train NAME)",
+        "plan": "plans (--plan NAME)",
+        "lmeval": "lm-eval tasks (--task lmeval:tasks=NAME)",
+    }
+    files = shipped()
+    width = max(len(f.name) for f in files)
+    for kind, head in heads.items():
+        print(f"{head}:")
+        for f in (f for f in files if f.kind == kind):
+            print(f"  {f.name:<{width}}  {f.description}")
+    return 0
+
+
 def _task_help() -> str:
     """The --task help: every task type with its keys, from the task registry itself (so it cannot drift)."""
-    from diffquant.eval.tasks import TASK_TYPES
+    from diffquant.eval.task_params import TASK_TYPE_PARAMS  # torch-free (the runners are not imported)
     from diffquant.schema import fields_of, is_required
 
     types = "; ".join(
-        f"{name} ({', '.join(f.name + (' [required]' if is_required(f) else '') for f, _ in fields_of(t.params))})"
-        for name, t in TASK_TYPES.items()
+        f"{name} ({', '.join(f.name + (' [required]' if is_required(f) else '') for f, _ in fields_of(params))})"
+        for name, params in TASK_TYPE_PARAMS.items()
     )
     return (
         "a task TYPE or TYPE:key=value,key=value (repeatable), e.g. ppl:data=wikitext2:test,seq_len=1024; "
@@ -454,8 +473,7 @@ def _task_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffquant.schema import add_options
-    from diffquant.stages import (
+    from diffquant.options import (  # torch-free: --help must stay instant
         CALIB_FLAGS,
         QUANTIZE_CALIB_FLAGS,
         CalibData,
@@ -463,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
         ProfileStage,
         QuantizeStage,
     )
+    from diffquant.schema import add_options
+    from diffquant.shipped import shipped_names
 
     parser = argparse.ArgumentParser(
         prog="diffquant",
@@ -487,9 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="write a randomly initialised checkpoint (to try every command)")
     init.add_argument("out", help="output folder")
-    init.add_argument("--kind", choices=ATTENTION_KINDS, default="baseline")
-    init.add_argument("--preset", choices=tuple(SIZE_PRESETS), default="tiny")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--kind", choices=ATTENTION_KINDS, default="baseline", help="attention kind (default: baseline)"
+    )
+    init.add_argument(
+        "--preset", choices=tuple(SIZE_PRESETS), default="tiny", help="model size preset (default: tiny)"
+    )
+    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.add_argument("--force", action="store_true", help="replace an existing folder")
     init.set_defaults(func=_cmd_init)
 
@@ -519,7 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("checkpoint", help=f"the unquantized model: {MODEL_FORMS}")
     quant.add_argument(
-        "--plan", required=True, help="a preset name (list them with `diffquant presets`) or a YAML plan file"
+        "--plan",
+        required=True,
+        help="a preset name (list them with `diffquant presets`), a YAML plan file or a shipped plan by name "
+        "(list them with `diffquant recipes`)",
     )
     add_options(quant, CalibData, flags=QUANTIZE_CALIB_FLAGS)
     add_options(quant, QuantizeStage)
@@ -546,7 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help=_task_help(),
     )
-    ev.add_argument("--plan", nargs="+", default=["none"], help="plans: none, preset names or YAML files")
+    ev.add_argument(
+        "--plan",
+        nargs="+",
+        default=["none"],
+        help="plans: none, preset names, YAML files or shipped plan names (default: none, the unquantized "
+        "model, which is always included)",
+    )
     add_options(ev, CalibData, flags=CALIB_FLAGS)
     add_options(ev, EvalStage)
     ev.add_argument("--out", default="runs/eval", help="run folder (default: runs/eval); resumes if present")
@@ -554,9 +587,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(ev, stream=True, device_map=True)
     ev.set_defaults(func=_cmd_eval)
 
-    run = sub.add_parser("run", help="run a YAML recipe (profile, quantize, eval, sweep) into a run folder")
-    run.add_argument("recipe", help="a recipe file, e.g. recipes/paper-fig8.yaml")
-    run.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
+    run = sub.add_parser(
+        "run",
+        help="run a YAML recipe (profile, quantize, eval, sweep) into a run folder",
+        description="Run a recipe: one YAML file that chains the stages (profile -> quantize -> eval / sweep "
+        "-> plots -> report) over its models into one run folder (a killed sweep resumes from its finished "
+        "cells). Its keys are documented in docs/recipes.md. Shipped recipes (by name): "
+        f"{', '.join(shipped_names('run'))}; `diffquant recipes` describes them.",
+    )
+    run.add_argument("recipe", help="a recipe file, or a shipped recipe's name (e.g. paper-fig8)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a recipe key, repeatable, e.g. --set models.baseline=init:baseline:tiny (default: none)",
+    )
     run.add_argument("--out", default=None, help="run folder (default: the recipe's output.dir)")
     run.add_argument("--force", action="store_true", help="start clean in a folder of another run")
     run.set_defaults(func=_cmd_run)
@@ -568,15 +614,30 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="figure families: hist, hist-layers, layerwise, maps, degradation, act-scales, lambda",
     )
-    plot.add_argument("--format", nargs="+", default=["png"], choices=("png", "svg", "pdf"))
-    plot.add_argument("--dpi", type=int, default=150)
+    plot.add_argument(
+        "--format",
+        nargs="+",
+        default=["png"],
+        choices=("png", "svg", "pdf"),
+        help="image formats, each figure written once per format (default: png)",
+    )
+    plot.add_argument(
+        "--dpi", type=int, default=150, help="raster resolution; a PNG is figsize x dpi pixels (default: 150)"
+    )
     plot.add_argument(
         "--layer",
         type=int,
         default=None,
         help="layer of the attention-map figure (default: the middle layer that every model's profile has)",
     )
-    plot.add_argument("--head", type=int, default=0, help="head of the attention-map figure")
+    plot.add_argument("--head", type=int, default=0, help="head of the attention-map figure (default: 0)")
+    plot.add_argument(
+        "--linear",
+        default=None,
+        metavar="NAME",
+        help="the Linear of the act-scales figure, e.g. layers.11.mlp.down (default: the Linear whose input "
+        "has the largest act scale in any profile)",
+    )
     plot.set_defaults(func=_cmd_plot)
 
     report = sub.add_parser(
@@ -586,11 +647,23 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--dpi", type=int, default=150)
     report.set_defaults(func=_cmd_report)
 
-    tr = sub.add_parser("train", help="train a model from a training recipe (recipes/zoo-*.yaml)")
-    tr.add_argument("recipe", help="a training recipe, e.g. recipes/zoo-diff_v2.yaml")
+    tr = sub.add_parser(
+        "train",
+        help="train a model from a training recipe (e.g. zoo-diff_v2)",
+        description="Train a model from a training recipe (its keys: diffquant.train.TrainConfig, documented "
+        "in docs/recipes.md), checkpointing into a run folder that --resume continues. Shipped training "
+        f"recipes (by name): {', '.join(shipped_names('train'))}.",
+    )
+    tr.add_argument("recipe", help="a training recipe file, or a shipped one's name (e.g. zoo-diff_v2)")
     tr.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     tr.add_argument("--stop-after", type=int, default=None, help="stop after this step (schedule unchanged)")
-    tr.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a recipe key")
+    tr.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a recipe key, repeatable, e.g. --set steps=100 (default: none)",
+    )
     tr.add_argument("--out", default=None, help="run folder (default: the recipe's out or runs/train/NAME)")
     tr.set_defaults(func=_cmd_train)
 
@@ -623,6 +696,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = sub.add_parser("presets", help="list the quantization plan presets")
     presets.set_defaults(func=_cmd_presets)
+
+    recipes = sub.add_parser(
+        "recipes",
+        help="list the shipped recipes, training recipes, plans and lm-eval tasks, one line each",
+        description="The YAML files installed with diffquant, each usable by name from any folder: "
+        "`diffquant run NAME`, `diffquant train NAME`, `--plan NAME`, `--task lmeval:tasks=NAME`.",
+    )
+    recipes.set_defaults(func=_cmd_recipes)
     return parser
 
 

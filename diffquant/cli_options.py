@@ -37,7 +37,7 @@ def add_model_options(
     """--device, --dtype (and --tokenizer, --stream, --device-map / --max-memory): the fields of
     io.options.ModelOptions, a recipe's keys too. --device-map only where the command loads its models
     through :func:`diffquant.stages.load_models` or a sweep, which place them."""
-    from diffquant.io.options import ModelOptions
+    from diffquant.options import ModelOptions  # torch-free (io.options, which re-exports it, imports torch)
     from diffquant.schema import add_options
 
     only = ("device", "dtype") + (("tokenizer",) if tokenizer else ()) + (("stream",) if stream else ())

@@ -19,3 +19,10 @@ STATE_FILE = "quant_state.safetensors"
 
 # Compute / storage dtypes by name (--dtype, recipe `dtype:` keys); diffquant.io.options maps them to torch.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+# Every form a model can be named by, for every command's help (diffquant.io.load_model reads them all; here,
+# not in diffquant.io.artifacts, which re-exports it, so the CLI's parser reads it without importing yaml).
+MODEL_FORMS = (
+    "a native checkpoint folder (quantized or not), zoo:NAME, init:KIND:PRESET[:SEED], hf:FOLDER (a Hugging "
+    "Face llama / diffllama folder), gguf:FILE, unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
+)

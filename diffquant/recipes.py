@@ -26,6 +26,7 @@ from diffquant.plots import render_run
 from diffquant.quant.plan import QuantPlan
 from diffquant.report import write_report
 from diffquant.schema import check
+from diffquant.shipped import resolve as resolve_shipped
 from diffquant.stages import Recipe, load_models, run_profile, run_quantize, sweep_spec
 from diffquant.textfiles import apply_override, read_yaml  # noqa: F401 (public here too)
 
@@ -67,6 +68,8 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A recipe file, or a shipped one by name (``smollm2``; :func:`diffquant.shipped.resolve`), validated."""
+    path = resolve_shipped(path, "run")
     return validate(read_yaml(path, overrides), source=str(path))
 
 

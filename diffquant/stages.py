@@ -2,133 +2,43 @@
 
 A stage's dataclass is at once a recipe section's schema (checked by :func:`diffquant.schema.check`) and
 the options of its command (:func:`diffquant.schema.add_options`), so an option is written once: its type,
-default, bounds and help. The code that runs a stage is here too, and ``diffquant profile`` / ``eval`` run
+default, bounds and help. The dataclasses live in :mod:`diffquant.options` (torch-free, so ``--help`` is
+instant) and are re-exported here. The code that runs a stage is here, and ``diffquant profile`` / ``eval`` run
 the same functions as a recipe's ``profile`` / ``eval`` + ``sweep`` stages. Errors name what the user
 wrote: a recipe key (``profile.seq_len``) or a flag (``--seq-len``), through the stage's ``name`` function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from diffquant.eval.sweep import SweepSpec
 from diffquant.eval.tasks import TaskSpec
 from diffquant.io import load_model
-from diffquant.io.options import ModelOptions, parse_device, parse_dtype
+from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.quantize import quantize_checkpoint
-from diffquant.profile.profiler import MAX_TOPK
+from diffquant.options import (  # noqa: F401 (the stage dataclasses live torch-free there; public here too)
+    CALIB_FLAGS,
+    DATA_HELP,
+    MAX_TOPK,
+    QUANTIZE_CALIB_FLAGS,
+    CalibData,
+    DataSection,
+    EvalStage,
+    ModelOptions,
+    Namer,
+    OutputSection,
+    PlotsStage,
+    ProfileStage,
+    QuantizeStage,
+    Recipe,
+    SweepStage,
+    flag_name,
+)
 from diffquant.profile.runner import profile_stage
-from diffquant.schema import key
 from diffquant.stream import choose_stream, profile_streamed, quantize_streamed, stream_skeleton
 from diffquant.stream.placement import load_placed, placement_options
-
-DATA_HELP = "wikitext2:test, wikitext2:validation, stdlib[:train|:validation], a text file or a folder"
-Namer = Callable[[str], str]
-
-
-def flag_name(field_name: str) -> str:
-    """How the command line names a stage field: ``seq_len`` -> ``--seq-len``."""
-    return "--" + field_name.replace("_", "-")
-
-
-@dataclass
-class CalibData:
-    """Calibration text for static scales (recipe ``data.calib``; ``--calib-data`` / ``--calib-tokens``)."""
-
-    source: str | None = key(
-        None,
-        help="calibration text (default: wikitext2:validation when a model has its own tokenizer, else "
-        "stdlib:train)",
-    )
-    tokens: int = key(4096, min=1, help="calibration tokens (default: 4096)")
-    seq_len: int = key(256, min=2, help="calibration window length (default: 256)")
-
-
-CALIB_FLAGS = {"source": "--calib-data", "tokens": "--calib-tokens", "seq_len": "--calib-seq-len"}
-QUANTIZE_CALIB_FLAGS = {**CALIB_FLAGS, "seq_len": "--seq-len"}  # one window length: calibration and report
-
-
-@dataclass
-class DataSection:
-    calib: CalibData = field(default_factory=CalibData)
-
-
-@dataclass
-class ProfileStage:
-    """Outlier statistics of every model on the same text (recipe ``profile``; ``diffquant profile``)."""
-
-    enabled: bool = key(True, cli=False)
-    data: str | None = key(
-        None,
-        help=f"{DATA_HELP} (default: wikitext2:test when a model has its own tokenizer, else stdlib:validation)",
-    )
-    tokens: int = key(16384, min=1, help="tokens to profile (default: 16384)")
-    seq_len: int = key(256, min=1, help="window length (default: 256)")
-    batch_size: int = key(8, min=1, help="windows per forward pass (default: 8)")
-    sites: list[str] | str = key(["*"], help="site globs or kind:NAME (default: all)")
-    topk: int = key(
-        100,
-        min=1,
-        max=MAX_TOPK,
-        help=f"largest magnitudes kept per site, with locations (at most {MAX_TOPK})",
-    )
-    attention_metrics: bool = key(True, help="skip per-head attention metrics")
-
-
-@dataclass
-class QuantizeStage:
-    """Quantized checkpoints (recipe ``quantize``; ``diffquant quantize`` writes one)."""
-
-    plans: list[str] = key([], each="a preset name or a plan file path", cli=False)
-    eval_tokens: int = key(2048, min=1, help="held-out tokens for the error report")
-    batch_size: int = key(8, min=1, help="windows per forward pass (default: 8)")
-
-
-@dataclass
-class EvalStage:
-    """Tasks (recipe ``eval``; ``diffquant eval --task``)."""
-
-    tasks: list[Any] = key([{"type": "bpb"}], cli=False)
-    batch_size: int = key(8, min=1, help="windows per forward pass (default: 8)")
-
-
-@dataclass
-class SweepStage:
-    """Plans every model is evaluated under (recipe ``sweep``; ``diffquant eval --plan``)."""
-
-    plans: list[str] = key([], each="a preset name or a plan file path", cli=False)
-
-
-@dataclass
-class PlotsStage:
-    enabled: bool = key(True)
-    formats: list[str] = key(["png"])
-    dpi: int = key(150, min=1)
-
-
-@dataclass
-class OutputSection:
-    dir: str | None = key(None)
-
-
-@dataclass(kw_only=True)
-class Recipe(ModelOptions):
-    """A recipe file: its keys, their defaults, and the stages it chains."""
-
-    name: str = key()
-    description: str = key("")
-    seed: int = key(0, min=0)
-    models: dict[str, str] = key(each="a model specifier string")
-    data: DataSection = field(default_factory=DataSection)
-    profile: ProfileStage = field(default_factory=ProfileStage)
-    quantize: QuantizeStage = field(default_factory=QuantizeStage)
-    eval: EvalStage = field(default_factory=EvalStage)
-    sweep: SweepStage = field(default_factory=SweepStage)
-    plots: PlotsStage = field(default_factory=PlotsStage)
-    output: OutputSection = field(default_factory=OutputSection)
 
 
 def load_models(

@@ -275,3 +275,27 @@ def test_cli_eval_writes_results(plain_folder, tmp_path, capsys):
     base, quant = rows[("none", "perplexity")], rows[("w8a8", "perplexity")]
     assert math.isfinite(base["value"]) and quant["delta"] == pytest.approx(quant["value"] - base["value"])
     assert "lambada_local" in (out / "results.csv").read_text()
+
+
+def test_an_lmeval_run_reports_its_start_and_batches(plain_folder, capsys, monkeypatch):
+    """With progress on (the suite runs quiet) and stderr not a terminal, an lm-eval cell says when it starts
+    and reports lm-eval's requests batch by batch (interval 0: a line at every batch, as on a machine where
+    each batch is slow); lm-eval's own tqdm, which drew ``\\r`` bars into a log file, is replaced."""
+    from diffquant import progress as P
+
+    monkeypatch.delenv(P.QUIET_ENV, raising=False)
+    monkeypatch.setenv(P.INTERVAL_ENV, "0")
+    P.set_quiet(None)
+    model = load_model(f"hf:{plain_folder}")
+    files = {"lambada_local": FILES["lambada_local"]}
+    run_lmeval(model, ["lambada_local"], data_files=files, limit=4, batch_size=2, bootstrap_iters=0)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("lm-eval")]
+    assert lines[0] == "lm-eval lambada_local: 0/1 task, started"
+    assert "lm-eval loglikelihood: 0/4 req, started" in lines
+    batches = [line for line in lines if line.startswith("lm-eval loglikelihood: 2/4 req, ")]
+    assert len(batches) == 1 and "ETA" in batches[0]
+    assert any(line.startswith("lm-eval loglikelihood: 4/4 req, ") and "done in" in line for line in lines)
+    assert lines[-1].startswith("lm-eval lambada_local: 1/1 task, ") and "done in" in lines[-1]
+    assert any(line.startswith("lm-eval contexts: 4/4 doc") for line in lines)
+    assert "\r" not in err

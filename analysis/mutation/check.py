@@ -739,7 +739,7 @@ MUTANTS = [
     ),
     M(
         "retrieval depths accept True",
-        "diffquant/eval/tasks.py",
+        "diffquant/eval/task_params.py",
         "isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 100",
         "isinstance(d, (int, float)) and 0 <= d <= 100",
         (
@@ -825,7 +825,7 @@ MUTANTS = [
     ),
     M(
         "topk unbounded (schema)",
-        "diffquant/stages.py",
+        "diffquant/options.py",
         "        max=MAX_TOPK,",
         "",
         ("tests/test_hardening.py::test_topk_is_bounded_instead_of_running_forever",),

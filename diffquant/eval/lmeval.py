@@ -55,10 +55,12 @@ import yaml
 from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import _model_device
+from diffquant.progress import progress as show_progress
+from diffquant.shipped import LMEVAL_DIR
 
 LMEVAL_VERSION = "0.4.13"
 INSTALL_HINT = "pip install 'diffquant[lmeval]'"
-RECIPE_TASKS = Path(__file__).resolve().parents[2] / "recipes" / "lmeval"
+RECIPE_TASKS = LMEVAL_DIR  # the task YAMLs installed with diffquant (a clone's recipes/lmeval links there)
 _DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text", ".raw": "text"}
 
 
@@ -125,7 +127,6 @@ def _build_lm_class() -> type:
         normalize_gen_kwargs,
         postprocess_generated_text,
     )
-    from tqdm import tqdm  # noqa: PLC0415 (imported when a bar is shown)
 
     class DiffquantLM(TemplateLM):
         """A diffquant model as an lm-eval ``LM`` (see the module docstring for the conventions)."""
@@ -165,6 +166,8 @@ def _build_lm_class() -> type:
             self._max_gen_toks = max_gen_toks
             self._device = _model_device(model)
             self.progress = progress
+            # loglikelihood's disable_tqdm, for the progress over the requests it hands on
+            self._requests_quiet: bool | None = None
             self._bos_text = _special_text(self.dq_tokenizer, self.dq_tokenizer.bos_id)
 
         # ------------------------------------------------------------------------------ properties
@@ -234,8 +237,32 @@ def _build_lm_class() -> type:
             return (logits if logits.dtype == torch.float64 else logits.float()).cpu()
 
         def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-            # TemplateLM splits the pairs (HFLM's _encode_pair); its tokenizing bar only with progress on
-            return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+            # TemplateLM splits the pairs (HFLM's _encode_pair) under a tokenizing bar of its own: off (it is
+            # quick), the progress over the requests that follows is diffquant's
+            self._requests_quiet = disable_tqdm
+            try:
+                return super().loglikelihood(requests, disable_tqdm=True)
+            finally:
+                self._requests_quiet = None
+
+        def _requests_progress(
+            self, total: int, what: str, disable_tqdm: bool, requests: list[Any] | None = None
+        ) -> Any:
+            """Progress over one call's requests, batch by batch (a line when it starts, then every few
+            seconds off a terminal; a bar on one), named after lm-eval's request type; iterates over
+            ``requests`` when given."""
+            quiet = disable_tqdm if self._requests_quiet is None else self._requests_quiet
+            bar = self.progress or None
+            return show_progress(
+                requests,
+                total=total,
+                desc=f"lm-eval {what}",
+                unit="req",
+                bar=bar,
+                enabled=not quiet,
+                leave=False,
+                announce=True,
+            )
 
         def _loglikelihood_tokens(
             self,
@@ -250,36 +277,37 @@ def _build_lm_class() -> type:
                 key=lambda i: (-len(requests[i][1] + requests[i][2]), tuple(requests[i][1] + requests[i][2])),
             )
             out: list[tuple[float, bool] | None] = [None] * n
-            bar = tqdm(total=n, desc="loglikelihood", disable=disable_tqdm or not self.progress)
-            for start in range(0, n, self.batch_size):
-                chunk = order[start : start + self.batch_size]
-                inputs = []
-                for i in chunk:
-                    _, context, continuation = requests[i]
-                    if not context or not continuation:
-                        raise DiffquantError("lm-eval: a request with an empty context or continuation")
-                    if len(continuation) > self.max_length:
-                        raise DiffquantError(
-                            f"lm-eval: a continuation of {len(continuation)} tokens does not fit max_length "
-                            f"{self.max_length}"
+            with self._requests_progress(n, "loglikelihood", disable_tqdm) as bar:
+                for start in range(0, n, self.batch_size):
+                    chunk = order[start : start + self.batch_size]
+                    inputs = []
+                    for i in chunk:
+                        _, context, continuation = requests[i]
+                        if not context or not continuation:
+                            raise DiffquantError("lm-eval: a request with an empty context or continuation")
+                        if len(continuation) > self.max_length:
+                            raise DiffquantError(
+                                f"lm-eval: a continuation of {len(continuation)} tokens does not fit max_length "
+                                f"{self.max_length}"
+                            )
+                        # HFLM: keep the last max_length + 1 tokens (context lost on the left), the model reads
+                        # all but the last one (it is only a target)
+                        inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
+                    logits = self._forward(inputs)
+                    for row, i in enumerate(chunk):
+                        continuation = requests[i][2]
+                        end = len(inputs[row])
+                        # the positions predicting the continuation: the last len(continuation) of the input
+                        scored = logits[row, end - len(continuation) : end]
+                        target = torch.tensor(continuation, dtype=torch.long)
+                        logp = (
+                            torch.log_softmax(scored.double(), dim=-1).gather(-1, target[:, None]).squeeze(-1)
                         )
-                    # HFLM: keep the last max_length + 1 tokens (context lost on the left), the model reads
-                    # all but the last one (it is only a target)
-                    inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
-                logits = self._forward(inputs)
-                for row, i in enumerate(chunk):
-                    continuation = requests[i][2]
-                    end = len(inputs[row])
-                    # the positions predicting the continuation: the last len(continuation) of the input
-                    scored = logits[row, end - len(continuation) : end]
-                    target = torch.tensor(continuation, dtype=torch.long)
-                    logp = torch.log_softmax(scored.double(), dim=-1).gather(-1, target[:, None]).squeeze(-1)
-                    answer = (float(logp.sum()), bool((scored.argmax(dim=-1) == target).all()))
-                    out[i] = answer
-                    if requests[i][0] is not None:
-                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-                bar.update(len(chunk))
-            bar.close()
+                        answer = (float(logp.sum()), bool((scored.argmax(dim=-1) == target).all()))
+                        out[i] = answer
+                        if requests[i][0] is not None:
+                            self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                    bar.update(len(chunk))
             return out  # type: ignore[return-value]
 
         def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
@@ -310,7 +338,7 @@ def _build_lm_class() -> type:
             eos_text = _special_text(self.dq_tokenizer, self.dq_tokenizer.eos_id)
             has_cache = callable(getattr(self.model, "new_cache", None))
             results = []
-            for request in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):
+            for request in self._requests_progress(len(requests), "generate_until", disable_tqdm, requests):
                 context, gen_kwargs = request.args
                 # HFLM: lm-eval's normalisation (max_gen_toks and its aliases; temperature > 0 means sampling)
                 kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
@@ -713,6 +741,36 @@ def check_data_file(name: str, path: str | Path, cfg: dict[str, Any], yaml_path:
 
 # ========================================================================================== evaluation
 @contextlib.contextmanager
+def _run_progress(names: list[str], bar: bool) -> Iterator[None]:
+    """One lm-eval run as a step of its own: a line when it starts and one every few seconds off a terminal
+    while nothing inside reports (loading the tasks' data), closed when it ends. lm-eval's own tqdm over the
+    documents it builds requests from is replaced by diffquant's progress for the time, and the bars of
+    datasets (reading a task's files) are off: both drew ``\r`` bars even into a log file."""
+    import datasets.utils as ds_utils  # noqa: PLC0415 (comes with lm-eval)
+    import lm_eval.api.task as task_module  # noqa: PLC0415 (optional library (lmeval extra))
+
+    def contexts(iterable: Any = None, total: int | None = None, **_: Any) -> Any:
+        return show_progress(iterable, "lm-eval contexts", "doc", total=total, bar=bar or None, leave=False)
+
+    saved = getattr(task_module, "tqdm", None)
+    if saved is not None:
+        task_module.tqdm = contexts
+    bars_were_on = not ds_utils.are_progress_bars_disabled()
+    ds_utils.disable_progress_bars()
+    try:
+        with show_progress(
+            total=len(names), desc=f"lm-eval {'+'.join(names)}", unit="task", bar=bar or None, announce=True
+        ) as run:
+            yield
+            run.update(len(names))
+    finally:
+        if saved is not None:
+            task_module.tqdm = saved
+        if bars_were_on:
+            ds_utils.enable_progress_bars()
+
+
+@contextlib.contextmanager
 def _offline_single_process() -> Iterator[None]:
     """Datasets offline (local files only, no hub look-ups), and LOCAL_RANK 0 so lm-eval returns results in
     every process of a distributed sweep (each rank evaluates its own cells)."""
@@ -937,7 +995,7 @@ def run_lmeval(
             model, tokenizer, batch_size=batch_size, max_length=max_length, progress=progress
         )
     untrusted = not trust_task_code and any(p.resolve() != RECIPE_TASKS.resolve() for p in paths)
-    with _offline_single_process():
+    with _offline_single_process(), _run_progress(names, progress):
         manager = _task_manager(names, paths, local)
         specs = [_data_override(n, files[n], manager) if n in files else n for n in names]
         try:

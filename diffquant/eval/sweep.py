@@ -56,6 +56,7 @@ from diffquant.io.artifacts import (
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
+from diffquant.progress import outside_bars
 from diffquant.progress import progress as show_progress
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 from diffquant.stream import choose_stream, evaluate_streamed, stream_mode, stream_skeleton
@@ -400,8 +401,11 @@ def run_sweep(
                 )
         tasks = {t.label: t for t in spec.tasks}
         path = out / f"cells-rank{rank}.jsonl"
-        # a bar on request (progress=True), else a line every few seconds on stderr (rank 0 only)
-        for cell in show_progress(mine, "sweep", "cell", bar=progress, enabled=rank == 0):
+        # a bar on a terminal (or on request), else a line when it starts and every few seconds on stderr,
+        # naming the cell (rank 0 only); each cell's own steps (loading, plan, task) report inside it
+        bar = show_progress(mine, "sweep", "cell", bar=progress or None, enabled=rank == 0, announce=True)
+        for cell in bar:
+            bar.set_postfix_str(cell.key)
             start = time.perf_counter()
             with torch.no_grad():
                 model = runner.model(cell, tasks[cell.task])
@@ -415,6 +419,7 @@ def run_sweep(
                 "inputs": inputs,
                 "model": cell.model,
                 "attention": model.config.attention,
+                "dtype": _float_dtype(model),  # what "unquantized" was: the figures label it so
                 "plan": cell.plan,
                 "task": cell.task,
                 "metrics": _clean(metrics),
@@ -424,9 +429,10 @@ def run_sweep(
             _append(path, record)
             broken = _non_finite(record["metrics"])
             if broken and log is not None:
-                log(
-                    f"sweep: NON-FINITE result in {cell.key}: {', '.join(broken)} (the model's output is not finite)"
-                )
+                with outside_bars():  # not over the bar on a terminal
+                    log(
+                        f"sweep: NON-FINITE result in {cell.key}: {', '.join(broken)} (the model's output is not finite)"
+                    )
         _barrier(world)
         if rank != 0:
             return None
@@ -536,6 +542,15 @@ def _non_finite(metrics: dict[str, Any]) -> list[str]:
     return [f"{k} = {v}" for k, v in metrics.items() if isinstance(v, str) and v in NON_FINITE]
 
 
+def _float_dtype(model: Any) -> str | None:
+    """The dtype of the model's floating-point weights (``float32``), None if it shows none."""
+    params = getattr(model, "parameters", None)
+    for p in params() if callable(params) else ():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return None
+
+
 def result_rows(spec: SweepSpec, records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for cell in spec.cells():
@@ -584,6 +599,13 @@ def write_results(spec: SweepSpec, out: Path, records: dict[str, dict[str, Any]]
         "primary": {t.label: {"metric": t.primary[0], "higher_is_better": t.primary[1]} for t in spec.tasks},
         "rows": rows,
     }
+    dtypes = {
+        c.model: records[c.key]["dtype"]
+        for c in spec.cells()
+        if c.plan == NONE_PLAN and c.key in records and records[c.key].get("dtype")
+    }
+    if dtypes:  # each model's unquantized precision (records written before it was kept have none)
+        results["dtypes"] = dtypes
     write_json_atomic(out / "results.json", results)
     timing = io.StringIO()
     timing.write("model,plan,task,seconds,attention_paths\n")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from diffquant.data.corpus import default_text, iter_documents
 from diffquant.data.tokenizer import model_tokenizer
@@ -44,68 +44,9 @@ from diffquant.eval.lmeval import check_lmeval, run_lmeval
 from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.eval.retrieval import RetrievalConfig
-from diffquant.schema import Style, check, field_default, fields_of, is_required, key
+from diffquant.eval.task_params import TASK_TYPE_PARAMS, split_task_names
+from diffquant.schema import Style, check, field_default, fields_of, is_required
 from diffquant.textfiles import parse_yaml
-
-
-def _text(optional: bool):
-    return lambda v: (
-        None
-        if isinstance(v, str) and v or (optional and v is None)
-        else "a string" + (" or null" if optional else "")
-    )
-
-
-def _depths(v: Any) -> str | None:
-    ok = (
-        isinstance(v, list)
-        and v
-        and all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 100 for d in v)
-    )
-    return None if ok else "a non-empty list of percentages in [0, 100]"
-
-
-_NAME_SEPARATORS = ("+", ",")  # a string of lm-eval task names: "a+b" (the command line), "a,b" (YAML)
-
-
-def _task_names(v: Any) -> list[str] | None:
-    """lm-eval task names from a list of strings or one string joined by ``+`` / ``,``; None if malformed."""
-    if isinstance(v, str):
-        for sep in _NAME_SEPARATORS[1:]:
-            v = v.replace(sep, _NAME_SEPARATORS[0])
-        v = v.split(_NAME_SEPARATORS[0])
-    if not isinstance(v, list) or not v or not all(isinstance(n, str) for n in v):
-        return None
-    names = [n.strip() for n in v]
-    return names if all(names) and not any(s in n for n in names for s in _NAME_SEPARATORS) else None
-
-
-def _lm_tasks(v: Any) -> str | None:
-    ok = _task_names(v) is not None
-    return None if ok else "lm-eval task names: a list, or one string joined by '+' (a+b)"
-
-
-def _lm_path(v: Any) -> str | None:
-    ok = (
-        v is None
-        or (isinstance(v, str) and v)
-        or (
-            isinstance(v, dict)
-            and v
-            and all(isinstance(k, str) and isinstance(f, str) and f for k, f in v.items())
-        )
-    )
-    return None if ok else "a file path, a mapping {task: file}, or null"
-
-
-def _paths(v: Any) -> str | None:
-    ok = (
-        v is None
-        or (isinstance(v, str) and v)
-        or (isinstance(v, list) and all(isinstance(p, str) and p for p in v))
-    )
-    return None if ok else "a folder or file of task YAMLs, a list of them, or null"
-
 
 # lm-eval task name pattern -> its main metric, first match wins (``metric`` overrides)
 LMEVAL_METRICS: list[tuple[str, str]] = [
@@ -127,49 +68,6 @@ def lmeval_primary(params: dict[str, Any]) -> tuple[str, bool]:
     base = metric.split("[", 1)[0]  # "exact_match[strict-match]": a metric under a filter
     key = metric if len(tasks) == 1 else f"{tasks[0]}/{metric}"
     return key, base not in LMEVAL_LOWER_IS_BETTER and not base.endswith("perplexity")
-
-
-# ----------------------------------------------------------------------------- parameters, one dataclass each
-@dataclass
-class TextParams:
-    """``bpb`` / ``ppl``: a text source cut into windows."""
-
-    data: str | None = key(None, check=_text(True))
-    tokens: int = key(16384, min=2)
-    seq_len: int | None = key(None, min=2)
-    stride: int | None = key(None, min=1)
-    windows: Literal["disjoint", "chained"] | None = key(None)
-
-
-@dataclass
-class RetrievalParams:
-    needles: int = key(1, min=1)
-    queries: int = key(1, min=1)
-    depths: list[float] = key([0, 25, 50, 75, 100], check=_depths)
-    samples_per_depth: int = key(10, min=1)
-    context_bytes: int | None = key(None, min=0)  # None: max_seq_len - 128 (room for the question, answer)
-    digits: int = key(4, min=1, max=18)  # distinct candidates must exist, and numbers stay machine-sized
-    seed: int = key(0, min=0)
-    attention: bool = key(True)
-
-
-@dataclass
-class MCParams:
-    path: str = key(check=_text(False))
-    limit: int | None = key(None, min=1)
-
-
-@dataclass
-class LMEvalParams:
-    tasks: list[str] | str = key(check=_lm_tasks)
-    path: str | dict[str, str] | None = key(None, check=_lm_path)
-    limit: int | None = key(None, min=1)
-    num_fewshot: int | None = key(None, min=0)
-    include_path: list[str] | str | None = key(None, check=_paths)
-    max_length: int | None = key(None, min=2)
-    metric: str | None = key(None, check=_text(True))
-    # lm-eval runs the Python a task YAML names (!function, class:); off, the include_path's YAMLs may name none
-    trust_task_code: bool = key(False)
 
 
 # --------------------------------------------------------------------------------------------- the registry
@@ -195,11 +93,12 @@ class TaskType:
 TASK_TYPES: dict[str, TaskType] = {}
 
 
-def task_type(name: str, params: type, primary: Any, **extra: Any) -> Callable[[Runner], Runner]:
-    """Register the decorated runner ``run(model, params, *, batch_size, progress, default_data)``."""
+def task_type(name: str, primary: Any, **extra: Any) -> Callable[[Runner], Runner]:
+    """Register the decorated runner ``run(model, params, *, batch_size, progress, default_data)`` of the
+    type ``name``, whose parameters are ``TASK_TYPE_PARAMS[name]`` (torch-free, for ``eval --help``)."""
 
     def register(run: Runner) -> Runner:
-        TASK_TYPES[name] = TaskType(name, params, run, primary, **extra)
+        TASK_TYPES[name] = TaskType(name, TASK_TYPE_PARAMS[name], run, primary, **extra)
         return run
 
     return register
@@ -230,8 +129,8 @@ def _text_files(p: dict[str, Any]) -> None:
 
 
 # registered bottom-up: bpb first (the order of the --help text and of messages)
-@task_type("ppl", TextParams, ("perplexity", False), reads_text=True, preflight=_text_files)
-@task_type("bpb", TextParams, ("bits_per_byte", False), reads_text=True, preflight=_text_files)
+@task_type("ppl", ("perplexity", False), reads_text=True, preflight=_text_files)
+@task_type("bpb", ("bits_per_byte", False), reads_text=True, preflight=_text_files)
 def _run_text(model, p, *, batch_size, progress, default_data):
     tokenizer = model_tokenizer(model)
     return evaluate_bpb(
@@ -252,7 +151,7 @@ def _prepare_retrieval(p: dict[str, Any], where: str) -> dict[str, Any]:
     return {**p, "depths": [float(d) for d in p["depths"]]}
 
 
-@task_type("retrieval", RetrievalParams, ("acc_rank", True), prepare=_prepare_retrieval)
+@task_type("retrieval", ("acc_rank", True), prepare=_prepare_retrieval)
 def _run_retrieval(model, p, *, batch_size, progress, default_data):
     cfg = RetrievalConfig(
         n_needles=int(p["needles"]),
@@ -272,13 +171,13 @@ def _run_retrieval(model, p, *, batch_size, progress, default_data):
     return result
 
 
-@task_type("mc", MCParams, ("acc_norm", True), preflight=lambda p: load_mc_jsonl(p["path"]))
+@task_type("mc", ("acc_norm", True), preflight=lambda p: load_mc_jsonl(p["path"]))
 def _run_mc(model, p, *, batch_size, progress, default_data):
     return evaluate_mc(model, load_mc_jsonl(p["path"]), batch_size=batch_size, limit=p["limit"])
 
 
 def _prepare_lmeval(p: dict[str, Any], where: str) -> dict[str, Any]:
-    p = {**p, "tasks": _task_names(p["tasks"])}
+    p = {**p, "tasks": split_task_names(p["tasks"])}
     path = p["path"]
     if isinstance(path, str) and len(p["tasks"]) > 1:
         raise DiffquantError(
@@ -302,7 +201,7 @@ def _lmeval_inputs(p: dict[str, Any]) -> None:
     )
 
 
-@task_type("lmeval", LMEvalParams, lmeval_primary, prepare=_prepare_lmeval, preflight=_lmeval_inputs)
+@task_type("lmeval", lmeval_primary, prepare=_prepare_lmeval, preflight=_lmeval_inputs)
 def _run_lmeval(model, p, *, batch_size, progress, default_data):
     results = run_lmeval(
         model,

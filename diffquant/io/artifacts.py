@@ -21,9 +21,10 @@ from typing import Any
 from diffquant.errors import DiffquantError
 from diffquant.io import fetch
 from diffquant.io.fetch import FETCHABLE, resolve_fetch
-from diffquant.names import (
+from diffquant.names import (  # noqa: F401 (MODEL_FORMS: public here too)
     CONFIG_FILE,
     INDEX_FILE,
+    MODEL_FORMS,
     PLAN_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -49,11 +50,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-# Every form a model can be named by, for every command's help (diffquant.io.load_model reads them all).
-MODEL_FORMS = (
-    "a native checkpoint folder (quantized or not), zoo:NAME, init:KIND:PRESET[:SEED], hf:FOLDER (a Hugging "
-    "Face llama / diffllama folder), gguf:FILE, unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
-)
 FILE_SCHEMES = ("hf", "unilm", "gguf")  # specifiers whose rest is a path: hf:FOLDER, unilm:FOLDER, gguf:FILE
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.sites import KIND_LAYOUTS, MAP_KINDS, SHARING_KINDS, layout_of
 from diffquant.models.taps import Tap, model_taps, select_taps
+from diffquant.options import MAX_TOPK  # the --topk bound, torch-free there for --help
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
 from diffquant.profile.stats import SiteStats
 from diffquant.textfiles import read_json
@@ -113,14 +114,6 @@ def _share_scope(name: str) -> str:
     """Taps that may see one tensor (q/k/v_proj inputs, gate/up inputs, mlp.act and down's input): the
     module that owns the tap's module (``layers.0.attn`` for ``layers.0.attn.q_proj.input``)."""
     return name.removesuffix(".input").rpartition(".")[0]
-
-
-# The most top magnitudes a site may keep (``topk``). Each kept value is a Python record with its
-# location, sorted into the site's list on every update and written to the profile JSON, so the cost grows
-# with topk x sites, not with the data: 10,000 already makes a 2-layer model's profile ~100 MB and ~4x
-# slower than the default 100 (Table 5 reads top-1 .. top-100). Far beyond it (``--topk 1e8``) every
-# activation becomes a record and a run never ends; the histogram's quantiles describe the rest.
-MAX_TOPK = 10_000
 
 
 class Profiler:

@@ -57,6 +57,7 @@ from diffquant.quant.schemes import Scheme, is_number
 from diffquant.quant.select import pattern_list, patterns, select_linears
 from diffquant.quant.weights import WeightsSpec, attach_weights
 from diffquant.schema import DOCS, check, key
+from diffquant.shipped import shipped_file, shipped_names
 from diffquant.textfiles import read_yaml_file
 
 # Re-exported: the import path of calibration, the presets and the module lookups stays quant.plan.
@@ -240,14 +241,17 @@ class QuantPlan:
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
-        """A preset name or a YAML / JSON file."""
+        """A preset name, a YAML / JSON file, or a shipped plan by name (``example``; diffquant.shipped)."""
         text = str(spec)
         if text in PRESETS:
             return preset(text)
         path = Path(text)
         if not path.is_file():
+            path = shipped_file(text, "plan")
+        if path is None:
             raise DiffquantError(
-                f"plan {text!r}: neither a preset nor a file; presets: {', '.join(sorted(PRESETS))}"
+                f"plan {text!r}: neither a preset nor a file; presets: {', '.join(sorted(PRESETS))}; "
+                f"shipped plans: {', '.join(shipped_names('plan'))}"
             )
 
         return cls.from_dict(read_yaml_file(path, "plan"), source=str(path))

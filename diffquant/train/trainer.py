@@ -36,6 +36,7 @@ from diffquant.io.artifacts import sha256_file, write_json_atomic, write_text_at
 from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, preset_config
 from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from diffquant.schema import AssignStyle, check, key
+from diffquant.shipped import resolve as resolve_shipped
 from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
 
@@ -116,8 +117,8 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-
-        path = Path(path)
+        """A training recipe file, or a shipped one by name (``zoo-diff_v2``; :func:`diffquant.shipped.resolve`)."""
+        path = resolve_shipped(path, "train")
         raw = read_yaml(path, overrides)
         if not isinstance(raw, dict):
             raise DiffquantError(f"{path}: expected a mapping at the top level")
