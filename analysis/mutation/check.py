@@ -8,7 +8,7 @@ the file is restored. A mutant is *killed* when a test fails (pytest exit 1), *s
 text is no longer in the source is reported as *stale* (fix the list, not the code). Prints a table and
 writes results.json beside this file.
 
-    python analysis/mutation/check.py [--only SUBSTRING] [--jobs 1]
+    python analysis/mutation/check.py [--only SUBSTRING ...] [--jobs 1]
 
 The mutants are the ones the tests-that-bite issue listed (each had survived once) plus the numerical core:
 DIFF attention, rounding, scales, statistics, merges, perplexity, resume, smoothing. Set
@@ -1255,11 +1255,259 @@ MUTANTS = [
         "grid.group_size > n",
         ("tests/test_quanto_codes.py::test_refusals",),
     ),
+    # --- issue 26: figures and the report
+    M(
+        "act_scales_first_linear",
+        "diffquant/plots/channels.py",
+        "return max(pool, key=pool.__getitem__) if pool else None",
+        "return next(iter(pool)) if pool else None",
+        ("tests/test_plots.py::test_act_scales_default_is_the_largest_linear",),
+    ),
+    M(
+        "maps_title_unwrapped",
+        "diffquant/plots/maps.py",
+        'one sample)", wrap=True',
+        'one sample)"',
+        ("tests/test_plots.py::test_attention_maps_of_one_real_sized_model_fit_the_canvas",),
+    ),
+    M(
+        "bars_legend_best",
+        "diffquant/plots/degradation.py",
+        'ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)',
+        'ax.legend(loc="best")',
+        ("tests/test_plots.py::test_degradation_bars_legend_beside_the_bars_and_dtype_label",),
+    ),
+    M(
+        "fp32_at_16_bits",
+        "diffquant/plots/degradation.py",
+        'DTYPE_BITS = {"float32": ("fp32", 32.0),',
+        'DTYPE_BITS = {"float32": ("fp32", 16.0),',
+        ("tests/test_plots.py::test_degradation",),
+    ),
+    M(
+        "reuse_ignores_inputs",
+        "diffquant/plots/run.py",
+        'recorded.get("inputs") != stamp or ',
+        "",
+        ("tests/test_report.py::test_report_reuses_current_figures_and_redraws_changed_ones",),
+    ),
+    M(
+        "ratio_stderr_no_bessel",
+        "diffquant/data/scoring.py",
+        "math.sqrt(len(rows) / (len(rows) - 1) * squares)",
+        "math.sqrt(squares)",
+        ("tests/test_report.py::test_scorer_standard_error_is_the_spread_of_the_windows",),
+    ),
+    M(
+        "noise_windows_branch",
+        "diffquant/report/summary.py",
+        "                if windows:  # bpb / ppl: the spread of the run",
+        "                if not windows:  # bpb / ppl: the spread of the run",
+        ("tests/test_report.py::test_summary_uses_the_spread_of_the_windows_for_bits_per_byte",),
+    ),
+    M(
+        "plan_weights_unnamed",
+        "diffquant/report/__init__.py",
+        '            parts.append(f"weights of {',
+        '            parts.append(f"{',
+        ("tests/test_report.py::test_plans_explained_from_the_plans_themselves",),
+    ),
+    # --- issue 26: progress
+    M(
+        "progress-announce",
+        "diffquant/progress.py",
+        "        if announce:\n            self._write(self.line(self.start, started=True))",
+        "        if announce and interval == 0:\n            self._write(self.line(self.start, started=True))",
+        ("tests/test_progress.py::test_a_long_step_says_when_it_starts_and_at_least_every_interval",),
+    ),
+    M(
+        "progress-tick-last",
+        "diffquant/progress.py",
+        "            if not self.closed and self.interval > 0 and now - self.last >= self.interval:\n                self._write(self.line(now))\n                self.last = now",
+        "            if not self.closed and self.interval > 0 and now - self.last >= self.interval:\n                self._write(self.line(now))",
+        ("tests/test_progress.py::test_a_long_step_says_when_it_starts_and_at_least_every_interval",),
+    ),
+    M(
+        "progress-innermost",
+        "diffquant/progress.py",
+        "    inner = live[-1] if live else None",
+        "    inner = live[0] if live else None",
+        ("tests/test_progress.py::test_the_heartbeat_speaks_for_the_innermost_step_only",),
+    ),
+    M(
+        "progress-abandoned",
+        "diffquant/progress.py",
+        '        except GeneratorExit:  # the loop stopped early (break, an error): no heartbeat, no "done" line\n            self._close()',
+        '        except GeneratorExit:  # the loop stopped early (break, an error): no heartbeat, no "done" line\n            self.close()',
+        ("tests/test_progress.py::test_an_abandoned_loop_stops_its_heartbeat",),
+    ),
+    M(
+        "progress-exit-failed",
+        "diffquant/progress.py",
+        '        else:  # the step failed: no "done" line after its error\n            self._close()',
+        '        else:  # the step failed: no "done" line after its error\n            self.close()',
+        ("tests/test_progress.py::test_an_abandoned_loop_stops_its_heartbeat",),
+    ),
+    M(
+        "progress-realtime",
+        "diffquant/progress.py",
+        "        self.realtime = clock is time.monotonic",
+        "        self.realtime = True",
+        ("tests/test_progress.py::test_the_heartbeat_thread_lives_while_a_real_time_step_is_open",),
+    ),
+    M(
+        "progress-tty-lines",
+        "diffquant/progress.py",
+        "    if bar or (isatty and isatty()):",
+        "    if bar or (bar is None and isatty and isatty()):",
+        ("tests/test_progress.py::test_a_terminal_gets_bars_only",),
+    ),
+    M(
+        "progress-nested-leave",
+        "diffquant/progress.py",
+        "        leave = leave and not _bars_open()\n",
+        "",
+        ("tests/test_progress.py::test_a_terminal_gets_bars_only",),
+    ),
+    M(
+        "progress-write-print",
+        "diffquant/progress.py",
+        "        tqdm.write(line, file=file)",
+        "        print(line, file=file)",
+        ("tests/test_progress.py::test_a_terminal_gets_bars_only",),
+    ),
+    M(
+        "progress-interval",
+        "diffquant/progress.py",
+        "INTERVAL = 10.0",
+        "INTERVAL = 5.0",
+        ("tests/test_progress.py::test_a_long_step_says_when_it_starts_and_at_least_every_interval",),
+    ),
+    M(
+        "progress-step-quiet",
+        "diffquant/progress.py",
+        "    if is_quiet():\n        yield\n        return\n    stream = file if file is not None else sys.stderr\n    isatty",
+        "    stream = file if file is not None else sys.stderr\n    isatty",
+        ("tests/test_progress.py::test_quiet_silences_start_lines_and_heartbeats",),
+    ),
+    M(
+        "report-announce",
+        "diffquant/quant/report.py",
+        '"error report", "batch", leave=False, announce=True',
+        '"error report", "batch", leave=False',
+        ("tests/test_progress.py::test_quantize_says_when_each_long_step_starts",),
+    ),
+    M(
+        "profile-announce",
+        "diffquant/profile/runner.py",
+        "enabled=rank == 0, leave=False, announce=True",
+        "enabled=rank == 0, leave=False",
+        ("tests/test_progress.py::test_a_one_batch_profile_says_when_it_starts",),
+    ),
+    M(
+        "lmeval-contexts",
+        "diffquant/eval/lmeval.py",
+        "    if saved is not None:\n        task_module.tqdm = contexts",
+        "    if saved is None:\n        task_module.tqdm = contexts",
+        ("tests/test_lmeval.py::test_an_lmeval_run_reports_its_start_and_batches",),
+    ),
+    M(
+        "lmeval-batches",
+        "diffquant/eval/lmeval.py",
+        "                    bar.update(len(chunk))\n",
+        "",
+        ("tests/test_lmeval.py::test_an_lmeval_run_reports_its_start_and_batches",),
+    ),
+    # --- issue 26: shipped files, the torch-free parser, help texts
+    M(
+        "task table order differs from the registry",
+        "diffquant/eval/task_params.py",
+        '    "retrieval": RetrievalParams,\n    "mc": MCParams,',
+        '    "mc": MCParams,\n    "retrieval": RetrievalParams,',
+        ("tests/test_cli_help.py::test_eval_help_lists_exactly_the_task_types_that_run",),
+    ),
+    M(
+        "existing path loses to a shipped name",
+        "diffquant/shipped/__init__.py",
+        "    if path.exists():\n        return path",
+        "    if path.exists() and shipped_file(spec, kind) is None:\n        return path",
+        ("tests/test_shipped.py::test_an_existing_path_wins_over_a_shipped_name",),
+    ),
+    M(
+        "clone recipes/ prefix not understood",
+        "diffquant/shipped/__init__.py",
+        ".removeprefix(_CLONE_PREFIX[kind])",
+        "",
+        ("tests/test_shipped.py::test_names_resolve_from_any_folder",),
+    ),
+    M(
+        "run/train split only at the file start",
+        "diffquant/shipped/__init__.py",
+        're.compile(r"^models\\s*:", re.MULTILINE)',
+        're.compile(r"^models\\s*:")',
+        ("tests/test_shipped.py::test_each_kind_is_what_its_loader_accepts",),
+    ),
+    M(
+        "unclosed parenthesis kept in a description",
+        "diffquant/shipped/__init__.py",
+        'if first.count("(") > first.count(")"):',
+        "if False:",
+        ("tests/test_shipped.py::test_recipes_lists_every_shipped_file_with_a_description",),
+    ),
+    M(
+        "shipped plans not looked up",
+        "diffquant/quant/plan.py",
+        '            path = shipped_file(text, "plan")',
+        "            path = None",
+        ("tests/test_shipped.py::test_names_resolve_from_any_folder",),
+    ),
+    M(
+        "training recipes not resolved by name",
+        "diffquant/train/trainer.py",
+        '        path = resolve_shipped(path, "train")',
+        "        path = Path(path)",
+        ("tests/test_shipped.py::test_names_resolve_from_any_folder",),
+    ),
+    M(
+        "lm-eval tasks read from the clone's path",
+        "diffquant/eval/lmeval.py",
+        "RECIPE_TASKS = LMEVAL_DIR",
+        'RECIPE_TASKS = Path(__file__).resolve().parents[2] / "recipes" / "lmeval"',
+        ("tests/test_shipped.py::test_a_clones_recipes_folder_is_the_shipped_one",),
+    ),
+    M(
+        "parser built from stages (imports torch)",
+        "diffquant/cli.py",
+        "    from diffquant.options import (  # torch-free: --help must stay instant",
+        "    from diffquant.stages import (  # torch-free: --help must stay instant",
+        ("tests/test_cli_help.py::test_help_and_version_import_no_heavy_library",),
+    ),
+    M(
+        "task help from the runners' registry (imports torch)",
+        "diffquant/cli.py",
+        "    from diffquant.eval.task_params import TASK_TYPE_PARAMS  # torch-free",
+        "    from diffquant.eval.tasks import TASK_TYPES as TASK_TYPE_PARAMS  # torch-free",
+        ("tests/test_cli_help.py::test_help_and_version_import_no_heavy_library",),
+    ),
+    M(
+        "an option's default unstated",
+        "diffquant/act_scales_cli.py",
+        'help="windows per forward pass (default: 8)"',
+        'help="windows per forward pass"',
+        ("tests/test_cli_help.py::test_every_option_has_a_help_that_states_its_default",),
+    ),
+    M(
+        "topk default unstated",
+        "diffquant/options.py",
+        "(default: 100; at most {MAX_TOPK})",
+        "(at most {MAX_TOPK})",
+        ("tests/test_cli_help.py::test_profile_topk_help_shows_its_default",),
+    ),
 ]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    chosen = [m for m in MUTANTS if not args.only or args.only in m.name]
+    chosen = [m for m in MUTANTS if not args.only or any(s in m.name or s in m.path for s in args.only)]
     results = []
     with tempfile.TemporaryDirectory(prefix="diffquant-mutants-") as tmp:
         copy = Path(tmp) / "repo"
@@ -1311,7 +1559,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", default=None, help="run the mutants whose name contains this")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="SUBSTRING",
+        help="run the mutants whose name or file contains one of these",
+    )
     args = parser.parse_args()
     results = run(args)
     killed = sum(r["status"] == "killed" for r in results)
