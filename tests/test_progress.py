@@ -393,3 +393,25 @@ def test_a_one_batch_profile_says_when_it_starts(capsys):
     windows = torch.randint(0, model.config.vocab_size, (2, 16))
     assert profile_model(model, windows, batch_size=8) is not None
     assert capsys.readouterr().err.splitlines()[0] == "profile: 0/1 batch, started"
+
+
+def test_training_says_when_it_starts_and_keeps_its_log_on_stdout(tmp_path, capsys, monkeypatch):
+    """``train`` with stderr not a terminal: a ``train: 0/N step, started`` line on stderr at once (a large
+    model's ``log_every`` steps can take minutes), a line per step at interval 0, a final ``done`` line; its
+    log lines (results) stay on stdout, in step order."""
+    from test_train import _cfg
+
+    from diffquant.train import train
+
+    monkeypatch.setenv(P.INTERVAL_ENV, "0")
+    train(_cfg(tmp_path, steps=4, eval_every=4, checkpoint_every=4))
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == "train: 0/4 step, started"
+    trained = [line for line in lines if line.startswith("train: ")]
+    assert [line.split(",")[0] for line in trained][1:] == [f"train: {i}/4 step" for i in range(1, 5)]
+    assert ", done in " in trained[-1]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == [
+        f"{i}/4" for i in range(1, 5)
+    ]
+    assert "started" not in out

@@ -1418,6 +1418,13 @@ MUTANTS = [
         "",
         ("tests/test_lmeval.py::test_an_lmeval_run_reports_its_start_and_batches",),
     ),
+    M(
+        "training starts silently",
+        "diffquant/train/trainer.py",
+        'desc="train", unit="step", announce=True)',
+        'desc="train", unit="step")',
+        ("tests/test_progress.py::test_training_says_when_it_starts_and_keeps_its_log_on_stdout",),
+    ),
     # --- issue 26: shipped files, the torch-free parser, help texts
     M(
         "task table order differs from the registry",

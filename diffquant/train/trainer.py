@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -35,6 +36,7 @@ from diffquant.io import load_checkpoint, read_config, save_checkpoint
 from diffquant.io.artifacts import sha256_file, write_json_atomic, write_text_atomic
 from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, preset_config
 from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
+from diffquant.progress import outside_bars, progress
 from diffquant.schema import AssignStyle, check, key
 from diffquant.shipped import resolve as resolve_shipped
 from diffquant.textfiles import read_yaml
@@ -450,7 +452,10 @@ def train(
     saved = start_step
     tick = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Null()
-    for step in range(start_step, end):
+    # A start line and one at least every 10 s off a terminal (a large model's log_every steps can take
+    # minutes); on a terminal a bar, the log lines printed above it.
+    steps = progress(range(start_step, end), desc="train", unit="step", announce=True)
+    for step in steps:
         ids = data.batch(step, cfg.batch_size).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -484,11 +489,12 @@ def train(
                 model.train()
             rows.append(row)
             _append_log(log_path, row)
-            log(
-                f"step {done}/{cfg.steps} loss {row['loss']:.4f} grad {grad_norm:.3f} lr {row['lr']:.2e} "
-                f"{row['tokens_per_second']:.0f} tok/s"
-                + (f" val bpb {row['val_bpb']:.4f}" if row["val_bpb"] != "" else "")
-            )
+            with outside_bars(sys.stdout):
+                log(
+                    f"step {done}/{cfg.steps} loss {row['loss']:.4f} grad {grad_norm:.3f} lr {row['lr']:.2e} "
+                    f"{row['tokens_per_second']:.0f} tok/s"
+                    + (f" val bpb {row['val_bpb']:.4f}" if row["val_bpb"] != "" else "")
+                )
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
             _save_state(out / "checkpoints" / f"step-{done:07d}", model, optimizer, done, cfg)
             saved = done
