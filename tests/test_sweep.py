@@ -385,3 +385,70 @@ def test_resumed_sweep_recomputes_cells_of_a_changed_tokenizer_override(tmp_path
     changed = sweep(said.append)["rows"][0]["value"]
     assert "1 cells, 0 already done, 1 to run" in "\n".join(said)
     assert changed != first  # BOS in front of every document: other numbers, not the old cell's
+
+
+# ------------------------------------------------------------------ one load per model, reused over cells
+def test_sweep_loads_each_model_once_and_matches_per_cell_loading(tmp_path, text, monkeypatch):
+    """A 2-model x 3-plan x 2-task sweep (12 cells; a plan that rewrites weights in place: rotation,
+    smoothing, static scales) loads each model once, and writes the same results bytes as a sweep that
+    loads the model for every cell (sweep.REUSE_LOADED off); the kept model is dropped once the next
+    model's cells start, and each cell's copy before the next cell's."""
+    import gc
+    import weakref
+
+    from diffquant.eval import sweep
+
+    plans = ("w4a8-quarot-smooth", "attn-logits-int8")
+    tasks = [
+        parse_task(f"bpb:data={text},tokens=256,seq_len=64"),
+        parse_task("retrieval:samples_per_depth=1,context_bytes=96,depths=[0]"),
+    ]
+    spec = SweepSpec(
+        models={"b": "init:baseline:tiny", "d": "init:diff_v2:tiny"},
+        plans=list(plans),
+        tasks=tasks,
+        calib_data=text,
+        calib_tokens=128,
+        calib_seq_len=64,
+    )
+    real = sweep.load_for_sweep
+    loads: list[str] = []
+    alive: list[weakref.ref] = []  # every model a load or a cell made, to count those still held
+
+    def counting(s, name):
+        loads.append(name)
+        model = real(s, name)
+        alive.append(weakref.ref(model))
+        return model
+
+    real_fresh = sweep._Runner._fresh
+    held = []
+
+    def fresh(self, name):
+        gc.collect()
+        held.append(sum(r() is not None for r in alive))  # models alive as a cell asks for its own
+        made = real_fresh(self, name)
+        alive.append(weakref.ref(made))
+        return made
+
+    monkeypatch.setattr(sweep, "load_for_sweep", counting)
+    monkeypatch.setattr(sweep._Runner, "_fresh", fresh)
+    results = run_sweep(spec, tmp_path / "reuse")
+    assert loads == ["b", "d"]
+    assert held and max(held) == 1  # the kept model only: no earlier cell's copy, no earlier model
+    assert results["complete"] and len(read_cells(tmp_path / "reuse")) == 12
+
+    loads.clear()
+    monkeypatch.setattr(sweep, "REUSE_LOADED", False)
+    run_sweep(spec, tmp_path / "reload")
+    assert len(loads) == 12
+    for name in ("results.json", "results.csv"):
+        assert (tmp_path / "reuse" / name).read_bytes() == (tmp_path / "reload" / name).read_bytes(), name
+    strip = ("seconds",)
+    cells = {
+        k: {f: v for f, v in r.items() if f not in strip} for k, r in read_cells(tmp_path / "reuse").items()
+    }
+    again = {
+        k: {f: v for f, v in r.items() if f not in strip} for k, r in read_cells(tmp_path / "reload").items()
+    }
+    assert cells == again

@@ -118,6 +118,11 @@ def _special_text(tokenizer: Any, token_id: int | None) -> str | None:
 
 
 # ============================================================================================ the model
+def _as_float_cpu(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` on the CPU in float32 (float64 kept): the positions a request scores, converted alone."""
+    return (logits if logits.dtype == torch.float64 else logits.float()).cpu()
+
+
 def _build_lm_class() -> type:
     _require_lm_eval()
     from lm_eval import utils as lm_utils  # noqa: PLC0415 (optional library (lmeval extra))
@@ -227,14 +232,15 @@ def _build_lm_class() -> type:
 
         # ------------------------------------------------------------------------------ scoring
         def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-            """Float logits (B, T, V) on the CPU for right-padded ``rows`` (pad id 0: any id the model has)."""
+            """Logits (B, T, V) for right-padded ``rows`` (pad id 0: any id the model has), as the model gives
+            them (its device and dtype): callers take the few positions they score to the CPU as floats, so
+            no float copy of the whole batch is made (a bf16 model's would double it)."""
             width = max(len(r) for r in rows)
             ids = torch.zeros((len(rows), width), dtype=torch.long)
             for i, row in enumerate(rows):
                 ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             with torch.no_grad():
-                logits = self.model(ids.to(self._device))
-            return (logits if logits.dtype == torch.float64 else logits.float()).cpu()
+                return self.model(ids.to(self._device))
 
         def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
             # TemplateLM splits the pairs (HFLM's _encode_pair) under a tokenizing bar of its own: off (it is
@@ -298,7 +304,7 @@ def _build_lm_class() -> type:
                         continuation = requests[i][2]
                         end = len(inputs[row])
                         # the positions predicting the continuation: the last len(continuation) of the input
-                        scored = logits[row, end - len(continuation) : end]
+                        scored = _as_float_cpu(logits[row, end - len(continuation) : end])
                         target = torch.tensor(continuation, dtype=torch.long)
                         logp = (
                             torch.log_softmax(scored.double(), dim=-1).gather(-1, target[:, None]).squeeze(-1)
@@ -307,6 +313,9 @@ def _build_lm_class() -> type:
                         out[i] = answer
                         if requests[i][0] is not None:
                             self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                    # this batch's (B, T, V) logits go before the next forward allocates its own: held
+                    # across it, two batches' logits (8 x 100 x 49k fp32: 160 MB each) were alive at once
+                    del logits
                     bar.update(len(chunk))
             return out  # type: ignore[return-value]
 

@@ -63,6 +63,9 @@ from diffquant.stream import choose_stream, evaluate_streamed, stream_mode, stre
 from diffquant.stream.placement import Placement, load_placed
 
 NONE_PLAN = "none"
+# A sweep loads each model once and runs every cell on a copy of it (:class:`_Runner`); False reloads the
+# model for every cell (the old path, kept so tests can show both give the same bytes).
+REUSE_LOADED = True
 RESULT_COLUMNS = ("model", "attention", "plan", "task", "metric", "value", "unquantized", "delta")
 
 
@@ -257,6 +260,15 @@ class _Runner:
     """Loads models, applies plans and calibrates, with each tokenizer's calibration windows read once.
 
     Models with different tokenizers read the same text, each cut into windows of its own tokens.
+
+    Each model is loaded once (:func:`load_for_sweep`) and kept while its cells run (a rank's cells come
+    model by model); every cell runs on a deep copy of it, to which the cell's plan is applied and
+    calibrated as on a fresh load, so a cell's numbers are those of loading it for the cell alone (a plan
+    rewrites weights in place: smoothing, rotation, GPTQ; a task may leave state behind: the kernel path
+    each attention ran last). The copy is the caller's, freed after its cell; the kept model goes when the
+    next model's cells start (:meth:`release`). Peak: the loaded model plus one cell's copy. Models spread
+    over devices (``placement``: accelerate's hooks) and models whose text tasks stream (chosen because
+    they need not fit in memory) are loaded per cell as before.
     """
 
     def __init__(
@@ -271,6 +283,7 @@ class _Runner:
         self.tokenizers = tokenizers
         self._calib: dict[str, torch.Tensor] = {}
         self._streams: dict[str, bool] = dict(streams or {})
+        self._loaded: tuple[str, Any] | None = None  # (model name, the model as loaded) kept for reuse
         self.calib_data = spec.calib_data or default_text(tokenizers.values(), "calib")
         self.eval_data = default_text(tokenizers.values(), "eval")
 
@@ -321,13 +334,29 @@ class _Runner:
     def model(self, cell: Cell, task: TaskSpec | None = None):
         if task is not None and task.reads_text and self.streams(cell.model):
             return self.streamed_model(cell)
-        model = load_for_sweep(self.spec, cell.model)
+        model = self._fresh(cell.model)
         if cell.plan != NONE_PLAN:
             plan = copy.deepcopy(self.plans[cell.plan])  # the plan the cell's ident was computed from
             apply_plan(model, plan)
             if plan.uses_static:
                 calibrate(model, self.calibration_windows(model.tokenizer), batch_size=self.spec.batch_size)
         return model.eval()
+
+    def _fresh(self, name: str):
+        """Model ``name`` as a fresh load gives it: a deep copy of the kept load (the tokenizer shared: it
+        holds no per-run state), or a load of its own where reuse does not apply."""
+        if not REUSE_LOADED or self.spec.placement is not None or self.streams(name):
+            self.release()
+            return load_for_sweep(self.spec, name)
+        if self._loaded is None or self._loaded[0] != name:
+            self.release()  # the previous model goes before the next one loads
+            self._loaded = (name, load_for_sweep(self.spec, name))
+        loaded = self._loaded[1]
+        return copy.deepcopy(loaded, memo={id(loaded.tokenizer): loaded.tokenizer})
+
+    def release(self) -> None:
+        """Drop the kept model (the next cell that needs one loads it)."""
+        self._loaded = None
 
 
 def load_for_sweep(spec: SweepSpec, name: str):
@@ -426,6 +455,7 @@ def run_sweep(
                 "attention_paths": getattr(model, "stream_paths", None) or path_summary(model),
                 "seconds": time.perf_counter() - start,
             }
+            del model  # the cell's copy goes before the next cell makes its own (else two are held)
             _append(path, record)
             broken = _non_finite(record["metrics"])
             if broken and log is not None:
@@ -433,6 +463,7 @@ def run_sweep(
                     log(
                         f"sweep: NON-FINITE result in {cell.key}: {', '.join(broken)} (the model's output is not finite)"
                     )
+        runner.release()
         _barrier(world)
         if rank != 0:
             return None
