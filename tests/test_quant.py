@@ -789,3 +789,150 @@ def test_calibration_remembers_an_extreme_of_the_first_batch(calibration):
         best = min(mse(30.0 * r / 600) for r in range(1, 601))
         got = mse(_clip_over("mse", batches, fmt="int4"))
         assert got <= best * 1.03, (got, best)
+
+
+# ----------------------------------------------------- the fake-quant hot path against a reference
+_E4M3_POSITIVE = torch.unique(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+_E4M3_POSITIVE = _E4M3_POSITIVE[torch.isfinite(_E4M3_POSITIVE) & (_E4M3_POSITIVE > 0)]
+
+
+def _reference_fake_quant(x, spec, dims, group=None):
+    """Fake-quantization written out from the definitions, one readable step at a time: the groups'
+    finite abs-max (or min / max), scale = amax / qmax (1 where it is 0) rounded *up* onto the scale format,
+    then clamp(round-half-even(x / s)) * s for ints, the saturating FP8 cast for fp8_e4m3, and the result
+    cast back to the input's dtype."""
+    xf = x.float()
+    if group is not None:  # group(n) along the last dim
+        xf = xf.reshape(*xf.shape[:-1], xf.shape[-1] // group, group)
+    finite = torch.isfinite(xf)
+    fmt = spec["format"]
+    if not spec.get("symmetric", True) or fmt.startswith("uint"):
+        bits = int(fmt.removeprefix("u").removeprefix("int"))
+        qmax = 2.0**bits - 1
+        lo = torch.where(finite, xf, 0.0).amin(dim=dims, keepdim=True)
+        hi = torch.where(finite, xf, 0.0).amax(dim=dims, keepdim=True)
+        scale = (hi - lo) / qmax
+        scale = torch.where(scale > 0, scale, 1.0)
+        zero = torch.round(-lo / scale)
+        out = (torch.clamp(torch.round(xf / scale + zero), 0, qmax) - zero) * scale
+    else:
+        qmax = 448.0 if fmt == "fp8_e4m3" else 2.0 ** (int(fmt.removeprefix("int")) - 1) - 1
+        amax = torch.where(finite, xf.abs(), 0.0).amax(dim=dims, keepdim=True)
+        scale = amax / qmax
+        scale = torch.where(scale > 0, scale, 1.0)
+        if spec.get("scale_format") == "e8m0":  # the smallest power of two >= scale
+            scale = torch.exp2(torch.ceil(torch.log2(scale.double()))).clamp(2.0**-127, 2.0**127).float()
+        elif spec.get("scale_format") == "fp8_e4m3":  # the smallest E4M3 value >= scale, at most 448
+            idx = torch.searchsorted(_E4M3_POSITIVE, scale.reshape(-1)).clamp_max(len(_E4M3_POSITIVE) - 1)
+            scale = _E4M3_POSITIVE[idx].reshape(scale.shape)
+        v = xf / scale
+        if fmt == "fp8_e4m3":
+            q = v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+        else:
+            q = torch.clamp(torch.round(v), -qmax, qmax)
+        out = q * scale
+    return out.reshape(x.shape).to(x.dtype)
+
+
+_HOT_CASES = [  # (scheme, kind, reduced dims of the reference, group size)
+    ({"format": "int8", "granularity": "tensor"}, "linear_in", (1, 2), None),
+    ({"format": "int8", "granularity": "token"}, "linear_in", (2,), None),
+    ({"format": "int4", "granularity": "token"}, "linear_in", (2,), None),
+    ({"format": "int8", "granularity": "channel"}, "linear_in", (1,), None),
+    ({"format": "int8", "granularity": "token", "symmetric": False}, "linear_in", (2,), None),
+    ({"format": "uint4", "granularity": "tensor"}, "linear_in", (1, 2), None),
+    ({"format": "int8", "granularity": "token", "scale_format": "e8m0"}, "linear_in", (2,), None),
+    ({"format": "int8", "granularity": "token", "scale_format": "fp8_e4m3"}, "linear_in", (2,), None),
+    ({"format": "fp8_e4m3", "granularity": "token"}, "linear_in", (2,), None),
+    ({"format": "fp8_e4m3", "granularity": "tensor"}, "linear_in", (1, 2), None),
+    ({"format": "int8", "granularity": "channel"}, "weight", (1,), None),
+    ({"format": "int4", "granularity": "channel"}, "weight", (1,), None),
+    ({"format": "int8", "granularity": "tensor"}, "weight", (0, 1), None),
+    ({"format": "int4", "granularity": "group(16)"}, "weight", (-1,), 16),
+    ({"format": "int8", "granularity": "group(8)", "symmetric": False}, "weight", (-1,), 8),
+]
+
+
+def _hot_inputs(shape, qmax, symmetric):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[-1])
+    # ties: halves in (-qmax, qmax) and each row's first entry qmax, so per-row scales are exactly 1 and
+    # x / s lands on k + 0.5 (round half to even decides)
+    ties = torch.randint(-2 * int(qmax) + 1, 2 * int(qmax), shape, generator=g) / 2
+    ties[..., 0] = qmax
+    rows_of_zeros = torch.randn(shape, generator=g)
+    rows_of_zeros.view(-1, shape[-1])[::2] = 0.0  # every other row all zeros (scale 1, zeros out)
+    huge = torch.randn(shape, generator=g) * 1e6  # saturates an E4M3 scale (448)
+    cases = [
+        base,
+        ties,
+        rows_of_zeros,
+        torch.zeros(shape),
+        huge,
+        base.to(torch.bfloat16),
+        ties.to(torch.bfloat16),
+    ]
+    if symmetric:
+        bad = base.clone()
+        bad.view(-1)[[1, 7, 20]] = torch.tensor([math.nan, math.inf, -math.inf])
+        cases.append(bad)
+    return cases
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
+@pytest.mark.parametrize(("spec", "kind", "dims", "group"), _HOT_CASES, ids=lambda v: str(v))
+def test_fake_quant_equals_a_reference_implementation(monkeypatch, fast, spec, kind, dims, group):
+    """Both paths (CPU fast path and general) of FakeQuant, at taps and on weights (the cached
+    quantize_weight), equal the reference bit for bit: per tensor / token / channel / group, int8 / int4 /
+    fp8_e4m3, symmetric and asymmetric, fp32 and bf16 inputs, ties at .5, all-zero rows, saturated scales."""
+    from diffquant.quant import fake
+
+    monkeypatch.setattr(fake, "FAST", fast)
+    scheme = Scheme(**spec)
+    shape = (12, 32) if kind == "weight" else (2, 6, 32)
+    qmax = scheme.element.max_value
+    for x in _hot_inputs(shape, qmax, not scheme.asymmetric):
+        want = _reference_fake_quant(x, spec, dims, group)
+        fq = FakeQuant(scheme, "s", kind)
+        got = fq.quantize_weight(x) if kind == "weight" else fq(x)
+        assert got.dtype == x.dtype
+        assert torch.equal(got.isnan(), want.isnan()), (spec, x.dtype)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (spec, x.dtype, (got - want).abs().max())
+        if kind == "weight":
+            assert fq.quantize_weight(x) is got  # cached
+
+
+def test_cached_weight_is_requantized_when_the_weight_changes():
+    """The fake-quantized weight is computed once; an in-place change under no_grad (version counter), a
+    replaced ``.data`` (also twice, which may reuse the first storage's address with the same version), a
+    view of another shape at the same address and a dtype change each give a fresh value, and a Linear
+    computes with it."""
+    from diffquant.models.attention import Linear
+
+    spec = {"format": "int8", "granularity": "channel"}
+    lin = Linear(32, 12).requires_grad_(False)
+    fq = lin.weight_quantizer = FakeQuant(Scheme(**spec), "lin.weight", "weight")
+    x = torch.randn(3, 32)
+
+    def check():
+        want = _reference_fake_quant(lin.weight.detach(), spec, (1,))
+        assert torch.equal(fq.quantize_weight(lin.weight), want)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, want.to(x.dtype)))
+
+    check()
+    first = fq.quantize_weight(lin.weight)
+    assert fq.quantize_weight(lin.weight) is first
+    with torch.no_grad():
+        lin.weight.mul_(3.0)  # same storage, version bumped
+    check()
+    for _ in range(5):  # A -> B -> C: C may land at A's freed address with the parameter's version
+        check()
+        lin.weight.data = lin.weight.data * 2.0
+        lin.weight.data = lin.weight.data - 0.25
+        check()
+    lin.weight.data = lin.weight.data[:, :16]  # a view: same address and version, another shape
+    assert fq.quantize_weight(lin.weight).shape == (12, 16)
+    assert torch.equal(fq.quantize_weight(lin.weight), _reference_fake_quant(lin.weight.detach(), spec, (1,)))
+    lin.weight.data = lin.weight.data.to(torch.bfloat16)
+    assert fq.quantize_weight(lin.weight).dtype == torch.bfloat16
+    assert torch.equal(fq.quantize_weight(lin.weight), _reference_fake_quant(lin.weight.detach(), spec, (1,)))

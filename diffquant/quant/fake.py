@@ -43,7 +43,7 @@ class FakeQuant(nn.Module):
         self._nan_device: torch.Tensor | None = None  # NaNs counted on the input's device, read lazily
         self.calibrating = False
         self._reset_observers()
-        self._weight_cache: tuple[tuple, torch.Tensor] | None = None
+        self._weight_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # key, value, source
 
     @property
     def nan_count(self) -> int:
@@ -121,13 +121,24 @@ class FakeQuant(nn.Module):
         )
 
     def quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The fake-quantized weight, computed once and reused until the weight changes."""
+        """The fake-quantized weight, computed once and reused until the weight changes.
+
+        A weight's scales come from the weight alone, so its fake-quantized value is static: the cache keys
+        it on the storage address, the version counter (bumped by every in-place op on the parameter, e.g.
+        ``copy_`` under no_grad), dtype, device, shape and strides. The entry holds the source tensor (a
+        detached alias) so that its storage cannot be freed and a new one allocated at the same address:
+        ``weight.data = f(weight.data)`` twice would otherwise come back to the cached address with the
+        parameter's unchanged version and be served the stale copy. Not seen: in-place edits through
+        ``weight.data`` (a separate version counter); clear ``_weight_cache`` after those.
+        """
         if torch.is_grad_enabled() and weight.requires_grad:
             return self(weight)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if self._weight_cache is None or self._weight_cache[0] != key:
-            self._weight_cache = (key, self.quantize(weight.detach()))
-        return self._weight_cache[1]
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, weight.shape, weight.stride())
+        cache = self._weight_cache
+        if cache is None or cache[0] != key:
+            source = weight.detach()
+            self._weight_cache = cache = (key, self.quantize(source), source)
+        return cache[1]
 
     def _layout(self, x: torch.Tensor) -> tuple[str, ...]:
         if self.kind == "weight":

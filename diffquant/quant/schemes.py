@@ -369,7 +369,7 @@ def quantize_dynamic_finite(
     None when it does not apply (another scheme, a GPU tensor, a non-finite value: then the caller takes the
     general path, which counts and skips NaN / Inf).
 
-    One min/max pass gives the absmax and shows that every value is finite (NaN and Inf propagate into it), so
+    The min and max (two reductions) give the absmax and show that every value is finite (NaN and Inf propagate into it), so
     the NaN count (0), the NaN / Inf scrub and the abs copy of the general path are skipped. With fp32 scales,
     |x| <= amax implies |x / s| <= qmax up to one rounding of the division, below qmax + 0.5, so the integer
     clamp cannot change a value and is skipped too. It syncs with the host (the finiteness check), which is
@@ -393,9 +393,9 @@ def quantize_dynamic_finite(
         lo, hi = torch.aminmax(xf)
         shape = (1,) * xf.dim()
         lo, hi = lo.reshape(shape), hi.reshape(shape)
-    elif len(dims) == 1:
-        lo, hi = torch.aminmax(xf, dim=dims[0], keepdim=True)
     elif dims:
+        # two reductions, not aminmax(dim=): torch 2.x's CPU aminmax along a dim is not vectorised, ~15x
+        # slower than amin + amax (4 ms against 0.25 ms on a [8, 256, 256] per-token input)
         lo, hi = xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
     else:
         lo, hi = xf, xf
