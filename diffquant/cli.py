@@ -219,7 +219,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     summary = run_quantize(
         args.checkpoint, args.plan, calib, cfg, args.out, env, force=args.force, tokenizer=args.tokenizer
     )
-    print(summary["text"])
+    print(f"{summary['text']}; peak memory {summary['peak_memory_bytes'] / 2**30:.2f} GiB")
     return 0
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from diffquant.progress import progress
 from diffquant.quant import smoothquant  # called through the module, so tests can patch it
 from diffquant.quant.backends.quanto import quanto_calibration
+from diffquant.quant.caches import weight_caches_dropped
 from diffquant.quant.modules import fake_quantizers
 from diffquant.quant.weights import quantize_weights
 
@@ -56,7 +57,7 @@ def calibrate(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> i
         context = quanto_calibration()
     device = next(model.parameters()).device
 
-    with context:
+    with context, weight_caches_dropped(model):  # one weight's quantized copy held at a time
         starts = range(0, windows.shape[0], batch_size)
         for start in progress(starts, "static scales", "batch", leave=False, announce=True):
             model(windows[start : start + batch_size].to(device))

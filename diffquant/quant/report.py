@@ -9,14 +9,17 @@ beyond one batch of the reference model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from diffquant.models.taps import select_taps
+from diffquant.models.transformer import DecoderLM
 from diffquant.progress import progress
+from diffquant.quant.caches import weight_caches_dropped
 
 
 @dataclass
@@ -35,20 +38,30 @@ class ErrorStats:
     nonfinite: int = 0
 
     def update(self, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        r, q = ref.detach().double(), quant.detach().double()
-        finite = torch.isfinite(r) & torch.isfinite(q)
-        considered = torch.ones_like(finite) if valid is None else valid.expand_as(finite)
-        self.nonfinite += int((considered & ~finite).sum())
-        ok = considered & finite
-        r, q = r[ok], q[ok]
-        e = q - r
+        """Add the (valid, finite) values of one batch. The products are formed in float64 one at a time in a
+        single buffer of the compared values (a float32 value is exact in float64, so ``buf.copy_(q)``,
+        ``buf.mul_(r)`` is the float64 product ``q * r``), and each sum reduces a 1-D float64 tensor as long
+        as the compared values: the same sums as forming every float64 temporary at once, with one
+        float64 copy of a batch's logits alive instead of eight (the float32 operand of a mixed op is
+        converted a chunk at a time: :func:`_chunked`)."""
+        ref, quant = ref.detach(), quant.detach()
+        finite = torch.isfinite(ref) & torch.isfinite(quant)
+        if valid is None and bool(finite.all()):
+            r, q = ref.reshape(-1), quant.reshape(-1)  # every value compared: no selection to copy
+        else:
+            considered = torch.ones_like(finite) if valid is None else valid.expand_as(finite)
+            self.nonfinite += int((considered & ~finite).sum())
+            ok = considered & finite
+            r, q = ref[ok], quant[ok]
+        del finite
+        buf = torch.empty(r.shape, dtype=torch.float64, device=r.device)
         self.n += r.numel()
-        self.ref2 += float((r * r).sum())
-        self.err2 += float((e * e).sum())
-        self.dot += float((r * q).sum())
-        self.q2 += float((q * q).sum())
-        self.abs_err += float(e.abs().sum())
-        self.abs_ref += float(r.abs().sum())
+        self.ref2 += float(buf.copy_(r).mul_(buf).sum())
+        self.abs_ref += float(buf.copy_(r).abs_().sum())
+        self.q2 += float(buf.copy_(q).mul_(buf).sum())
+        self.dot += float(_chunked(buf.copy_(r), "mul_", q).sum())
+        self.abs_err += float(_chunked(buf.copy_(q), "sub_", r).abs_().sum())  # |q - r|
+        self.err2 += float(buf.mul_(buf).sum())  # |e| * |e|: e * e exactly
 
     def summary(self) -> dict[str, float | int | bool | None]:
         """JSON-ready metrics: numbers or null, never NaN / inf literals.
@@ -81,6 +94,18 @@ class ErrorStats:
         }
 
 
+CHUNK = 1 << 20  # elements of the other operand converted to float64 at a time
+
+
+def _chunked(buf: torch.Tensor, op: str, other: torch.Tensor) -> torch.Tensor:
+    """``buf.op(other)`` in place, a chunk at a time: an in-place op on a float64 ``buf`` converts a float32
+    ``other`` into a float64 temporary as large as itself on the CPU; chunked, the temporary is one chunk.
+    Elementwise, so the values are those of the whole op. Returns ``buf``."""
+    for start in range(0, buf.numel(), CHUNK):
+        getattr(buf[start : start + CHUNK], op)(other[start : start + CHUNK])
+    return buf
+
+
 def _finite(value: float | None) -> float | None:
     """``value``, or None when it is not a finite number (sums of huge float64 values can overflow)."""
     return value if value is not None and math.isfinite(value) else None
@@ -98,25 +123,91 @@ def compare_models(
 
     The site value compared is what flows on after the tap (the quantized value where a quantizer sits).
     Both models run their attention maps unchunked here so that map taps line up call for call.
+
+    Two DecoderLMs run in lockstep, stage by stage (the embedding, each decoder layer, the final norm and
+    head: :func:`model_stages`): each stage of the reference with its sites captured, then the same stage
+    of the quantized model compared against them, so only one layer's captured activations are alive at a
+    time, not every site's of the whole model. The numbers are those of running each whole model
+    once (the same calls in the same order; each site's sums add up in the same order). The quantized
+    weights the quantizers cache live only while their Linear runs
+    (:func:`~diffquant.quant.caches.weight_caches_dropped`).
     """
     ref_taps, q_taps = select_taps(reference, sites), select_taps(quantized, sites)
     names = [n for n in ref_taps if n in q_taps]
     stats = {name: ErrorStats() for name in names}
     logits = ErrorStats()
+    ref_stages, q_stages = model_stages(reference, names), model_stages(quantized, names)
+    if ref_stages is None or q_stages is None or len(ref_stages) != len(q_stages):
+        ref_stages = q_stages = None
     for model in (reference, quantized):
         model.set_attention_path("auto", chunk_size=windows.shape[1])
     try:
-        starts = range(0, windows.shape[0], batch_size)
-        for start in progress(starts, "error report", "batch", leave=False, announce=True):
-            batch = windows[start : start + batch_size]
-            ref_logits, q_logits = compare_batch(reference, quantized, batch, ref_taps, q_taps, stats)
-            logits.update(ref_logits, q_logits)
+        with weight_caches_dropped(quantized):
+            starts = range(0, windows.shape[0], batch_size)
+            for start in progress(starts, "error report", "batch", leave=False, announce=True):
+                batch = windows[start : start + batch_size]
+                if ref_stages is None:
+                    ref_logits, q_logits = compare_batch(reference, quantized, batch, ref_taps, q_taps, stats)
+                else:
+                    ref_logits, q_logits = _compare_lockstep(
+                        ref_stages, q_stages, batch, ref_taps, q_taps, stats
+                    )
+                logits.update(ref_logits, q_logits)
+                del ref_logits, q_logits
     finally:
         for model in (reference, quantized):
             model.set_attention_path("auto")
     report = {name: s.summary() for name, s in stats.items()}
     report["logits"] = logits.summary()
     return report
+
+
+class Stage(NamedTuple):
+    """One stage of a model's forward: ``run`` maps the hidden states (the token ids for the first stage) on,
+    ``prefixes`` name where its sites live."""
+
+    run: Callable[[torch.Tensor], torch.Tensor]
+    prefixes: tuple[str, ...]
+
+
+def model_stages(model: nn.Module, sites: Sequence[str]) -> list[Stage] | None:
+    """The forward of a :class:`~diffquant.models.transformer.DecoderLM` as its stages: the embedding, every
+    decoder layer, the final norm and LM head (what ``DecoderLM.forward`` calls, in its order). None when
+    ``model`` is not a plain DecoderLM (another class, or hooks on the model itself) or a site in ``sites``
+    lies in no stage: :func:`compare_models` then runs the whole models."""
+    if type(model).forward is not DecoderLM.forward or model._forward_hooks or model._forward_pre_hooks:
+        return None
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(model.norm(x))
+
+    stages = [Stage(model.embed, ("embed.",))]
+    for i, block in enumerate(model.layers):
+        stages.append(Stage(lambda x, block=block: block(x, None), (f"layers.{i}.",)))
+    stages.append(Stage(head, ("norm.", "lm_head.")))
+    prefixes = tuple(p for stage in stages for p in stage.prefixes)
+    if any(not site.startswith(prefixes) for site in sites):
+        return None
+    return stages
+
+
+def _compare_lockstep(
+    ref_stages, q_stages, batch, ref_taps, q_taps, stats
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of :func:`compare_models` through both models stage by stage (:func:`compare_batch` per
+    stage, on that stage's sites); returns both models' logits."""
+    x_ref = x_q = batch
+    for ref_stage, q_stage in zip(ref_stages, q_stages, strict=True):
+        names = [n for n in stats if n.startswith(ref_stage.prefixes)]
+        x_ref, x_q = compare_batch(
+            lambda _, fn=ref_stage.run, x=x_ref: fn(x),
+            lambda _, fn=q_stage.run, x=x_q: fn(x),
+            None,
+            {n: ref_taps[n] for n in names},
+            {n: q_taps[n] for n in names},
+            {n: stats[n] for n in names},
+        )
+    return x_ref, x_q
 
 
 def compare_batch(reference, quantized, batch, ref_taps, q_taps, stats) -> tuple[torch.Tensor, torch.Tensor]:
