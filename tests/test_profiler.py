@@ -350,3 +350,72 @@ def test_lambda_stats_count_non_finite_values_and_stay_json():
     assert (got["count"], got["nonfinite"], got["value"], got["min"], got["max"]) == (1, 1, 0.25, 0.25, 0.25)
     json.dumps(scalar.to_dict(), allow_nan=False)
     assert LambdaStats.from_dict(json.loads(json.dumps(scalar.to_dict()))).summary() == got
+
+
+def test_freed_heap_released_after_large_maps_only_and_profile_unchanged(monkeypatch):
+    """The profiler hands freed heap pages back (malloc_trim) after the statistics and the metrics of each map
+    at least TRIM_MIN_BYTES large, never after other sites or smaller maps, and the profile is the same."""
+    from diffquant.profile import profiler
+
+    assert profiler.release_freed_memory() in (True, False)  # False where there is no glibc
+    model = tiny_model("diff_v2")
+    ids = _windows(n=2, t=16, seed=4)
+    calls = []
+    monkeypatch.setattr(profiler, "release_freed_memory", lambda: calls.append(1) or True)
+
+    def run(min_bytes: int, trim: bool = True) -> str:
+        monkeypatch.setattr(profiler, "TRIM_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(profiler, "TRIM", trim)
+        calls.clear()
+        with torch.no_grad(), Profiler(model, sites="*", topk=5) as prof:
+            model(ids)
+        return json.dumps(prof.result().to_dict(), sort_keys=True)
+
+    small = 2 * model.config.n_heads * 16 * 16 * 4  # bytes of one (2, H, 16, 16) float32 map
+    trimmed = run(small)
+    maps = [t for t in prof_taps(model) if t in ("logits", "probs", "diff_map")]
+    metrics = [t for t in prof_taps(model) if t in ("probs", "diff_map")]
+    assert len(calls) == len(maps) + len(metrics) > 0
+    assert run(small + 1) == trimmed and calls == []
+    assert run(0, trim=False) == trimmed and calls == []
+
+
+def prof_taps(model) -> list[str]:
+    from diffquant.models.taps import model_taps
+
+    return [tap.kind for tap in model_taps(model).values()]
+
+
+def test_profile_model_skips_the_logits_but_not_the_lm_head_tap(monkeypatch):
+    """profile_model discards the model's output, so the LM head only runs its input tap (no (B, T, vocab)
+    logits): the profile equals the one with the logits computed, lm_head.input included, and the head's
+    forward is the model's own again afterwards."""
+    from diffquant.profile import runner
+
+    model = tiny_model("diff_v2")
+    ids = _windows(n=4, t=16, seed=6)
+    shapes = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    skipped = json.dumps(profile_model(model, ids, batch_size=2, sites="*", topk=5).to_dict(), sort_keys=True)
+    assert shapes and all(s[-1] == 0 for s in shapes)
+    assert "forward" not in vars(model.lm_head)
+    monkeypatch.setattr(runner, "SKIP_LOGITS", False)
+    shapes.clear()
+    full = json.dumps(profile_model(model, ids, batch_size=2, sites="*", topk=5).to_dict(), sort_keys=True)
+    handle.remove()
+    assert shapes and all(s[-1] == model.config.vocab_size for s in shapes)
+    assert skipped == full
+    assert json.loads(skipped)["sites"]["lm_head.input"]["count"] == ids.numel() * model.config.d_model
+
+
+def test_profile_json_is_json_dumps_of_to_dict_byte_for_byte():
+    """profile_stage writes profile_json(profile): the text json.dumps(to_dict(), indent=1) gives, built one
+    site at a time (no whole-profile dict in memory)."""
+    from diffquant.profile.runner import profile_json
+
+    model = tiny_model("diff_v2")
+    profile = profile_model(model, _windows(n=2, t=16, seed=7), batch_size=2, sites="*", topk=3)
+    profile.meta["note"] = 'a "sites": {}, look-alike'
+    assert profile_json(profile) == json.dumps(profile.to_dict(), indent=1, allow_nan=False) + "\n"
+    empty = Profile(meta={"tokens": 0})
+    assert profile_json(empty) == json.dumps(empty.to_dict(), indent=1, allow_nan=False) + "\n"

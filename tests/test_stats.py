@@ -748,3 +748,121 @@ def test_every_statistic_keeps_an_extreme_of_the_first_batch():
         float(np.quantile(mags, 0.5, method="inverted_cdf")), rel=QUANTILE_REL_ERROR
     )
     assert s.quantile(1.0) == pytest.approx(500.0, rel=QUANTILE_REL_ERROR)
+
+
+# ------------------------------------------------------------------------ fused pass vs the plain path
+def _set_fused(monkeypatch, on: bool) -> None:
+    from diffquant.profile import accumulators
+
+    monkeypatch.setattr(stats_mod, "FUSED", on)
+    monkeypatch.setattr(accumulators, "FUSED", on)
+
+
+def _fused_cases(dtype: torch.dtype) -> list[tuple[str, str, list[tuple[torch.Tensor, torch.Tensor | None]]]]:
+    """Real-shaped chunks of the small preset (resid (B, 256, 256), mlp_act (B, 256, 672), q heads, a causal
+    logits map (B, 8, 256, 256) with garbage under the mask), three batches each: the extremes (a 900, a
+    -700, the top-k) in the FIRST batch, a NaN / Inf in the second (the masked general path), then a plain
+    one."""
+    cases = []
+    valid = _valid_mask(256, 256, 0, "cpu")
+    shapes = {
+        "resid": (2, 256, 256),
+        "mlp_act": (2, 256, 672),
+        "q": (2, 8, 256, 32),
+        "logits": (2, 8, 256, 256),
+    }
+    for n, (kind, shape) in enumerate(shapes.items()):
+        batches = []
+        for b in range(3):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(40 + 3 * n + b))
+            x[..., 3] *= 40.0  # an outlier channel (key 3 of the map)
+            if b == 0:
+                x.view(-1)[[5, 77, 1000]] = torch.tensor([900.0, -700.0, 150.0])
+            if b == 1:
+                x.view(-1)[[3, 9, 4000]] = torch.tensor([math.nan, math.inf, -math.inf])
+            m = None
+            if kind == "logits":
+                m = valid
+                x = torch.where(valid, x, torch.tensor(math.nan))  # garbage where masked
+            batches.append((x.to(dtype), m))
+        site = {"resid": "layers.1.resid", "mlp_act": "layers.1.mlp.act", "q": "layers.1.attn.q"}
+        cases.append((site.get(kind, "layers.1.attn.logits1"), kind, batches))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_pass_equals_the_plain_path_bit_for_bit(monkeypatch, dtype):
+    """Every statistic of the fused pass (blocked float64 row sums, dense histogram merges) is the plain
+    path's, bit for bit: the to_dict states of updates and of per-batch states merged are equal as JSON, on
+    real-shaped chunks with the maximum in the first batch, NaN / Inf and a masked map; and with blocks small
+    enough that a map's rows split into several (one a folded one-row tail)."""
+    tokens = tokens_for(2, 256, seed=1)
+
+    cases = _fused_cases(dtype)
+
+    def run(cases=cases) -> str:
+        out = []
+        for site, kind, batches in cases:
+            direct = SiteStats(site, kind, topk=30, massive_cap=5)
+            merged = SiteStats(site, kind, topk=30, massive_cap=5)
+            for b, (x, valid) in enumerate(batches):
+                direct.update(x, valid=valid, tokens=tokens, sample_offset=2 * b)
+                fresh = SiteStats(site, kind, topk=30, massive_cap=5)
+                fresh.update(x, valid=valid, tokens=tokens, sample_offset=2 * b)
+                merged.merge(fresh)
+            out.append([direct.to_dict(), merged.to_dict(), direct.summary()])
+        return json.dumps(out, sort_keys=True)
+
+    _set_fused(monkeypatch, True)
+    fused = run()
+    monkeypatch.setattr(stats_mod, "_SUM_BLOCK", 7 * 32896 + 5)  # 16 map rows -> blocks of 7, 7 and 2
+    fused_small_blocks = run(cases[-1:])
+    monkeypatch.setattr(stats_mod, "_SUM_BLOCK", 5 * 32896)  # blocks of 5, 5, 6 (a one-row tail folded)
+    fused_tail = run(cases[-1:])
+    _set_fused(monkeypatch, False)
+    plain = run()
+    assert fused == plain
+    assert fused_small_blocks == fused_tail == run(cases[-1:])
+    state = json.loads(fused)[0][0]  # the first batch's extremes survived the later ones
+    assert state["max"] == 900.0 and state["min"] == -700.0 and state["nan_count"] == 1
+
+
+def test_row_blocks_never_leave_a_one_row_block():
+    assert stats_mod._row_blocks(3, 1 << 20) == [(0, 3)]
+    for n_rows in range(1, 40):
+        blocks = stats_mod._row_blocks(n_rows, stats_mod._SUM_BLOCK // 5)
+        assert blocks[0][0] == 0 and blocks[-1][1] == n_rows
+        assert all(a == prev_b for (a, _), (_, prev_b) in zip(blocks[1:], blocks[:-1], strict=True))
+        assert len(blocks) == 1 or all(b - a >= 2 for a, b in blocks)
+
+
+def test_fused_histogram_merge_adds_pending_and_folded_counts(monkeypatch):
+    """A merge of states that hold both folded (read) and pending (dense) counts: the fused merge gives the
+    plain merge's histogram, and leaves the merged-in state untouched when the target is updated again."""
+    from diffquant.profile import accumulators
+
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(4, 64, 32, generator=gen) * (1 + 3 * i) for i in range(5)]
+
+    def state(parts):
+        s = SiteStats("layers.0.resid", "resid")
+        for x in parts:
+            s.update(x)
+            if x is parts[0]:
+                s.to_dict()  # fold the first update's counts into the dicts; later ones stay pending
+        return s
+
+    out = []
+    for fused in (True, False):
+        monkeypatch.setattr(accumulators, "FUSED", fused)
+        a, b, c = state(xs[:2]), state(xs[2:4]), SiteStats("layers.0.resid", "resid")
+        c.merge(b)  # target without a pending histogram
+        a.merge(b)
+        pending = b._hist._pending  # the plain merge folded it (None); the fused one must not alias it
+        before = None if pending is None else pending.clone()
+        a.update(xs[4])
+        c.update(xs[4])
+        assert (pending is None) == (not fused)
+        assert pending is None or torch.equal(pending, before)
+        out.append(json.dumps([a.to_dict()["hist"], c.to_dict()["hist"]]))
+    assert out[0] == out[1]

@@ -12,6 +12,16 @@ Two models: `small` (a randomly initialised DIFF V2 of preset small, 8 windows x
   w8a8          the w8a8 fake-quant plan applied (a copy of the model)
   lean          a hand-written hook on the residual stream (channel abs-max, top-1, median): a floor
 
+Peer columns (SmolLM2 only; the small DIFF model has no transformers twin), what a user would write instead:
+
+  hf            the transformers forward of LlamaForCausalLM loaded from the same GGUF file
+                (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``)
+  hf+hook       that forward with a forward hook on each decoder layer keeping the residual stream's
+                abs-max per channel (what ``lean`` keeps, minus the median)
+
+Their ratios are against the same median plain forward of diffquant's model; the table also prints each mode's
+ratio against the hf forward (``vs hf``).
+
 Rounds interleave the modes (plain, resid, ..., plain, resid, ...) so that machine load hits all of them
 alike; the ratio of a mode is median(mode) / median(plain) over >= 5 rounds. Then the `all` profile of the
 small model runs at N and 10 x N tokens in fresh subprocesses to compare their peak RSS. Prints a table and
@@ -35,6 +45,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 MODES = ("plain", "resid", "logits+resid", "all", "w8a8", "lean")
+PEERS = ("hf", "hf+hook")  # SmolLM2 only: the transformers twin
 SITES = {"resid": ["kind:resid"], "logits+resid": ["kind:logits", "kind:resid"], "all": ["*"]}
 # Targets of the speed issue: (small, smollm2) ratio ceilings.
 TARGETS = {"resid": (1.10, 1.05), "logits+resid": (2.5, 1.3), "all": (5.0, 2.0), "w8a8": (1.15, 1.10)}
@@ -50,11 +61,40 @@ def _models(real: bool):
     torch.manual_seed(0)
     small = load_model("init:diff_v2:small")
     ids = torch.randint(0, 256, (8, 256), generator=torch.Generator().manual_seed(0))
-    out["small"] = (small, ids)
+    out["small"] = (small, ids, None)
     if real:
         smol = load_model("fetch:smollm2")
-        out["smollm2"] = (smol, token_windows("wikitext2:test", 4 * 256, 256, smol.tokenizer))
+        out["smollm2"] = (smol, token_windows("wikitext2:test", 4 * 256, 256, smol.tokenizer), _hf_twin())
     return out
+
+
+def _hf_twin():
+    """transformers' LlamaForCausalLM from the GGUF file that `fetch:smollm2` loads (float32, eval)."""
+    import torch
+    import transformers
+
+    from diffquant.io.fetch import fetch_smollm2
+
+    path = fetch_smollm2(quiet=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _hf_hook(model):
+    """The peer of `lean` on the transformers model: residual stream abs-max per channel, one hook per
+    decoder layer (its output is a tuple whose first element is the hidden state, in transformers < 4.56)."""
+    import torch
+
+    state = {"absmax": None}
+
+    def hook(module, args, out):
+        h = out[0] if isinstance(out, tuple) else out
+        amax = h.detach().abs().amax(dim=(0, 1))
+        state["absmax"] = amax if state["absmax"] is None else torch.maximum(state["absmax"], amax)
+
+    return [layer.register_forward_hook(hook) for layer in model.model.layers]
 
 
 def _lean_hook(model):
@@ -73,14 +113,20 @@ def _lean_hook(model):
     return [block.resid.register_forward_hook(hook) for block in model.layers]
 
 
-def _time_mode(mode: str, model, quantized, ids, batch: int) -> float:
+def _time_mode(mode: str, model, quantized, ids, batch: int, twin=None) -> float:
     import torch
 
     from diffquant.profile.runner import profile_model
 
     start = time.perf_counter()
     with torch.no_grad():
-        if mode in SITES:
+        if mode in PEERS:
+            handles = _hf_hook(twin) if mode == "hf+hook" else []
+            for i in range(0, ids.shape[0], batch):
+                twin(input_ids=ids[i : i + batch], use_cache=False)
+            for h in handles:
+                h.remove()
+        elif mode in SITES:
             profile_model(model, ids, batch_size=batch, sites=SITES[mode])
         else:
             target = quantized if mode == "w8a8" else model
@@ -101,16 +147,17 @@ def speed(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     results = {}
-    for name, (model, ids) in _models(not args.no_real).items():
+    for name, (model, ids, twin) in _models(not args.no_real).items():
         quantized = copy.deepcopy(model)
         apply_plan(quantized, QuantPlan.load("w8a8"))
         quantized.eval()
-        for mode in MODES:  # warm-up: first calls allocate and import
-            _time_mode(mode, model, quantized, ids[:2], args.batch)
-        times = {m: [] for m in MODES}
+        modes = MODES + (PEERS if twin is not None else ())
+        for mode in modes:  # warm-up: first calls allocate and import
+            _time_mode(mode, model, quantized, ids[:2], args.batch, twin)
+        times = {m: [] for m in modes}
         for _ in range(args.rounds):
-            for mode in MODES:
-                times[mode].append(_time_mode(mode, model, quantized, ids, args.batch))
+            for mode in modes:
+                times[mode].append(_time_mode(mode, model, quantized, ids, args.batch, twin))
         plain = statistics.median(times["plain"])
         results[name] = {
             "tokens": ids.numel(),
@@ -118,6 +165,10 @@ def speed(args: argparse.Namespace) -> dict:
             "ratio": {m: statistics.median(t) / plain for m, t in times.items()},
             "all_rounds": times,
         }
+        if twin is not None:
+            hf = statistics.median(times["hf"])
+            results[name]["ratio_vs_hf"] = {m: statistics.median(t) / hf for m, t in times.items()}
+        del quantized, twin
     return results
 
 
@@ -170,14 +221,21 @@ def main() -> None:
     print(
         f"ratio = median time / median plain forward, {args.rounds} interleaved rounds, {args.threads} threads"
     )
-    print(f"{'mode':<14}" + "".join(f"{n:>12}{'target':>9}" for n in names))
-    for mode in MODES:
+    peers = [n for n in names if "ratio_vs_hf" in results[n]]
+    print(
+        f"{'mode':<14}"
+        + "".join(f"{n:>12}{'target':>9}" for n in names)
+        + "".join(f"{n + ' vs hf':>16}" for n in peers)
+    )
+    for mode in MODES + PEERS:
         cells = ""
         for n in names:
             target = TARGETS.get(mode, (None, None))[0 if n == "small" else 1]
-            cells += f"{results[n]['ratio'][mode]:>12.2f}" + (
+            ratio = results[n]["ratio"].get(mode)
+            cells += (f"{ratio:>12.2f}" if ratio is not None else f"{'-':>12}") + (
                 f"{'<= ' + str(target):>9}" if target else f"{'':>9}"
             )
+        cells += "".join(f"{results[n]['ratio_vs_hf'][mode]:>16.2f}" for n in peers)
         print(f"{mode:<14}{cells}")
     for n in names:
         print(

@@ -20,6 +20,7 @@ stay float64), then summed per head in float64.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,11 @@ __all__ = ["DiffMapStats", "LambdaStats", "MapStats", "SpanMassStats", "accumula
 # Fast paths for maps whose visible entries are all finite (the usual case): the same sums from fewer passes
 # over the (B, H, Tq, S) map. Tests turn this off to compare with the general path.
 FAST = True
+# The fused pass (see diffquant/profile/stats.py; DIFFQUANT_PROFILE_FUSED=0: the plain path): the fast paths'
+# sums from cheaper ops with the same bits -- entropy by torch.special.entr (one pass: -x log x, as
+# -xlogy(x, x)) and the negative mass as -sum(min(d, 0)) (negation is exact, sums of negated values are the
+# negated sums).
+FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -194,7 +200,8 @@ class MapStats(_HeadSums):
         valid = _valid_or_all(probs, valid)
         p = torch.where(valid, probs.to(_work_dtype(probs)), 0.0)
         if FAST:
-            entropy = -torch.special.xlogy(p, p).sum(-1)  # (B, H, Tq)
+            # (B, H, Tq); entr(p) = -p log p for p > 0, 0 at 0, -inf below 0 (non-finite: the general path)
+            entropy = torch.special.entr(p).sum(-1) if FUSED else -torch.special.xlogy(p, p).sum(-1)
             # A non-finite visible entry makes its row's entropy NaN / Inf, so finite entropies mean a finite
             # map (a finite map whose p log p overflows takes the general path below, which is exact).
             if bool(torch.isfinite(entropy).all()):
@@ -270,7 +277,10 @@ class DiffMapStats(_HeadSums):
             if bool(torch.isfinite(row_sum).all()):
                 any_visible = torch.broadcast_to(valid.any(-1), d.shape[:-1])
                 self._add("nonfinite_rows", torch.zeros(d.shape[1], dtype=torch.int64, device=d.device))
-                self._add("neg_sum", (-d).clamp(min=0).sum(-1).sum((0, 2)))
+                if FUSED:
+                    self._add("neg_sum", d.clamp(max=0).sum(-1).neg_().sum((0, 2)))
+                else:
+                    self._add("neg_sum", (-d).clamp(min=0).sum(-1).sum((0, 2)))
                 self._add("abs_sum", d.abs().sum(-1).sum((0, 2)))
                 self._add("row_sum", row_sum.sum((0, 2)))
                 self._add("sink_sum", d[..., 0].sum((0, 2)))

@@ -55,6 +55,7 @@ separately and excluded from all other statistics.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -147,6 +148,12 @@ _BLOCK = 1 << 20  # elements per block of the blocked passes (moments: 4x; fewer
 # Fast paths that leave every statistic unchanged (masked map chunks gathered once); tests turn this off to
 # compare with the general path.
 FAST = True
+# The fused pass (issue 27): the same arithmetic as the plain one in fewer, cache-sized traversals (row sums
+# blocked, histogram states added densely on merge, the map metrics' cheaper equivalents in
+# attention_metrics). Bit for bit the plain path's statistics (tests/test_stats.py compares to_dict);
+# DIFFQUANT_PROFILE_FUSED=0 selects the plain path.
+FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
+_SUM_BLOCK = 1 << 18  # elements per block of the fused float64 row sums (a 2 MiB float64 copy, cache-sized)
 
 
 def _fine_codes(vals: torch.Tensor) -> torch.Tensor:
@@ -242,10 +249,10 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
     width = rows.shape[1]
     if ok is None:
         n = torch.full((rows.shape[0],), float(width), dtype=torch.float64)
-        s = rows.sum(-1, dtype=torch.float64)
+        s = _row_sums64(rows, None)
     else:
         n = ok.sum(-1, dtype=torch.float64)
-        s = torch.where(ok, rows, 0.0).sum(-1, dtype=torch.float64)
+        s = _row_sums64(rows, ok)
     mean = torch.where(n > 0, s / n.clamp_min(1.0), 0.0)
     c = mean.to(rows.dtype)
     d = rows - c.unsqueeze(1)
@@ -268,6 +275,34 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
             for dst, src in zip((m2, m3, m4), sub[2:], strict=True):
                 dst[idx] = src
     return n, s, m2, m3, m4
+
+
+def _row_blocks(n_rows: int, width: int) -> list[tuple[int, int]]:
+    """Row ranges of the fused row sums: about _SUM_BLOCK elements each, never a one-row block among
+    several (a reduction with one output splits its row across threads, which rounds differently; with two
+    or more outputs each row is reduced whole, as in one call over every row)."""
+    step = max(2, _SUM_BLOCK // max(width, 1))
+    if n_rows <= step:
+        return [(0, n_rows)]
+    starts = list(range(0, n_rows, step))
+    if n_rows - starts[-1] == 1:
+        starts.pop()  # fold a one-row tail into the block before it
+    return [(a, b) for a, b in zip(starts, [*starts[1:], n_rows], strict=True)]
+
+
+def _row_sums64(rows: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
+    """Float64 sums of the rows of 2-D ``rows`` (entries where ``ok`` is False count as 0). The plain path
+    casts the whole tensor to float64 at once (``sum(dtype=float64)`` copies it first); the fused one casts
+    cache-sized row blocks: the same per-row reductions, so the same bits, without a tensor-sized copy."""
+    if not FUSED:
+        src = rows if ok is None else torch.where(ok, rows, 0.0)
+        return src.sum(-1, dtype=torch.float64)
+    blocks = _row_blocks(rows.shape[0], rows.shape[1])
+    out = []
+    for a, b in blocks:
+        blk = rows[a:b] if ok is None else torch.where(ok[a:b], rows[a:b], 0.0)
+        out.append(blk.sum(-1, dtype=torch.float64))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> MomentSums:
