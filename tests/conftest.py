@@ -171,6 +171,22 @@ def quiet_progress(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers():
+    """SmolLM2-135M's GGUF path and transformers' own model of it, loaded once per session: its GGUF
+    dequantization costs half a minute, and the tests comparing logits (test_gguf) and perplexity
+    (test_real_smollm2) against it would otherwise each pay it."""
+    transformers = pytest.importorskip("transformers")
+    from diffquant.io import fetch
+
+    try:
+        path = fetch.fetch_smollm2(quiet=True)
+    except fetch.FetchUnavailable as err:
+        pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched (no network?): {err}")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    return path, reference.eval()
+
+
+@pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """One ``diffquant demo`` per test session (two minutes on two cores), shared by the tests that read its
     output and its run folder (tests/test_readme.py, tests/test_zoo.py): running it once per test doubled

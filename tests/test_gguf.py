@@ -1102,13 +1102,10 @@ REAL_TEXT = (
 
 @pytest.mark.slow
 @pytest.mark.real
-def test_real_smollm2_matches_transformers():
+def test_real_smollm2_matches_transformers(smollm2_transformers):
     tf = _transformers()
     start = time.perf_counter()
-    try:
-        path = fetch.fetch_smollm2(quiet=True)
-    except fetch.FetchUnavailable as err:
-        pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched (no network?): {err}")
+    path, reference = smollm2_transformers
     from diffquant.io import load_model
 
     model = load_model(f"gguf:{path}")
@@ -1128,7 +1125,6 @@ def test_real_smollm2_matches_transformers():
 
     ids = torch.tensor([tok.encode(REAL_TEXT)[:64]])
     assert ids.shape == (1, 64)
-    reference = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
     with torch.no_grad():
         rel = _rel(model(ids), reference(ids).logits)
     print(

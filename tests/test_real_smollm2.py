@@ -26,8 +26,7 @@ def smollm2():
     return path, load_model(f"gguf:{path}")
 
 
-def test_wikitext2_perplexity_equals_transformers(smollm2):
-    transformers = pytest.importorskip("transformers")
+def test_wikitext2_perplexity_equals_transformers(smollm2, smollm2_transformers):
     from diffquant.data import token_stream
     from diffquant.eval.perplexity import evaluate_bpb
 
@@ -36,9 +35,7 @@ def test_wikitext2_perplexity_equals_transformers(smollm2):
     assert (ours["n_windows"], ours["windows"], ours["n_tokens_scored"]) == (4, "disjoint", 4 * 1023)
     # The same windows, independently: the text's ids through transformers' GGUF model and its own loss.
     ids = token_stream("wikitext2:test", 4 * 1024, model.tokenizer).view(4, 1024)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name
-    ).eval()
+    _, reference = smollm2_transformers
     with torch.no_grad():
         losses = [reference(ids[i : i + 2], labels=ids[i : i + 2]).loss.item() for i in range(0, 4, 2)]
     theirs = math.exp(sum(losses) / len(losses))  # equal-length windows: the mean of means is the mean
