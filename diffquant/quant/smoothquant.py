@@ -36,6 +36,7 @@ from diffquant.models.attention import Linear, RMSNorm
 from diffquant.models.hf_names import hf_key_map
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
+from diffquant.quant.caches import drop_weight_cache
 from diffquant.quant.modules import (
     BackendLinear,
     linear_modules,
@@ -304,8 +305,7 @@ def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor]) -> None:
         for linear in linears.values():
             lw = linear.weight
             lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))
-            if linear.weight_quantizer is not None:  # its cache holds the old weight: quantize afresh
-                linear.weight_quantizer._weight_cache = None
+            drop_weight_cache(linear.weight_quantizer)  # its cache holds the old weight: quantize afresh
 
 
 def _checked_groups(model: nn.Module) -> list[tuple[str, RMSNorm, dict[str, nn.Module]]]:

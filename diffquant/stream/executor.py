@@ -59,6 +59,7 @@ from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
+from diffquant.quant.caches import drop_weight_cache
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.modules import taps_detached
 from diffquant.quant.plan import QuantPlan, apply_plan
@@ -586,9 +587,9 @@ class StreamedModel:
             for sub in module.modules():
                 for name, p in list(sub.named_parameters(recurse=False)):
                     setattr(sub, name, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False))
-                quantizer = getattr(sub, "weight_quantizer", None)
-                if isinstance(quantizer, FakeQuant):
-                    quantizer._weight_cache = None  # the quantized copy of the released weight
+                drop_weight_cache(
+                    getattr(sub, "weight_quantizer", None)
+                )  # the released weight's quantized copy
             if self.rotation is not None:
                 drop_online(module)  # the stage's rotation matrices: attached again when it is read
         if self.config.tie_embeddings:
