@@ -452,3 +452,44 @@ def test_sweep_loads_each_model_once_and_matches_per_cell_loading(tmp_path, text
         k: {f: v for f, v in r.items() if f not in strip} for k, r in read_cells(tmp_path / "reload").items()
     }
     assert cells == again
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("DIFFQUANT_LONG_TESTS") != "1",
+    reason="100 s on 2 cores (13 SmolLM2 loads in the per-cell arm); DIFFQUANT_LONG_TESTS=1 runs it",
+)
+def test_shipped_smollm2_recipe_loads_the_model_once_and_matches_per_cell_loading(tmp_path, monkeypatch):
+    """The shipped 13-cell SmolLM2 recipe (the unquantized cell and its 12 plans) loads SmolLM2 once, counted
+    by a counting loader, and its results are the bytes of a sweep that loads the model for every cell.
+    Only the amounts of text shrink (calibration and scoring tokens) to keep the test cheap; the model, the
+    plans (calibrated, static, dynamic, bitsandbytes backend) and the task type are the recipe's own."""
+    from diffquant.eval import sweep
+    from diffquant.recipes import model_tokenizer_paths
+    from diffquant.stages import sweep_spec
+
+    recipe = load_recipe("smollm2")
+    task = dict(recipe["eval"]["tasks"][0], tokens=128, seq_len=64)
+    calib = dict(recipe["data"]["calib"], tokens=128, seq_len=64)
+    spec = sweep_spec(
+        recipe["models"],
+        recipe["sweep"]["plans"],
+        [parse_task(task)],
+        calib,
+        recipe["eval"]["batch_size"],
+        recipe,
+        model_tokenizer_paths(recipe),
+    )
+    assert len(spec.models) * len(spec.plans) * len(spec.tasks) == 13
+    real = sweep.load_for_sweep
+    loads: list[str] = []
+    monkeypatch.setattr(sweep, "load_for_sweep", lambda s, name: loads.append(name) or real(s, name))
+    run_sweep(spec, tmp_path / "reuse")
+    assert loads == ["smollm2"]
+    loads.clear()
+    monkeypatch.setattr(sweep, "REUSE_LOADED", False)
+    run_sweep(spec, tmp_path / "reload")
+    assert loads == ["smollm2"] * 13
+    for name in ("results.json", "results.csv"):
+        assert (tmp_path / "reuse" / name).read_bytes() == (tmp_path / "reload" / name).read_bytes(), name
