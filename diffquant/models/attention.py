@@ -142,7 +142,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LayerKV:
-    """Keys (post-RoPE) and values of one layer for incremental decoding."""
+    """Keys (post-RoPE) and values of one layer for incremental decoding. A cache with ``pre_rope`` True
+    (a quantized cache, diffquant/quant/kv_cache.py) takes keys before RoPE and returns them unrotated; the
+    layer then rotates every returned key at its position."""
+
+    pre_rope = False
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
@@ -228,6 +232,7 @@ class Attention(nn.Module):
         positions = torch.arange(pos0, pos0 + t, device=x.device)
         inv_freq = self.rope_inv_freq(x.device)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
+        k_unrotated = k
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.qk_rotation is not None:
             q, k = self.qk_rotation(q, k)
@@ -239,7 +244,19 @@ class Attention(nn.Module):
             self.last_path = "triton"
             return self._output(out, bsz, t)
         q, k, v = self.q(q), self.k(k), self.v(v)
-        if cache is not None:
+        if cache is not None and cache.pre_rope:
+            # KVQuant's pre-RoPE keys: the cache stores keys before RoPE; every key it returns is rotated
+            # at its own position (the new ones come back exact, so they equal ``k``).
+            keys, v = cache.append(k_unrotated, v)
+            cos_all, sin_all = rope_cos_sin(
+                torch.arange(keys.shape[2], device=x.device),
+                self.head_dim,
+                self.config.rope_theta,
+                q.dtype,
+                inv_freq,
+            )
+            k = apply_rope(keys, cos_all, sin_all)
+        elif cache is not None:
             k, v = cache.append(k, v)
         lam = self._lambda(x)
         if cache is None and x.is_cuda and _flash_ready(self, x):

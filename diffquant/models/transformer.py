@@ -8,6 +8,7 @@ between baseline, DIFF V1 and DIFF V2 models.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,10 +59,11 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Per-layer keys and values of the tokens decoded so far."""
+    """Per-layer keys and values of the tokens decoded so far. ``layer``: a factory depth -> layer cache (a
+    plan's quantized cache, diffquant/quant/kv_cache.py); None: full-precision :class:`LayerKV`."""
 
-    def __init__(self, n_layers: int) -> None:
-        self.layers = [LayerKV() for _ in range(n_layers)]
+    def __init__(self, n_layers: int, layer: Callable[[int], LayerKV] | None = None) -> None:
+        self.layers = [LayerKV() if layer is None else layer(i) for i in range(n_layers)]
 
     @property
     def length(self) -> int:
@@ -115,7 +117,8 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.norm(x))
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.n_layers)
+        """An empty cache for decoding; quantized when a plan's ``kv_cache`` set ``kv_cache_layer``."""
+        return KVCache(self.config.n_layers, getattr(self, "kv_cache_layer", None))
 
     @torch.no_grad()
     def generate(

@@ -15,9 +15,12 @@ A plan is a list of rules and an optional real backend::
       modules: ["layers.*"]
     smooth: {alpha: 0.5}                  # optional: SmoothQuant smoothing before calibration (fake-quant only)
     rotate: {residual: hadamard, heads: hadamard, ffn: hadamard, qk: none}   # optional: QuaRot rotation
+    kv_cache: {bits: 4, keys: channel, values: token, group: 32, residual: 128}  # optional: KIVI cache
 
 The plan is a pipeline with one order: rotation (:mod:`~diffquant.quant.rotate`) when the plan is applied,
-then the quantizers are inserted, then (at calibration) SmoothQuant smoothing and static scales.
+then the quantizers are inserted, then (at calibration) SmoothQuant smoothing and static scales. The
+``kv_cache`` section (:mod:`~diffquant.quant.kv_cache`) changes no weight: it makes the model's decoding cache
+a quantized one, and is re-attached from the plan when a quantized checkpoint is loaded.
 
 ``apply_plan`` inserts FakeQuant modules at the matching taps and weights (weights are quantized once and
 cached), and swaps matching Linears for the backend's layers, keeping their input taps. This module holds
@@ -43,6 +46,7 @@ from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, BNB_MODES
 from diffquant.quant.backends.quanto import QUANTO_ACTIVATIONS, QUANTO_WEIGHTS
 from diffquant.quant.calibrate import calibrate
 from diffquant.quant.fake import FakeQuant
+from diffquant.quant.kv_cache import KVCacheSpec, attach_kv_cache
 from diffquant.quant.modules import (
     BackendLinear,
     apply_backend,
@@ -161,6 +165,7 @@ class PlanDoc:
     smooth: SmoothSpec | None = key(None, what="a mapping")
     rotate: RotateSpec | None = key(None, what="a mapping")
     weights: WeightsSpec | None = key(None, what="a mapping")
+    kv_cache: KVCacheSpec | None = key(None, what="a mapping")
 
 
 @dataclass
@@ -172,6 +177,7 @@ class QuantPlan:
     smooth: SmoothSpec | None = None
     rotate: RotateSpec | None = None
     weights: WeightsSpec | None = None
+    kv_cache: KVCacheSpec | None = None
 
     # -------------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +190,8 @@ class QuantPlan:
             out["rotate"] = self.rotate.to_dict()
         if self.weights is not None:
             out["weights"] = self.weights.to_dict()
+        if self.kv_cache is not None:
+            out["kv_cache"] = self.kv_cache.to_dict()
         out["rules"] = [r.to_dict() for r in self.rules]
         if self.backend is not None:
             out["backend"] = self.backend.to_dict()
@@ -206,9 +214,11 @@ class QuantPlan:
         backend = None
         if doc["backend"] is not None:
             backend = _backend(doc["backend"], set(data["backend"]), f"{source}: backend")
-        if not rules and backend is None and doc["rotate"] is None and doc["weights"] is None:
+        sections = (doc["rotate"], doc["weights"], doc["kv_cache"])
+        if not rules and backend is None and all(section is None for section in sections):
             raise DiffquantError(
-                f"{source}: a plan needs at least one rule, a backend, a rotation or a weights section"
+                f"{source}: a plan needs at least one rule, a backend, a rotation, a weights or a kv_cache "
+                "section"
             )
         smooth = None
         if doc["smooth"] is not None:
@@ -237,7 +247,17 @@ class QuantPlan:
                     f"{source}: weights: works with fake-quant rules only; the backend {backend.name} "
                     "quantizes its Linears' weights itself"
                 )
-        return cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate, weights)
+        kv_cache = None
+        if doc["kv_cache"] is not None:
+            kv_cache = KVCacheSpec(**doc["kv_cache"])
+            if kv_cache.pre_rope and rotate is not None and rotate.qk != "none":
+                raise DiffquantError(
+                    f"{source}: kv_cache.pre_rope caches keys before RoPE, but rotate.qk rotates them after "
+                    "RoPE; use one of the two"
+                )
+        plan = cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate, weights)
+        plan.kv_cache = kv_cache
+        return plan
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
@@ -377,6 +397,16 @@ def apply_plan(
         for name in weight_linears:
             spec.grid.check(tuple(weight_linears[name].weight.shape), f"plan {plan.name}: weights: {name}")
     backend_linears = {}
+    if plan.kv_cache is not None:
+        plan.kv_cache.check_model(model.config.head_dim, model.config.value_dim, f"plan {plan.name}")
+        if plan.kv_cache.pre_rope:
+            for i, (_, taps, _) in enumerate(selected):
+                keys = sorted(name for name, tap in taps.items() if tap.kind == "k")
+                if keys:
+                    raise DiffquantError(
+                        f"{keys[0]}: plan {plan.name}: rules[{i}] quantizes this key site, but kv_cache.pre_rope "
+                        "caches the keys before RoPE, ahead of the site; drop one of the two"
+                    )
     if plan.backend is not None:
         spec = plan.backend
         backend_linears = select_linears(
@@ -405,5 +435,7 @@ def apply_plan(
         applied += attach_weights(plan.weights, weight_linears, fill=fill)
     if plan.backend is not None:
         applied += apply_backend(model, plan.backend, backend_linears)
+    if plan.kv_cache is not None:
+        applied += attach_kv_cache(model, plan.kv_cache, f"plan {plan.name}")
     model.quant_plan = plan
     return applied

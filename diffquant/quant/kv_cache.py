@@ -1,0 +1,287 @@
+"""A quantized KV cache for decoding (KIVI, Liu et al. 2024, arXiv 2402.02750): packed codes, not fake floats.
+
+A plan's ``kv_cache`` section replaces every layer's cache (:class:`~diffquant.models.attention.LayerKV`)
+with a :class:`QuantizedLayerKV` when the model decodes (``model.new_cache()``: greedy generation, needle
+retrieval, lm-eval ``generate_until``, decode-mode perplexity). A whole-window forward has no cache and is
+not affected. Per layer, keys and values each hold three parts, in token order::
+
+    [ sinks: the first ``sinks`` tokens, full precision ]   (attention sinks, Xiao et al. 2024)
+    [ body: quantized, packed codes + scale + zero per group ]
+    [ window: up to ``residual`` recent tokens, full precision ]
+
+New tokens join the window (after the sinks are full). Attention at a step reads sinks + the dequantized
+body + the window, the new tokens included in full precision; then, when the window holds ``residual``
+tokens or more, its tokens move into the body, quantized (tokens grouped along the token axis move in
+whole groups; the rest waits). That is KIVI's streaming scheme.
+
+Quantization is asymmetric min-max per group (KIVI eq. (1); the rule of optimum-quanto's ``MaxOptimizer``
+that transformers' ``QuantizedCache`` uses): for a group G with lo = min G, hi = max G and b bits,
+``scale = (hi - lo) / (2^b - 1)``, ``code = clamp(round((x - lo) / scale), 0, 2^b - 1)`` (round half to even),
+``x_hat = code * scale + lo``. A constant group (scale 0) stores code 0 and reads back lo exactly.
+
+Groups: ``token`` = ``group`` consecutive channels of one token of one head (KIVI's values; quanto
+``axis=0``); ``channel`` = ``group`` consecutive tokens of one channel of one head (KIVI's keys: key outliers
+sit in fixed channels, so per-channel scales isolate them; quanto ``axis=-1`` when the sequence is a multiple
+of the group). ``pre_rope`` (KVQuant, Hooper et al. 2024) caches keys before RoPE and rotates the
+dequantized keys at every read, so the quantizer sees keys whose outlier channels are not mixed by position.
+
+Codes are packed ``8 / bits`` per byte along the channel dim; scale and zero are kept in the cache's dtype.
+:meth:`QuantizedLayerKV.nbytes` counts the bytes of the tensors it holds.
+
+Works for all three attention kinds: the cache holds what the layer's K / V projections produce (DIFF V1:
+two key sub-heads per KV head and 2d-wide values; DIFF V2: the baseline's K / V heads, read by both query
+heads of a pair).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from diffquant.errors import DiffquantError
+from diffquant.models.attention import LayerKV
+from diffquant.schema import key
+
+AXES = ("token", "channel")
+Axis = Literal["token", "channel"]
+FORMATS = ("int",)
+
+
+@dataclass
+class KVCacheSpec:
+    """A plan's ``kv_cache`` section (checked by :func:`diffquant.schema.check`). Defaults: KIVI's setting
+    (keys per channel, values per token) at 4 bits, groups of 32, a 128-token full-precision window."""
+
+    bits: Literal[2, 4, 8] = key(4)
+    keys: Axis = key("channel")
+    values: Axis = key("token")
+    group: int = key(32, min=1)
+    residual: int = key(128, min=0)
+    sinks: int = key(0, min=0)
+    pre_rope: bool = key(False)
+    format: Literal["int"] = key("int")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def label(self) -> str:
+        extra = [f"r{self.residual}"] + ([f"sinks{self.sinks}"] if self.sinks else [])
+        extra += ["pre-rope"] if self.pre_rope else []
+        return f"kv{self.bits} K:{self.keys} V:{self.values} g{self.group} " + " ".join(extra)
+
+    def check_model(self, head_dim: int, value_dim: int, where: str) -> None:
+        """One-line errors for a group that cannot tile this model's heads or the window."""
+        for name, axis, width in (("keys", self.keys, head_dim), ("values", self.values, value_dim)):
+            if axis == "token" and width % self.group:
+                raise DiffquantError(
+                    f"{where}: kv_cache.group {self.group} does not divide the {name}' head width {width} "
+                    f"({name}: token groups channels of one token)"
+                )
+            if axis == "token" and (width * self.bits) % 8:
+                raise DiffquantError(
+                    f"{where}: kv_cache: {self.bits}-bit codes of {width} channels do not fill whole bytes"
+                )
+            if axis == "channel":
+                if self.residual == 0 or self.residual % self.group:
+                    raise DiffquantError(
+                        f"{where}: kv_cache.residual {self.residual} must be a positive multiple of "
+                        f"group {self.group} ({name}: channel groups {self.group} tokens, which wait in the "
+                        "window until a group is full)"
+                    )
+                if (width * self.bits) % 8:
+                    raise DiffquantError(
+                        f"{where}: kv_cache: {self.bits}-bit codes of {width} channels do not fill whole bytes"
+                    )
+
+
+# ------------------------------------------------------------------------------------------ codes
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes (< 2^bits) packed ``8 // bits`` per byte along the last dim (low bits first)."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = c[..., 0].clone()
+    for i in range(1, per):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: uint8 codes, the last dim ``8 // bits`` times longer."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _grouped(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
+    """(B, H, S, D) -> groups on the last dim: token axis (B, H, S, D/g, g), channel axis (B, H, S/g, D, g)."""
+    b, h, s, d = x.shape
+    if axis == "token":
+        return x.reshape(b, h, s, d // group, group)
+    return x.reshape(b, h, s // group, group, d).transpose(-1, -2)
+
+
+def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if axis == "token":
+        return g.reshape(shape)
+    return g.transpose(-1, -2).reshape(shape)
+
+
+def quantize_groups(
+    x: torch.Tensor, bits: int, axis: str, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (B, H, S, D) uint8 in [0, 2^bits), scale, zero) of asymmetric min-max groups of ``x``
+    (B, H, S, D); scale / zero have the group dim reduced (token: (B, H, S, D/g); channel: (B, H, S/g, D))."""
+    g = _grouped(x, axis, group)
+    lo = g.amin(-1)
+    hi = g.amax(-1)
+    scale = (hi - lo) / (2**bits - 1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((g - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 2**bits - 1)
+    codes = _ungrouped(codes.to(torch.uint8), axis, tuple(x.shape))
+    return codes, scale, lo
+
+
+def dequantize_groups(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str, group: int
+) -> torch.Tensor:
+    """x_hat = code * scale + zero per group (the inverse of :func:`quantize_groups` up to rounding)."""
+    g = _grouped(codes, axis, group).to(scale.dtype)
+    return _ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), axis, tuple(codes.shape))
+
+
+# ------------------------------------------------------------------------------------------ the cache
+class _Stream:
+    """Keys or values of one layer: full-precision sinks, the packed quantized body, the full window."""
+
+    def __init__(self, spec: KVCacheSpec, axis: str) -> None:
+        self.spec, self.axis = spec, axis
+        self.sink: torch.Tensor | None = None
+        self.window: torch.Tensor | None = None
+        self.codes: torch.Tensor | None = None  # packed (B, H, N, D * bits / 8)
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+
+    @property
+    def body_len(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[2]
+
+    def _len(self, t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.shape[2]
+
+    @property
+    def length(self) -> int:
+        return self._len(self.sink) + self.body_len + self._len(self.window)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Add new tokens (B, H, T, D); return every cached token (B, H, S, D) for this step's attention."""
+        free = self.spec.sinks - self._len(self.sink)
+        if free > 0:
+            head, x = x[:, :, :free], x[:, :, free:]
+            self.sink = head if self.sink is None else torch.cat([self.sink, head], dim=2)
+        if x.shape[2]:
+            self.window = x if self.window is None else torch.cat([self.window, x], dim=2)
+        parts = [t for t in (self.sink, self.body(), self.window) if t is not None and t.shape[2]]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        self._flush()
+        return out
+
+    def body(self) -> torch.Tensor | None:
+        """The quantized body, dequantized (B, H, N, D), or None."""
+        if self.codes is None:
+            return None
+        codes = unpack(self.codes, self.spec.bits)
+        return dequantize_groups(codes, self.scale, self.zero, self.axis, self.spec.group)
+
+    def _flush(self) -> None:
+        n = self._len(self.window)
+        if n == 0 or n < self.spec.residual:
+            return
+        if self.axis == "channel":
+            n -= n % self.spec.group  # whole groups of tokens only
+            if n == 0:
+                return
+        move, self.window = self.window[:, :, :n], self.window[:, :, n:]
+        codes, scale, zero = quantize_groups(move, self.spec.bits, self.axis, self.spec.group)
+        codes = pack(codes, self.spec.bits)
+        if self.codes is None:
+            self.codes, self.scale, self.zero = codes, scale, zero
+        else:
+            self.codes = torch.cat([self.codes, codes], dim=2)
+            self.scale = torch.cat([self.scale, scale], dim=2)
+            self.zero = torch.cat([self.zero, zero], dim=2)
+
+    def nbytes(self) -> dict[str, int]:
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "codes": size(self.codes),
+            "scales": size(self.scale),
+            "zeros": size(self.zero),
+            "full": size(self.sink) + size(self.window),
+            "quantized_tokens": self.body_len,
+        }
+
+
+class QuantizedLayerKV(LayerKV):
+    """One layer's KV cache under a :class:`KVCacheSpec` (see the module docstring)."""
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.pre_rope = spec.pre_rope
+        self._k = _Stream(spec, spec.keys)
+        self._v = _Stream(spec, spec.values)
+
+    @property
+    def length(self) -> int:
+        return self._k.length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k.append(k), self._v.append(v)
+
+    def nbytes(self) -> dict[str, dict[str, int]]:
+        return {"keys": self._k.nbytes(), "values": self._v.nbytes()}
+
+
+class KVCacheLayers:
+    """The model's cache-layer factory (``model.kv_cache_layer``): a QuantizedLayerKV per layer."""
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.spec = spec
+
+    def __call__(self, depth: int) -> QuantizedLayerKV:
+        return QuantizedLayerKV(self.spec)
+
+
+def attach_kv_cache(model: nn.Module, spec: KVCacheSpec, where: str = "plan") -> list[tuple[str, str, str]]:
+    """Make ``model.new_cache()`` return quantized caches; checks the group against the model's heads."""
+    config = model.config
+    spec.check_model(config.head_dim, config.value_dim, where)
+    model.kv_cache_layer = KVCacheLayers(spec)
+    return [("kv_cache", "layers.*", spec.label())]
+
+
+def cache_nbytes(cache: Any) -> dict[str, int]:
+    """Bytes held by a model's cache (summed over layers): codes, scales, zeros and full-precision tokens;
+    for an unquantized cache everything is ``full``."""
+    total = {"codes": 0, "scales": 0, "zeros": 0, "full": 0}
+    for layer in cache.layers:
+        if isinstance(layer, QuantizedLayerKV):
+            for part in layer.nbytes().values():
+                for name in total:
+                    total[name] += part[name]
+        else:
+            for t in (layer.k, layer.v):
+                if t is not None:
+                    total["full"] += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,326 @@
+"""The quantized KV cache (diffquant/quant/kv_cache.py): packed codes, KIVI's streaming window, references.
+
+References: transformers' ``QuantizedCache`` (quanto backend) on a tiny random HF Llama, for the setting both
+implement; a float64 brute force of the cache's definition written here (asymmetric min-max per group,
+sinks / body / window) for all three attention kinds; the full forward for an unquantized cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.io import load_model
+from diffquant.quant.kv_cache import (
+    KVCacheSpec,
+    cache_nbytes,
+    dequantize_groups,
+    pack,
+    quantize_groups,
+    unpack,
+)
+from diffquant.quant.plan import QuantPlan, apply_plan
+from tests.conftest import save_tiny_llama, tiny_model
+
+
+def _plan(**spec) -> QuantPlan:
+    return QuantPlan.from_dict({"name": "kv", "kv_cache": spec})
+
+
+def _decode(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of every position: the prefix in one call, then one token per call through the cache."""
+    cache = model.new_cache()
+    with torch.no_grad():
+        out = [model(ids[:, :prefill], cache)]
+        for t in range(prefill, ids.shape[1]):
+            out.append(model(ids[:, t : t + 1], cache))
+    return torch.cat(out, 1), cache
+
+
+# ------------------------------------------------------------------------------------------ codes
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trips_every_code(bits):
+    codes = torch.randint(
+        0, 2**bits, (2, 3, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 16 * bits // 8
+    assert torch.equal(unpack(packed, bits), codes)
+    # low bits first: the first code of a byte is its lowest bits
+    if bits < 8:
+        assert int(packed[0, 0, 0, 0]) & (2**bits - 1) == int(codes[0, 0, 0, 0])
+
+
+def _reference_groups(x: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tensor:
+    """x_hat of min-max groups, element by element from the definition, in float64."""
+    b, h, s, d = x.shape
+    out = torch.empty_like(x, dtype=torch.float64)
+    levels = 2**bits - 1
+    for bi in range(b):
+        for hi in range(h):
+            if axis == "token":
+                blocks = [(t, slice(c, c + group)) for t in range(s) for c in range(0, d, group)]
+            else:
+                blocks = [(slice(t, t + group), c) for t in range(0, s, group) for c in range(d)]
+            for t, c in blocks:
+                g = x[bi, hi, t, c].double()
+                lo, top = float(g.min()), float(g.max())
+                scale = (top - lo) / levels
+                q = (
+                    torch.zeros_like(g)
+                    if scale == 0
+                    else torch.clamp(torch.round((g - lo) / scale), 0, levels)
+                )
+                out[bi, hi, t, c] = q * scale + lo
+    return out
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_groups_follow_the_min_max_definition(axis, bits):
+    x = torch.randn(2, 2, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x[0, 0, :4, :4] = 0.25  # a constant group: code 0, read back exactly
+    codes, scale, zero = quantize_groups(x, bits, axis, 4)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
+    want = (2, 2, 8, 2) if axis == "token" else (2, 2, 2, 8)
+    assert scale.shape == want and zero.shape == want
+    got = dequantize_groups(codes, scale, zero, axis, 4)
+    ref = _reference_groups(x, bits, axis, 4)
+    assert torch.allclose(got, ref, rtol=0, atol=1e-12)
+    assert torch.equal(got[0, 0, :4, :4], x[0, 0, :4, :4])
+    # the error of each entry is at most half a step of its group
+    step = (ref - x).abs().max()
+    assert float(step) <= float(scale.max()) / 2 + 1e-12
+
+
+# ------------------------------------------------------------------------------------------ decode
+def test_unquantized_cache_decode_equals_the_full_forward(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+    for prefill in (1, 17):
+        dec, _ = _decode(model, ids, prefill)
+        assert (dec - full).abs().max() <= 1e-6
+
+
+def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> torch.Tensor:
+    """The cache's definition replayed in float64 on a float64 copy of the model: at each step every layer's
+    keys / values are [sinks | dequantized body | window] with the body re-derived from scratch (the tokens
+    quantized so far, in whole groups, from the full-precision keys and values recorded per token)."""
+    import copy
+
+    m64 = copy.deepcopy(model).double()
+    layers = [blk.attn for blk in m64.layers]
+    records = [{"k": [], "v": []} for _ in layers]  # per layer: full-precision tokens, in order
+    moved = [{"k": 0, "v": 0} for _ in layers]  # tokens in the body so far
+
+    class Replay:
+        pre_rope = spec.pre_rope
+
+        def __init__(self, i):
+            self.i = i
+
+        @property
+        def length(self):
+            return sum(t.shape[2] for t in records[self.i]["k"])
+
+        def append(self, k, v):
+            out = []
+            for name, x, axis in (("k", k, spec.keys), ("v", v, spec.values)):
+                records[self.i][name].append(x)
+                seq = torch.cat(records[self.i][name], 2)
+                n_sink = min(spec.sinks, seq.shape[2])
+                body_end = n_sink + moved[self.i][name]
+                body = seq[:, :, n_sink:body_end]
+                if body.shape[2]:
+                    pieces = []
+                    # the body was quantized in the chunks it moved in; groups never straddle chunks, and a
+                    # chunk re-quantized alone gives the same groups (token groups: per token; channel groups:
+                    # whole groups of tokens from the body's start)
+                    step = 1 if axis == "token" else spec.group
+                    for a in range(0, body.shape[2], step):
+                        pieces.append(
+                            _reference_groups(body[:, :, a : a + step], spec.bits, axis, spec.group)
+                        )
+                    body = torch.cat(pieces, 2)
+                out.append(torch.cat([seq[:, :, :n_sink], body, seq[:, :, body_end:]], 2))
+                window = seq.shape[2] - body_end
+                if window and window >= spec.residual:
+                    moved[self.i][name] += window - (window % spec.group if axis == "channel" else 0)
+            return out[0], out[1]
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Replay(i) for i in range(len(layers))]
+
+        @property
+        def length(self):
+            return self.layers[0].length
+
+    cache = Cache()
+    with torch.no_grad():
+        out = [m64(ids[:, :prefill], cache)]
+        for t in range(prefill, ids.shape[1]):
+            out.append(m64(ids[:, t : t + 1], cache))
+    return torch.cat(out, 1)
+
+
+SPECS = [
+    dict(bits=4, keys="channel", values="token", group=4, residual=8),
+    dict(bits=2, keys="token", values="channel", group=4, residual=4, sinks=3),
+    dict(bits=8, keys="channel", values="token", group=4, residual=4, sinks=1, pre_rope=True),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["kivi4", "kv2-sinks", "kv8-prerope"])
+def test_quantized_decode_equals_a_float64_brute_force(kind, spec):
+    model = tiny_model(kind).double()
+    ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(3))
+    reference = _brute_decode(model, ids, 9, KVCacheSpec(**spec))
+    apply_plan(model, _plan(**spec))
+    got, cache = _decode(model, ids, 9)
+    assert (got - reference).abs().max() <= 1e-9
+    with torch.no_grad():
+        full = model(ids)
+    assert (got - full).abs().max() > 1e-6  # the cache did quantize something
+    body = cache_nbytes(cache)
+    assert body["codes"] > 0
+
+
+def test_packed_bytes_equal_the_formula(kind):
+    spec = dict(bits=4, keys="channel", values="token", group=4, residual=8, sinks=2)
+    model = tiny_model(kind)
+    apply_plan(model, _plan(**spec))
+    ids = torch.randint(0, 61, (3, 37), generator=torch.Generator().manual_seed(4))
+    _, cache = _decode(model, ids, 5)
+    c = model.config
+    k_heads = 2 * c.n_kv_heads if kind == "diff_v1" else c.n_kv_heads
+    total = {"codes": 0, "scales": 0, "zeros": 0, "full": 0}
+    for layer in cache.layers:
+        sizes = layer.nbytes()
+        for name, heads, width in (("keys", k_heads, c.head_dim), ("values", c.n_kv_heads, c.value_dim)):
+            part = sizes[name]
+            n = part["quantized_tokens"]
+            # after the sinks, tokens move in whenever the window reaches 8 (keys: whole groups of 4)
+            window = 37 - 2 - n
+            assert 0 <= window < 8 + (4 if name == "keys" else 0)
+            elements = 3 * heads * n * width
+            groups = elements // 4
+            assert part["codes"] == elements * 4 // 8
+            assert part["scales"] == groups * 4 and part["zeros"] == groups * 4  # fp32 scale and zero
+            assert part["full"] == 3 * heads * (2 + window) * width * 4
+            for key in total:
+                total[key] += part[key]
+    assert cache_nbytes(cache) == total
+
+
+# ------------------------------------------------------------------------------------------ transformers
+def _quanto_python_unpack():
+    """A pure-torch CPU kernel for quanto's ``unpack`` op (its C++ one JIT-builds for ~50 s on first use):
+    quanto packs ``8 / bits`` values per byte along dim 0, value i in bits [bits * i, bits * (i + 1)), and
+    unpacks them as consecutive blocks of rows."""
+    import optimum.quanto  # noqa: F401 (defines the op)
+
+    def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+        parts = [(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]
+        return torch.cat(parts).to(torch.uint8)
+
+    lib = torch.library.Library("quanto", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("unpack", unpack_rows, "CPU")
+    return lib
+
+
+@pytest.mark.parametrize("axis_key", [0, -1], ids=["keys-per-token", "keys-per-channel"])
+def test_decode_logits_equal_transformers_quantized_cache(tmp_path, axis_key):
+    """transformers' QuantizedCache (quanto backend) keeps up to ``residual_length`` new tokens in full
+    precision and then re-quantizes everything; its prefill quantizes the whole prompt. It equals diffquant's
+    cache (sinks 0) when the prompt is at least the window and both are whole groups: axis 0 = diffquant's
+    ``token`` groups (q_group_size channels of one token), axis -1 = ``channel`` groups (q_group_size tokens
+    of one channel), re-quantizing a dequantized group returning the same codes."""
+    pytest.importorskip("optimum.quanto")
+    import transformers
+
+    lib = _quanto_python_unpack()  # noqa: F841 (kept alive for the test)
+    folder = save_tiny_llama(tmp_path / "llama", context=128)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(f"hf:{folder}").eval()
+    group, residual, prompt = 8, 16, 32
+    apply_plan(
+        ours,
+        _plan(
+            bits=4,
+            keys="token" if axis_key == 0 else "channel",
+            values="token",
+            group=group,
+            residual=residual,
+        ),
+    )
+    ids = torch.randint(0, 320, (2, prompt + 40), generator=torch.Generator().manual_seed(5))
+    cache = transformers.QuantizedCache(
+        backend="quanto",
+        config=hf.config,
+        nbits=4,
+        axis_key=axis_key,
+        axis_value=0,
+        q_group_size=group,
+        residual_length=residual,
+    )
+    with torch.no_grad():
+        theirs = [hf(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            theirs.append(hf(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+    theirs = torch.cat(theirs, 1)
+    got, _ = _decode(ours, ids, prompt)
+    with torch.no_grad():
+        full = hf(input_ids=ids).logits
+    assert (got - theirs).abs().max() <= 1e-5
+    assert (theirs - full).abs().max() > 1e-3  # their cache did quantize
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (dict(bits=3), "kv_cache.bits"),
+        (dict(keys="head"), "kv_cache.keys"),
+        (dict(group=0), "kv_cache.group"),
+        (dict(format="fp8"), "kv_cache.format"),
+        (dict(pre_rope=1), "kv_cache.pre_rope"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
+def test_bad_kv_cache_sections_are_one_line_errors(spec, words):
+    with pytest.raises(DiffquantError, match=words) as err:
+        _plan(**spec)
+    assert "\n" not in str(err.value)
+
+
+def test_groups_that_do_not_tile_the_heads_are_refused(kind):
+    model = tiny_model(kind)  # head_dim 8
+    with pytest.raises(DiffquantError, match="group 3 does not divide"):
+        apply_plan(model, _plan(bits=4, keys="token", values="token", group=3, residual=0))
+    with pytest.raises(DiffquantError, match="multiple of group 4"):
+        apply_plan(model, _plan(bits=4, keys="channel", group=4, residual=6))
+    assert getattr(model, "kv_cache_layer", None) is None and getattr(model, "quant_plan", None) is None
+
+
+def test_pre_rope_refuses_a_key_site_quantizer_and_a_qk_rotation():
+    model = tiny_model("baseline")
+    doc = {"name": "kv", "kv_cache": {"pre_rope": True, "group": 4, "residual": 8}}
+    plan = QuantPlan.from_dict({**doc, "rules": [{"sites": ["kind:k"], "scheme": "int8:token"}]})
+    with pytest.raises(DiffquantError, match="pre_rope"):
+        apply_plan(model, plan)
+    with pytest.raises(DiffquantError, match="rotate.qk"):
+        QuantPlan.from_dict({**doc, "rotate": {"qk": "hadamard"}})
+
+
+def test_the_plan_round_trips_its_kv_cache_section():
+    plan = _plan(bits=2, keys="token", values="channel", group=16, residual=32, sinks=4)
+    again = QuantPlan.from_dict(plan.to_dict())
+    assert again.kv_cache == plan.kv_cache and again.to_dict() == plan.to_dict()
