@@ -16,6 +16,7 @@ from diffquant.errors import DiffquantError
 from diffquant.io import load_model
 from diffquant.quant.kv_cache import (
     KVCacheSpec,
+    QuantizedLayerKV,
     cache_nbytes,
     dequantize_groups,
     pack,
@@ -324,3 +325,88 @@ def test_the_plan_round_trips_its_kv_cache_section():
     plan = _plan(bits=2, keys="token", values="channel", group=16, residual=32, sinks=4)
     again = QuantPlan.from_dict(plan.to_dict())
     assert again.kv_cache == plan.kv_cache and again.to_dict() == plan.to_dict()
+
+
+# ------------------------------------------------------------------------------------------ tasks
+def _stream_ids() -> torch.Tensor:
+    return torch.randint(0, 61, (4 * 48,), generator=torch.Generator().manual_seed(6))
+
+
+def test_decode_mode_perplexity_scores_the_decoded_targets(kind):
+    from diffquant.data.tokenizer import ByteTokenizer
+    from diffquant.eval.perplexity import evaluate_stream
+
+    model = tiny_model(kind, vocab_size=259)
+    stream = torch.randint(0, 256, (4 * 48,), generator=torch.Generator().manual_seed(6))
+    tok = ByteTokenizer()
+    got = evaluate_stream(
+        model, stream, tokenizer=tok, seq_len=48, windows="disjoint", batch_size=3, decode=10
+    )
+    with torch.no_grad():
+        ids = stream.view(4, 48)
+        logp = torch.log_softmax(model(ids).double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    scored = logp[:, 10:]  # targets 11 .. 47: each predicted by a decode step
+    assert got["n_tokens_scored"] == scored.numel() == 4 * 37
+    assert abs(got["perplexity"] - float(torch.exp(-scored.mean()))) <= 1e-6 * got["perplexity"]
+    apply_plan(model, _plan(bits=2, keys="channel", values="token", group=4, residual=4))
+    quantized = evaluate_stream(
+        model, stream, tokenizer=tok, seq_len=48, windows="disjoint", batch_size=3, decode=10
+    )
+    assert quantized["n_tokens_scored"] == got["n_tokens_scored"]
+    assert quantized["perplexity"] != got["perplexity"]
+
+
+def test_a_kv_cache_plan_on_a_task_that_never_decodes_says_so():
+    from diffquant.eval.tasks import parse_task, run_task
+
+    model = tiny_model("diff_v2", vocab_size=259)
+    apply_plan(model, _plan(bits=4, group=4, residual=8))
+    for spec in ("ppl:data=stdlib:validation,tokens=256,seq_len=64", "bpb:tokens=256,seq_len=64"):
+        with pytest.raises(DiffquantError, match="kv_cache acts only when the model decodes") as err:
+            run_task(model, parse_task(spec))
+        assert "\n" not in str(err.value)
+    with pytest.raises(DiffquantError, match="decode"):
+        run_task(model, parse_task("ppl:data=stdlib:validation,tokens=256,seq_len=64,decode=63"))
+
+
+def test_a_quantized_cache_branches_by_rows(kind):
+    model = tiny_model(kind)
+    apply_plan(model, _plan(bits=4, keys="channel", values="token", group=4, residual=4, sinks=1))
+    ids = torch.randint(0, 61, (3, 23), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(ids[:, :20], cache)
+        rows = torch.tensor([2, 0])
+        branch = model.new_cache()
+        branch.layers = [layer.select_rows(rows) for layer in cache.layers]
+        alone = model.new_cache()
+        model(ids[rows, :20], alone)
+        for t in range(20, 23):
+            a, b = model(ids[rows, t : t + 1], branch), model(ids[rows, t : t + 1], alone)
+            assert (a - b).abs().max() <= 1e-6  # (a batch of 3 and one of 2 round matmuls differently)
+
+
+def test_cli_quantize_records_the_cache_and_eval_measures_it(tmp_path, capsys):
+    from diffquant.cli import main
+
+    plan = tmp_path / "kv2.yaml"
+    plan.write_text("name: kv2\nkv_cache: {bits: 2, keys: channel, values: token, group: 8, residual: 16}\n")
+    out = tmp_path / "q"
+    args = ["--calib-tokens", "256", "--seq-len", "64", "--eval-tokens", "256"]
+    assert main(["quantize", "init:diff_v2:tiny", "--plan", str(plan), "--out", str(out), *args]) == 0
+    assert "KV cache for decoding: kv2 K:channel V:token g8 r16" in capsys.readouterr().out
+    reloaded = load_model(str(out))
+    assert isinstance(reloaded.new_cache().layers[0], QuantizedLayerKV)
+    assert reloaded.quant_plan.kv_cache == KVCacheSpec(bits=2, group=8, residual=16)
+    # a task that never decodes is refused before the run folder exists
+    task = "ppl:data=stdlib:validation,tokens=512,seq_len=128"
+    assert (
+        main(["eval", "init:diff_v2:tiny", "--plan", str(plan), "--task", task, "--out", str(tmp_path / "e")])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kv_cache acts only when the model decodes" in err[0]
+    assert not (tmp_path / "e").exists()
+    assert main(["eval", str(out), "--task", task, "--out", str(tmp_path / "e")]) == 2  # its own plan
+    assert "model q's kv_cache acts only" in capsys.readouterr().err and not (tmp_path / "e").exists()
+    assert main(["eval", str(out), "--task", task + ",decode=32", "--out", str(tmp_path / "e")]) == 0

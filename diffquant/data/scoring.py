@@ -198,11 +198,14 @@ class StreamScorer:
         self.n_scored = self.n_bytes = 0
         self.per_window: list[tuple[float, int, int]] = []  # (nats, targets, bytes) of each window scored
 
-    def add(self, batch: Sequence[Window], ids: torch.Tensor, logp: torch.Tensor) -> None:
-        """Tally one batch: ``logp`` (B, T-1), column j the log-probability of target start + j + 1."""
+    def add(
+        self, batch: Sequence[Window], ids: torch.Tensor, logp: torch.Tensor, first_scored: int = 0
+    ) -> None:
+        """Tally one batch: ``logp`` (B, T-1), column j the log-probability of target start + j + 1.
+        ``first_scored``: no target before this position of a window is scored (decode mode: the prefill)."""
         logp = logp.double()
         positions = torch.arange(1, ids.shape[1])
-        first = torch.tensor([score_from - start for start, _, score_from in batch])
+        first = torch.tensor([max(score_from - start, first_scored) for start, _, score_from in batch])
         target_bytes = torch.stack([self.position_bytes[start + 1 : end] for start, end, _ in batch])
         # text tokens are scored (a lone dummy-prefix piece too, though it stands for no byte of the text)
         keep = (positions[None, :] >= first[:, None]) & (self.byte_len[ids[:, 1:]] > 0)

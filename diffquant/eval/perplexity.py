@@ -71,6 +71,21 @@ def target_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return gather_logprobs(logits[:, :-1], ids[:, 1:])
 
 
+def decode_logprobs(model: Any, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """:func:`target_logprobs` the way a model generates: the first ``prefill`` tokens in one forward into
+    ``model.new_cache()``, then one token per forward through the cache (where a plan's quantized KV cache
+    acts). Columns 0 .. prefill-1 come from the prefill; column t >= prefill is predicted by the decode step
+    that feeds token t."""
+    device = _model_device(model)
+    ids = ids.to(device)
+    prefill = min(prefill, ids.shape[1] - 1)  # a window shorter than the prefill is all prefill
+    cache = model.new_cache()
+    out = [gather_logprobs(model(ids[:, :prefill], cache), ids[:, 1 : prefill + 1])]
+    for t in range(prefill, ids.shape[1] - 1):
+        out.append(gather_logprobs(model(ids[:, t : t + 1], cache), ids[:, t + 1 : t + 2]))
+    return torch.cat(out, dim=1)
+
+
 def evaluate_stream(
     model: Any,
     stream: torch.Tensor,
@@ -81,8 +96,13 @@ def evaluate_stream(
     windows: str | None = None,
     batch_size: int = 8,
     progress: bool = False,
+    decode: int | None = None,
 ) -> dict[str, Any]:
     """:func:`evaluate_bpb` on a token stream already in memory (1-D long), e.g. one reused across a sweep.
+
+    ``decode`` (decode-mode perplexity): each window's first ``decode`` tokens are prefilled into the model's
+    KV cache and the rest run one token per forward (:func:`decode_logprobs`); only the targets after the
+    prefill that a decode step predicts (positions decode + 1 ..) are scored.
 
     ``tokenizer`` (default: the model's, see :func:`diffquant.data.model_tokenizer`) says how many bytes
     each target stands for; targets of 0 bytes (specials) are not scored. The schedule and the tally are
@@ -103,9 +123,15 @@ def evaluate_stream(
         show_progress(total=len(scorer.plan), desc="ppl", unit="win", bar=progress) as bar,
     ):
         for batch, ids in scorer.batches:
-            scorer.add(batch, ids, target_logprobs(model, ids))
+            if decode is None:
+                scorer.add(batch, ids, target_logprobs(model, ids))
+            else:
+                scorer.add(batch, ids, decode_logprobs(model, ids, decode), first_scored=decode + 1)
             bar.update(len(batch))
-    return scorer.result()
+    out = scorer.result()
+    if decode is not None:
+        out["decode"] = decode
+    return out
 
 
 def evaluate_bpb(
@@ -120,6 +146,7 @@ def evaluate_bpb(
     progress: bool = False,
     tokenizer: Tokenizer | None = None,
     evaluate: Callable[..., dict[str, Any]] | None = None,
+    decode: int | None = None,
 ) -> dict[str, Any]:
     """Token perplexity and bits per byte of ``model`` on the first ``max_tokens`` tokens of ``source``.
 
@@ -138,10 +165,17 @@ def evaluate_bpb(
     ``tokenizer``. A source of fewer tokens than one window is refused (``max_tokens`` below seq_len
     scores that many tokens in one window). ``evaluate`` replaces :func:`evaluate_stream` (same
     arguments), e.g. with the layer-streamed run of a weightless skeleton
-    (:func:`diffquant.stream.evaluate_streamed`).
+    (:func:`diffquant.stream.evaluate_streamed`). ``decode``: decode-mode perplexity (see
+    :func:`evaluate_stream`); it needs a model with ``new_cache()`` and a window longer than decode + 1.
     """
     _check_int("max_tokens", max_tokens, 2)
     window = _check_settings(model, seq_len, stride, batch_size, windows)  # fail before reading any data
+    if decode is not None:
+        _check_int("decode", decode, 1, min(window, max_tokens) - 2)
+        if not callable(getattr(model, "new_cache", None)) or evaluate is not None:
+            raise DiffquantError(
+                "decode: decode-mode perplexity needs a whole model with a KV cache (new_cache)"
+            )
     tokenizer = tokenizer or model_tokenizer(model)
     stream = token_stream(source, max_tokens, tokenizer)
     if stream.numel() < min(window, max_tokens):
@@ -149,6 +183,18 @@ def evaluate_bpb(
         # window would report a number for seq_len `window` that no window of that length produced
         raise DiffquantError(
             f"data source {source!r} has {stream.numel()} tokens, fewer than one window of seq_len {window}"
+        )
+    if decode is not None:
+        return evaluate_stream(
+            model,
+            stream,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            stride=stride,
+            windows=windows,
+            batch_size=batch_size,
+            progress=progress,
+            decode=decode,
         )
     return (evaluate or evaluate_stream)(
         model,

@@ -130,6 +130,10 @@ def _branch_cache(model: Any, cache: Any, rows: torch.Tensor) -> Any | None:
     DecoderLM's cache rebinds (torch.cat) rather than mutates its tensors, so branches are independent.
     """
     layers = getattr(cache, "layers", None)
+    if layers is not None and all(callable(getattr(x, "select_rows", None)) and x.length for x in layers):
+        branch = model.new_cache()  # a quantized cache (a plan's kv_cache) branches its codes too
+        branch.layers = [x.select_rows(rows) for x in layers]
+        return branch
     if layers is None or not all(getattr(x, "k", None) is not None for x in layers):
         return None
     branch = model.new_cache()

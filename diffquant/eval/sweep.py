@@ -45,7 +45,7 @@ from diffquant.data import token_windows
 from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer, model_tokenizer
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
-from diffquant.eval.tasks import TaskSpec, default_text, parse_task, run_task
+from diffquant.eval.tasks import TaskSpec, default_text, kv_cache_refusal, parse_task, run_task
 from diffquant.io import load_model, peek_tokenizer
 from diffquant.io.artifacts import (
     model_content_sha256,
@@ -56,6 +56,7 @@ from diffquant.io.artifacts import (
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
+from diffquant.names import PLAN_FILE
 from diffquant.progress import outside_bars
 from diffquant.progress import progress as show_progress
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
@@ -332,7 +333,7 @@ class _Runner:
         return model
 
     def model(self, cell: Cell, task: TaskSpec | None = None):
-        if task is not None and task.reads_text and self.streams(cell.model):
+        if task is not None and task.streams and self.streams(cell.model):
             return self.streamed_model(cell)
         model = self._fresh(cell.model)
         if cell.plan != NONE_PLAN:
@@ -397,6 +398,7 @@ def run_sweep(
     rank, world = rank_and_world()
     say = log if log is not None and rank == 0 else None
     streams = _check_stream(spec)  # before the folder is claimed
+    _check_kv_cache(spec)
     inputs = list(spec.models.values())
     with claim_run_folder(out, "sweep", spec.identity(), force=force, inputs=inputs):
         plans = load_plans(spec)
@@ -483,16 +485,30 @@ def _check_stream(spec: SweepSpec) -> dict[str, bool]:
     that needs the whole model, or a model that cannot stream, is a one-line error now."""
     mode = stream_mode(spec.stream)
     if mode == "on":
-        whole = [t.label for t in spec.tasks if not t.reads_text]
+        whole = [t.label for t in spec.tasks if not t.streams]
         if whole:
             raise DiffquantError(
                 f"stream on: task {whole[0]} needs the whole model; a streamed eval runs the text tasks "
                 "(bpb, ppl) only"
             )
-    if mode == "off" or not any(t.reads_text for t in spec.tasks):
+    if mode == "off" or not any(t.streams for t in spec.tasks):
         return {}
     device = parse_device(spec.device)
     return {name: choose_stream(path, mode, device, what="stream") for name, path in spec.models.items()}
+
+
+def _check_kv_cache(spec: SweepSpec) -> None:
+    """A plan with a ``kv_cache`` section and a task that never decodes: a one-line error before anything is
+    written (the cell would silently measure the unquantized cache)."""
+    owners = [f"plan {name}" for name, plan in load_plans(spec).items() if plan and plan.kv_cache]
+    for name, path in spec.models.items():  # a quantized checkpoint carries its plan
+        plan_file = Path(str(path)) / PLAN_FILE
+        if plan_file.is_file() and "kv_cache" in read_json(plan_file, "quantization plan").get("plan", {}):
+            owners.append(f"model {name}")
+    for owner in owners:
+        for task in spec.tasks:
+            if not task.decodes:
+                raise DiffquantError(kv_cache_refusal(task, owner))
 
 
 def _check_marker(path: Path) -> None:

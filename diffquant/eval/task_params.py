@@ -81,6 +81,9 @@ class TextParams:
     seq_len: int | None = key(None, min=2)
     stride: int | None = key(None, min=1)
     windows: Literal["disjoint", "chained"] | None = key(None)
+    # decode-mode perplexity: prefill this many tokens of each window, then one token per forward through the
+    # KV cache (where a plan's kv_cache acts); only the targets the decode steps predict are scored
+    decode: int | None = key(None, min=1)
 
 
 @dataclass

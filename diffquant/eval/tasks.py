@@ -144,6 +144,7 @@ def _run_text(model, p, *, batch_size, progress, default_data):
         progress=progress,
         tokenizer=tokenizer,
         evaluate=getattr(model, "stream_eval", None),  # a skeleton the sweep streams (diffquant.stream)
+        decode=p["decode"],
     )
 
 
@@ -248,6 +249,20 @@ class TaskSpec:
         """A text task (``bpb`` / ``ppl``): ``params['data']`` is a text source, None for the default one."""
         return TASK_TYPES[self.type].reads_text
 
+    @property
+    def decodes(self) -> bool:
+        """Whether the task runs the model's KV cache (where a plan's ``kv_cache`` acts): decode-mode ppl /
+        bpb, retrieval (greedy answers, cached candidate scoring), lm-eval (its generate_until tasks decode;
+        which ones a task holds only lm-eval knows)."""
+        if self.type in ("ppl", "bpb"):
+            return self.params.get("decode") is not None
+        return self.type in ("retrieval", "lmeval")
+
+    @property
+    def streams(self) -> bool:
+        """Whether a layer-streamed skeleton can run it: text tasks scored by whole windows (not decoding)."""
+        return self.reads_text and not self.decodes
+
     def preflight(self) -> None:
         """Fail now on an input file the task would read and cannot (before a run writes anything)."""
         check_files = TASK_TYPES[self.type].preflight
@@ -291,8 +306,19 @@ def run_task(
 
     ``default_data`` is the text of a ``bpb`` / ``ppl`` task that names none (see :func:`default_text`).
     """
+    if getattr(model, "kv_cache_layer", None) is not None and not task.decodes:
+        raise DiffquantError(kv_cache_refusal(task))
     run = TASK_TYPES[task.type].run
     return run(model, task.params, batch_size=batch_size, progress=progress, default_data=default_data)
+
+
+def kv_cache_refusal(task: TaskSpec, plan: str = "the plan") -> str:
+    """The one-line error for a ``kv_cache`` plan on a task that never decodes (it would change nothing)."""
+    return (
+        f"task {task.label}: {plan}'s kv_cache acts only when the model decodes, and this task scores whole "
+        "windows without a cache; give ppl / bpb decode=N (decode-mode perplexity), or run retrieval or an "
+        "lm-eval generate_until task"
+    )
 
 
 def flatten_lmeval(results: dict[str, dict[str, Any]], tasks: list[str]) -> dict[str, Any]:

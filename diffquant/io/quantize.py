@@ -245,6 +245,13 @@ def quantize_summary(
     ]
     rotations = [f"rotated {place}: {what}" for target, place, what in applied if target == "rotate"]
     lines[1:1] = rotations  # after the plan's line: which matrices ran (a report must name them)
+    for target, _, what in applied:
+        if target == "kv_cache":  # the report's whole-window forwards run without a cache
+            lines.insert(
+                len(rotations) + 2,
+                f"KV cache for decoding: {what} (not in the report below, whose forwards use no cache; "
+                "measure it with a decoding task: ppl decode=N, retrieval)",
+            )
     if meta["nan_counts"]:
         lines.append(f"NaN seen by quantizers: {meta['nan_counts']}")
     lines.append(f"wrote {out} (load it like any checkpoint: diffquant profile {out} ...)")

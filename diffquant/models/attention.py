@@ -161,6 +161,16 @@ class LayerKV:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def select_rows(self, rows: torch.Tensor) -> LayerKV:
+        """A new cache of batch rows ``rows`` (a prompt's cache branched per candidate continuation)."""
+        out = type(self)()
+        if self.k is not None and self.v is not None:
+            out.k, out.v = (
+                self.k.index_select(0, rows.to(self.k.device)),
+                self.v.index_select(0, rows.to(self.v.device)),
+            )
+        return out
+
 
 class Attention(nn.Module):
     """Shared machinery of the three kinds: projections, RoPE, cache, taps and both execution paths.

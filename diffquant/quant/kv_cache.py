@@ -219,6 +219,13 @@ class _Stream:
             self.scale = torch.cat([self.scale, scale], dim=2)
             self.zero = torch.cat([self.zero, zero], dim=2)
 
+    def select_rows(self, rows: torch.Tensor) -> _Stream:
+        out = _Stream(self.spec, self.axis)
+        for name in ("sink", "window", "codes", "scale", "zero"):
+            t = getattr(self, name)
+            setattr(out, name, None if t is None else t.index_select(0, rows.to(t.device)))
+        return out
+
     def nbytes(self) -> dict[str, int]:
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
@@ -248,6 +255,11 @@ class QuantizedLayerKV(LayerKV):
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k.append(k), self._v.append(v)
+
+    def select_rows(self, rows: torch.Tensor) -> QuantizedLayerKV:
+        out = QuantizedLayerKV(self.spec)
+        out._k, out._v = self._k.select_rows(rows), self._v.select_rows(rows)
+        return out
 
     def nbytes(self) -> dict[str, dict[str, int]]:
         return {"keys": self._k.nbytes(), "values": self._v.nbytes()}
