@@ -1729,6 +1729,80 @@ MUTANTS = [
         "lo, hi = xf.amax(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)",
         ("tests/test_quant.py::test_fake_quant_equals_a_reference_implementation",),
     ),
+    # --- the quantized KV cache (diffquant/quant/kv_cache.py, issue 28)
+    M(
+        "kv-levels",
+        "diffquant/quant/kv_cache.py",
+        "    scale = (hi - lo) / (2**bits - 1)",
+        "    scale = (hi - lo) / (2**bits)",
+        ("tests/test_kv_cache.py::test_groups_follow_the_min_max_definition",),
+    ),
+    M(
+        "kv-floor",
+        "diffquant/quant/kv_cache.py",
+        "    codes = torch.round((g - lo.unsqueeze(-1))",
+        "    codes = torch.floor((g - lo.unsqueeze(-1))",
+        ("tests/test_kv_cache.py::test_groups_follow_the_min_max_definition",),
+    ),
+    M(
+        "kv-pack-shift",
+        "diffquant/quant/kv_cache.py",
+        "        out |= c[..., i] << (bits * i)",
+        "        out |= c[..., i] << (bits * i - 1)",
+        ("tests/test_kv_cache.py::test_pack_round_trips_every_code",),
+    ),
+    M(
+        "kv-window-off-by-one",
+        "diffquant/quant/kv_cache.py",
+        "        if n == 0 or n < self.spec.residual:",
+        "        if n == 0 or n <= self.spec.residual:",
+        (
+            "tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",
+            "tests/test_kv_cache.py::test_decode_logits_equal_transformers_quantized_cache",
+        ),
+    ),
+    M(
+        "kv-sinks-grow",
+        "diffquant/quant/kv_cache.py",
+        "        free = self.spec.sinks - self._len(self.sink)",
+        "        free = self.spec.sinks",
+        ("tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",),
+    ),
+    M(
+        "kv-prerope-unrotated",
+        "diffquant/models/attention.py",
+        "            k = apply_rope(keys, cos_all, sin_all)",
+        "            k = keys",
+        ("tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",),
+    ),
+    M(
+        "kv-branch-drops-body",
+        "diffquant/quant/kv_cache.py",
+        '        for name in ("sink", "window", "codes", "scale", "zero"):',
+        '        for name in ("sink", "window"):',
+        ("tests/test_kv_cache.py::test_a_quantized_cache_branches_by_rows",),
+    ),
+    M(
+        "kv-bytes-no-sinks",
+        "diffquant/quant/kv_cache.py",
+        '            "full": size(self.sink) + size(self.window),',
+        '            "full": size(self.window),',
+        ("tests/test_kv_cache.py::test_packed_bytes_equal_the_formula",),
+    ),
+    M(
+        "kv-decode-scores-prefill-target",
+        "diffquant/eval/perplexity.py",
+        "first_scored=decode + 1)",
+        "first_scored=decode)",
+        ("tests/test_kv_cache.py::test_decode_mode_perplexity_scores_the_decoded_targets",),
+    ),
+    M(
+        "kv-every-text-task-decodes",
+        "diffquant/eval/tasks.py",
+        '            return self.params.get("decode") is not None',
+        "            return True",
+        ("tests/test_kv_cache.py::test_a_kv_cache_plan_on_a_task_that_never_decodes_says_so",),
+    ),
 ]
 
 
