@@ -14,6 +14,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.io import load_model
+from diffquant.models.attention import apply_rope, rope_cos_sin
 from diffquant.quant.kv_cache import (
     KVCacheSpec,
     QuantizedLayerKV,
@@ -119,8 +120,14 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
     records = [{"k": [], "v": []} for _ in layers]  # per layer: full-precision tokens, in order
     moved = [{"k": 0, "v": 0} for _ in layers]  # tokens in the body so far
 
+    def rotation(start: int, n: int, sign: float):
+        """RoPE tables of positions start .. start + n - 1 (sign -1: the inverse rotation)."""
+        c = m64.config
+        cos, sin = rope_cos_sin(torch.arange(start, start + n), c.head_dim, c.rope_theta, torch.float64)
+        return cos, sign * sin
+
     class Replay:
-        pre_rope = spec.pre_rope
+        pre_rope = False  # takes post-RoPE keys, as a plain cache; pre_rope is replayed below
 
         def __init__(self, i):
             self.i = i
@@ -131,6 +138,8 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
 
         def append(self, k, v):
             out = []
+            if spec.pre_rope:  # KVQuant: the keys are quantized before RoPE, rotated after
+                k = apply_rope(k, *rotation(self.length, k.shape[2], -1.0))
             for name, x, axis in (("k", k, spec.keys), ("v", v, spec.values)):
                 records[self.i][name].append(x)
                 seq = torch.cat(records[self.i][name], 2)
@@ -152,6 +161,8 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
                 window = seq.shape[2] - body_end
                 if window and window >= spec.residual:
                     moved[self.i][name] += window - (window % spec.group if axis == "channel" else 0)
+            if spec.pre_rope:
+                out[0] = apply_rope(out[0], *rotation(0, out[0].shape[2], 1.0))
             return out[0], out[1]
 
     class Cache:
