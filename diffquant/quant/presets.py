@@ -1,5 +1,5 @@
 """The shipped plan presets, as data: each entry is what a plan file holds (description, rules, backend,
-smooth, rotate, weights), read by :func:`diffquant.quant.plan.preset` through ``QuantPlan.from_dict`` like any plan file.
+smooth, rotate, weights, kv_cache), read by :func:`diffquant.quant.plan.preset` through ``QuantPlan.from_dict`` like any plan file.
 
 Weights: ``layers.*`` is every Linear inside the blocks (the LM head stays in full precision); sites:
 ``layers.*.input`` is the input of every such Linear. Every preset selects only sites all three attention
@@ -244,7 +244,42 @@ def _weight_presets() -> dict[str, dict[str, Any]]:
     return out
 
 
+# ---- KV caches for decoding (the kv_cache section, diffquant/quant/kv_cache.py; KIVI, Liu et al. 2024): keys
+# per channel, values per token, min-max groups, a full-precision window of recent tokens. Groups of 32 and a
+# 128-token window are KIVI's setting (heads of 64+, SmolLM2); the "-g8" family fits the zoo's heads of 24
+# (groups of 8, a 32-token window in a 512-token context). Variants change one thing: keys per token (what
+# transformers' QuantizedCache does by default), 4 attention-sink tokens kept, a smaller window, pre-RoPE keys.
+def _kv_presets() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for suffix, group, window, small in (("", 32, 128, 32), ("-g8", 8, 32, 8)):
+        base = {"keys": "channel", "values": "token", "group": group, "residual": window}
+        words = f"groups of {group}, {window} recent tokens in full precision"
+        for bits in (8, 4, 2):
+            out[f"kv{bits}{suffix}"] = {
+                "description": f"KV cache int{bits} (KIVI): keys per channel, values per token, {words}",
+                "kv_cache": {"bits": bits, **base},
+            }
+        out[f"kv4{suffix}-token-keys"] = {
+            "description": f"KV cache int4 with keys per token (transformers' QuantizedCache default), {words}",
+            "kv_cache": {**base, "bits": 4, "keys": "token"},
+        }
+        out[f"kv2{suffix}-sinks"] = {
+            "description": f"KV cache int2 (KIVI), {words}, the first 4 tokens (attention sinks) kept",
+            "kv_cache": {**base, "bits": 2, "sinks": 4},
+        }
+        out[f"kv2{suffix}-r{small}"] = {
+            "description": f"KV cache int2 (KIVI), groups of {group}, only {small} recent tokens in full precision",
+            "kv_cache": {**base, "bits": 2, "residual": small},
+        }
+        out[f"kv2{suffix}-prerope"] = {
+            "description": f"KV cache int2, keys quantized before RoPE (KVQuant), {words}",
+            "kv_cache": {**base, "bits": 2, "pre_rope": True},
+        }
+    return out
+
+
 PRESET_TABLE.update({k: v for k, v in _remedy_presets().items() if k not in PRESET_TABLE})
+PRESET_TABLE.update({k: v for k, v in _kv_presets().items() if k not in PRESET_TABLE})
 PRESET_TABLE.update({k: v for k, v in _weight_presets().items() if k not in PRESET_TABLE})
 PRESETS = tuple(sorted(PRESET_TABLE))
 
