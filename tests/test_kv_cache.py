@@ -7,6 +7,7 @@ sinks / body / window) for all three attention kinds; the full forward for an un
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -421,3 +422,24 @@ def test_cli_quantize_records_the_cache_and_eval_measures_it(tmp_path, capsys):
     assert main(["eval", str(out), "--task", task, "--out", str(tmp_path / "e")]) == 2  # its own plan
     assert "model q's kv_cache acts only" in capsys.readouterr().err and not (tmp_path / "e").exists()
     assert main(["eval", str(out), "--task", task + ",decode=32", "--out", str(tmp_path / "e")]) == 0
+
+
+def test_kv_cache_error_is_the_sqnr_of_the_dequantized_body(kind):
+    from diffquant.models.transformer import KVCache
+    from diffquant.quant.kv_cache import kv_cache_error
+
+    model = tiny_model(kind)
+    spec = dict(bits=2, keys="channel", values="token", group=4, residual=8, sinks=2)
+    apply_plan(model, _plan(**spec))
+    ids = torch.randint(0, 61, (3, 26), generator=torch.Generator().manual_seed(8))  # 2 sinks + 24 moved
+    rows = kv_cache_error(model, ids, batch_size=2)
+    plain = KVCache(model.config.n_layers)
+    with torch.no_grad():
+        model(ids, plain)
+    for row, layer in zip(rows, plain.layers, strict=True):
+        assert row["quantized_tokens"] == 24
+        for name, full, axis in (("k", layer.k, "channel"), ("v", layer.v, "token")):
+            body = full[:, :, 2:].double()
+            error = _reference_groups(full[:, :, 2:], 2, axis, 4) - body
+            want = 10 * math.log10(float(body.square().sum()) / float(error.square().sum()))
+            assert abs(row[f"{name}_sqnr_db"] - want) <= 1e-4, (name, row)

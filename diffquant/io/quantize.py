@@ -27,6 +27,7 @@ from diffquant.io.quantized import is_quantized, save_quantized
 from diffquant.io.runfolder import claim_checkpoint_folder, claim_files_only
 from diffquant.models.transformer import DecoderLM
 from diffquant.progress import step
+from diffquant.quant.kv_cache import format_kv_error, kv_cache_error
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
 from diffquant.quant.report import compare_models, format_report
 from diffquant.quant.rotate import rotate_model
@@ -111,6 +112,10 @@ def _quantize_into(
             # are the same either way): an unsmoothed reference would count the smoothing as error.
             apply_smoothing(reference, model.smooth_factors)
         report = compare_models(reference, model, windows.held_out, batch_size=batch_size)
+    kv_report = None
+    if plan.kv_cache is not None:  # the cache's own error: the report's whole-window forwards use none
+        with step("kv cache error"):
+            kv_report = kv_cache_error(model, windows.held_out, batch_size=batch_size)
     del reference  # the weights only it holds (a rotated or smoothed plan's), before the write
     meta = quantize_meta(checkpoint, plan_spec, calib_data, calibrated, seq_len, tok, windows, model)
     with step(f"write {out}"):
@@ -119,9 +124,16 @@ def _quantize_into(
             out,
             meta=meta,
             overwrite=True,  # the claimed folder (checked free unless --force)
-            documents={"quant_report.json": {"plan": plan.to_dict(), "applied": applied, "report": report}},
+            documents={
+                "quant_report.json": {
+                    "plan": plan.to_dict(),
+                    "applied": applied,
+                    "report": report,
+                    **({"kv_cache": kv_report} if kv_report is not None else {}),
+                }
+            },
         )
-    return quantize_summary(plan, applied, calib_data, tok, windows, report, meta, out)
+    return quantize_summary(plan, applied, calib_data, tok, windows, report, meta, out, kv_report)
 
 
 def quantized_copy(reference: DecoderLM, plan: QuantPlan) -> DecoderLM:
@@ -226,6 +238,7 @@ def quantize_summary(
     report: dict[str, dict],
     meta: dict[str, Any],
     out: Path,
+    kv_report: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """What a quantize run returns: the printed text (the plan, what was quantized and calibrated, the error
     report, where it was written), the report, the logits' SQNR and the process's peak resident memory."""
@@ -252,6 +265,8 @@ def quantize_summary(
                 f"KV cache for decoding: {what} (not in the report below, whose forwards use no cache; "
                 "measure it with a decoding task: ppl decode=N, retrieval)",
             )
+    if kv_report:
+        lines.append(format_kv_error(kv_report, windows.held_out.numel()))
     if meta["nan_counts"]:
         lines.append(f"NaN seen by quantizers: {meta['nan_counts']}")
     lines.append(f"wrote {out} (load it like any checkpoint: diffquant profile {out} ...)")
