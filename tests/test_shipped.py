@@ -73,7 +73,10 @@ def test_an_existing_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["run", "nope"], "recipe 'nope': no such file, and not a shipped recipe; shipped: paper-fig8, "),
+        (
+            ["run", "nope"],
+            "recipe 'nope': no such file, and not a shipped recipe; shipped: kv-cache-zoo, kv-cache, paper-fig8, ",
+        ),
         (["train", "nope.yaml"], "training recipe 'nope.yaml': no such file, and not a shipped training "),
         (["run", "plans/example"], "recipe 'plans/example': no such file"),
         (["run", "zoo-diff_v2"], "recipe 'zoo-diff_v2': no such file, and not a shipped recipe"),
