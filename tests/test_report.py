@@ -258,6 +258,11 @@ def test_plans_explained_from_the_plans_themselves(tmp_path):
     assert w8a8.endswith(
         "In detail: weights of layers.* to int8 per-channel dynamic; layers.*.input to int8 per-token dynamic."
     )
+    kv2 = describe_plan("kv2", preset("kv2").to_dict())
+    assert kv2.endswith(
+        "In detail: a quantized KV cache when the model decodes (bits 2, keys channel, values token, group 32, "
+        "residual 128, sinks 0, pre_rope False)."
+    )
 
 
 def test_summary_flags_results_near_chance(tmp_path, mc_file):

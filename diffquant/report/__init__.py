@@ -193,6 +193,10 @@ def describe_plan(name: str, plan: dict[str, Any] | None) -> str:
     for transform in ("rotate", "weights"):
         if plan.get(transform):
             parts.append(f"{transform} transform first")
+    cache = plan.get("kv_cache")
+    if isinstance(cache, dict):
+        settings = ", ".join(f"{k} {v}" for k, v in cache.items() if k != "format")
+        parts.append(f"a quantized KV cache when the model decodes ({settings})")
     text = str(plan.get("description") or "").strip().rstrip(".")
     rules = "; ".join(parts)
     if text and rules:
