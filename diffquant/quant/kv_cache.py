@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
-from diffquant.models.attention import LayerKV
+from diffquant.models.attention import LayerKV, apply_rope, rope_cos_sin
+from diffquant.models.transformer import KVCache
 from diffquant.schema import key
 
 AXES = ("token", "channel")
@@ -306,9 +307,6 @@ def kv_cache_error(model: nn.Module, windows: torch.Tensor, batch_size: int = 8)
     then the dequantized body compared with the keys / values it stands for (pre-RoPE keys rotated back to
     their positions first). Returns per layer ``k_sqnr_db`` / ``v_sqnr_db`` (10 log10 of signal over error
     energy; None when nothing was quantized, inf when exact) and ``quantized_tokens`` per window row."""
-    from diffquant.models.attention import apply_rope, rope_cos_sin
-    from diffquant.models.transformer import KVCache
-
     spec = model.kv_cache_layer.spec
     n_layers = model.config.n_layers
     sums = [{"k": [0.0, 0.0], "v": [0.0, 0.0], "tokens": 0} for _ in range(n_layers)]
