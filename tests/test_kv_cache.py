@@ -443,3 +443,33 @@ def test_kv_cache_error_is_the_sqnr_of_the_dequantized_body(kind):
             error = _reference_groups(full[:, :, 2:], 2, axis, 4) - body
             want = 10 * math.log10(float(body.square().sum()) / float(error.square().sum()))
             assert abs(row[f"{name}_sqnr_db"] - want) <= 1e-4, (name, row)
+
+
+def test_greedy_generation_equals_transformers_generate_with_a_quantized_cache(tmp_path):
+    """``DecoderLM.generate`` (what lm-eval's generate_until and retrieval run) with a kv4 plan picks the
+    tokens transformers' ``generate(cache_implementation="quantized")`` picks (quanto, the matching setting)."""
+    pytest.importorskip("optimum.quanto")
+    import transformers
+
+    lib = _quanto_python_unpack()  # noqa: F841
+    folder = save_tiny_llama(tmp_path / "llama", context=128)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(f"hf:{folder}").eval()
+    apply_plan(ours, _plan(bits=4, keys="token", values="token", group=8, residual=16))
+    prompt = torch.randint(0, 320, (1, 32), generator=torch.Generator().manual_seed(9))
+    config = {
+        "backend": "quanto",
+        "nbits": 4,
+        "axis_key": 0,
+        "axis_value": 0,
+        "q_group_size": 8,
+        "residual_length": 16,
+    }
+    with torch.no_grad():
+        theirs = hf.generate(
+            prompt, max_new_tokens=40, do_sample=False, cache_implementation="quantized", cache_config=config
+        )
+        plain = hf.generate(prompt, max_new_tokens=40, do_sample=False)
+    got = ours.generate(prompt, 40)
+    assert torch.equal(got, theirs)
+    assert not torch.equal(theirs, plain)  # the quantized cache changed what was generated
