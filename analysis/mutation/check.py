@@ -1668,22 +1668,22 @@ MUTANTS = [
     M(
         "trim-metrics-hook",
         "diffquant/profile/profiler.py",
-        "                    acc.update(output.detach(), args[1])\n                    _trim_after(output)\n",
+        "                    acc.update(output.detach(), args[1])\n                    self._trim_after(output)\n",
         "                    acc.update(output.detach(), args[1])\n",
         ("tests/test_profiler.py::test_freed_heap_released_after_large_maps_only_and_profile_unchanged",),
     ),
     M(
         "trim-every-no-reset",
         "diffquant/profile/profiler.py",
-        "        _pending_bytes = 0\n        release_freed_memory()\n",
-        "        release_freed_memory()\n",
+        "            self._pending_bytes = 0\n            release_freed_memory()\n",
+        "            release_freed_memory()\n",
         ("tests/test_profiler.py::test_freed_heap_released_after_large_maps_only_and_profile_unchanged",),
     ),
     M(
         "trim-every-cmp",
         "diffquant/profile/profiler.py",
-        "    if _pending_bytes >= TRIM_EVERY_BYTES:",
-        "    if _pending_bytes > TRIM_EVERY_BYTES:",
+        "        if self._pending_bytes >= TRIM_EVERY_BYTES:",
+        "        if self._pending_bytes > TRIM_EVERY_BYTES:",
         ("tests/test_profiler.py::test_freed_heap_released_after_large_maps_only_and_profile_unchanged",),
     ),
     M(

@@ -6,8 +6,6 @@ Shared by ``diffquant quantize`` and the recipes' quantize stage.
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import resource
 from collections import Counter
 from pathlib import Path
@@ -20,6 +18,7 @@ from diffquant.data import fingerprint, model_tokenizer, token_windows
 from diffquant.data.corpus import default_text
 from diffquant.data.tokenizer import Tokenizer
 from diffquant.errors import DiffquantError
+from diffquant.heap import map_blocks_from
 from diffquant.io import load_model
 from diffquant.io.artifacts import library_versions
 from diffquant.io.options import parse_device, parse_dtype
@@ -284,7 +283,6 @@ def peak_memory_bytes() -> int:
 
 
 MMAP_THRESHOLD = 1 << 20  # bytes: glibc serves blocks this large from their own mappings
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def map_large_blocks() -> None:
@@ -297,10 +295,4 @@ def map_large_blocks() -> None:
     the static-scale pass grew the resident set by 0.7 GB it never used again. Mapped blocks cost a page
     fault per page when first written, nothing next to the arithmetic on them.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    map_blocks_from(MMAP_THRESHOLD)

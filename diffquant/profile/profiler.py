@@ -8,8 +8,6 @@ which computes the same output (to float rounding) while materialising the maps 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import pickle
 from collections.abc import Iterable, Sequence
@@ -21,6 +19,7 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.heap import release_freed_memory
 from diffquant.models.sites import KIND_LAYOUTS, MAP_KINDS, SHARING_KINDS, layout_of
 from diffquant.models.taps import Tap, model_taps, select_taps
 from diffquant.options import MAX_TOPK  # the --topk bound, torch-free there for --help
@@ -42,35 +41,6 @@ TRIM_MIN_BYTES = 1 << 24  # only maps of at least 16 MiB count towards a trim
 # the large maps whose statistics ran since the last trim add up to TRIM_EVERY_BYTES: the heap still never
 # holds more than about that much freed map memory, and a forward of the small preset trims twice, not 32x.
 TRIM_EVERY_BYTES = 1 << 28
-_libc: Any = None
-_pending_bytes = 0
-
-
-def release_freed_memory() -> bool:
-    """Return the freed pages of the C heap to the OS (glibc's malloc_trim; False where there is none)."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc is False:
-        return False
-    _libc.malloc_trim(0)
-    return True
-
-
-def _trim_after(x: torch.Tensor) -> None:
-    """Count a large CPU map whose statistics are done; release freed heap pages every TRIM_EVERY_BYTES."""
-    global _pending_bytes
-    nbytes = x.numel() * x.element_size()
-    if not TRIM or x.device.type != "cpu" or nbytes < TRIM_MIN_BYTES:
-        return
-    _pending_bytes += nbytes
-    if _pending_bytes >= TRIM_EVERY_BYTES:
-        _pending_bytes = 0
-        release_freed_memory()
 
 
 PROFILE_FORMAT = "diffquant-profile"
@@ -207,6 +177,7 @@ class Profiler:
         self.samples_seen = 0
         # True: the hooks stay attached but record nothing (a streamed run's calibration passes).
         self.paused = False
+        self._pending_bytes = 0  # bytes of large maps whose statistics ran since the last heap trim
         self._tokens: torch.Tensor | None = None
         self._pos_offset = 0
         self._last_batch = 0
@@ -297,6 +268,17 @@ class Profiler:
         self._shared.clear()
         self._fired.clear()
 
+    def _trim_after(self, x: torch.Tensor) -> None:
+        """Count a large CPU map whose statistics are done; release freed heap pages every TRIM_EVERY_BYTES
+        of them (this profiler's count: two profilers do not share it)."""
+        nbytes = x.numel() * x.element_size()
+        if not TRIM or x.device.type != "cpu" or nbytes < TRIM_MIN_BYTES:
+            return
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= TRIM_EVERY_BYTES:
+            self._pending_bytes = 0
+            release_freed_memory()
+
     def _after_forward(self, module, args, output):
         self.spans = None
         self._shared.clear()
@@ -322,7 +304,7 @@ class Profiler:
                     pos_offset=self._pos_offset,
                 )
             if is_map:
-                _trim_after(output)
+                self._trim_after(output)
 
         return hook
 
@@ -384,7 +366,7 @@ class Profiler:
                         acc.update(output.detach(), args[1], self.spans)
                 else:
                     acc.update(output.detach(), args[1])
-                    _trim_after(output)
+                    self._trim_after(output)
 
         self._handles.append(tap.register_forward_hook(hook))
 

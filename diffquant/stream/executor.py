@@ -23,8 +23,6 @@ whole-model run's, bit for bit on a deterministic device.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import re
 import shutil
@@ -39,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.heap import release_freed_memory
 from diffquant.io.artifacts import read_json
 from diffquant.io.assemble import FLOAT_DTYPES, check_float_dtype, check_layer_count, check_source
 from diffquant.io.checkpoint import read_config, read_tokenizer, read_trained_seq_len
@@ -389,18 +388,6 @@ def would_stream(
     return True, weights, f"{size} exceed the budget {budget_bytes / 2**30:.2f} GiB: streamed"
 
 
-def _libc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS, Windows return freed memory on their own terms)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
 def return_freed_memory() -> None:
     """Hand the heap pages freed by a released stage back to the system.
 
@@ -409,8 +396,7 @@ def return_freed_memory() -> None:
     654 MB -> 572 MB with a trim after each stage). ``malloc_trim(0)`` releases them; it costs well under a
     millisecond per stage.
     """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    release_freed_memory()
 
 
 # ======================================================================================= hidden store
