@@ -233,8 +233,10 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
             log(f"quantize {name} with {plan}: model logits SQNR {summary['logits_sqnr_db']} dB -> {target}")
 
 
-def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    spec = sweep_spec(
+def recipe_sweep_spec(recipe: dict[str, Any]) -> Any:
+    """The SweepSpec of a validated recipe's sweep stage: its models, plans, eval tasks, calibration data,
+    batch size and tokenizers (what ``diffquant run`` sweeps; tests shrink a recipe and build the same)."""
+    return sweep_spec(
         recipe["models"],
         recipe["sweep"]["plans"],
         [parse_task(t) for t in recipe["eval"]["tasks"]],
@@ -243,6 +245,10 @@ def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callabl
         recipe,
         model_tokenizer_paths(recipe),
     )
+
+
+def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
+    spec = recipe_sweep_spec(recipe)
     results = run_sweep(spec, out / "sweep", progress=progress, log=log)
     if results is not None:
         log(format_results(spec, results))

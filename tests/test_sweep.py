@@ -466,21 +466,12 @@ def test_shipped_smollm2_recipe_loads_the_model_once_and_matches_per_cell_loadin
     Only the amounts of text shrink (calibration and scoring tokens) to keep the test cheap; the model, the
     plans (calibrated, static, dynamic, bitsandbytes backend) and the task type are the recipe's own."""
     from diffquant.eval import sweep
-    from diffquant.recipes import model_tokenizer_paths
-    from diffquant.stages import sweep_spec
+    from diffquant.recipes import recipe_sweep_spec
 
     recipe = load_recipe("smollm2")
-    task = dict(recipe["eval"]["tasks"][0], tokens=128, seq_len=64)
-    calib = dict(recipe["data"]["calib"], tokens=128, seq_len=64)
-    spec = sweep_spec(
-        recipe["models"],
-        recipe["sweep"]["plans"],
-        [parse_task(task)],
-        calib,
-        recipe["eval"]["batch_size"],
-        recipe,
-        model_tokenizer_paths(recipe),
-    )
+    recipe["eval"]["tasks"] = [dict(recipe["eval"]["tasks"][0], tokens=128, seq_len=64)]
+    recipe["data"]["calib"] = dict(recipe["data"]["calib"], tokens=128, seq_len=64)
+    spec = recipe_sweep_spec(recipe)
     assert len(spec.models) * len(spec.plans) * len(spec.tasks) == 13
     real = sweep.load_for_sweep
     loads: list[str] = []
