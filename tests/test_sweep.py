@@ -132,7 +132,10 @@ def _tiny(raw: dict, text: str) -> dict:
     raw = json.loads(json.dumps(raw))
     kinds = ("baseline", "diff_v1", "diff_v2")  # zoo:KIND keeps its kind; real checkpoints are Llamas
     # weights in groups of 128 need Linears at least 128 wide: the small preset (d 256), not tiny (d 96)
-    size = "small" if any("g128" in p for p in raw.get("sweep", {}).get("plans", [])) else "tiny"
+    # and KV caches in groups of 32 heads a multiple of 32 wide: small's heads of 32, not tiny's 24
+    plans = raw.get("sweep", {}).get("plans", [])
+    wide = any("g128" in p or (p.startswith("kv") and "-g8" not in p) for p in plans)
+    size = "small" if wide else "tiny"
     raw["models"] = {
         name: f"init:{spec.split(':')[1] if spec.split(':')[1] in kinds else 'baseline'}:{size}"
         for name, spec in raw["models"].items()
@@ -143,6 +146,8 @@ def _tiny(raw: dict, text: str) -> dict:
     for task in raw.get("eval", {}).get("tasks", []):
         if task.get("type", "bpb") in ("bpb", "ppl"):
             task.update(data=text, tokens=256, seq_len=64)
+            if task.get("decode") is not None:
+                task["decode"] = 8
         elif task["type"] == "retrieval":
             task.update(samples_per_depth=1, context_bytes=96, depths=[0, 100])
     return raw
