@@ -57,8 +57,9 @@ def test_pack_round_trips_every_code(bits):
         assert int(packed[0, 0, 0, 0]) & (2**bits - 1) == int(codes[0, 0, 0, 0])
 
 
-def _reference_groups(x: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tensor:
-    """x_hat of min-max groups, element by element from the definition, in float64."""
+def _reference_groups(x: torch.Tensor, bits: int, axis: str, group: int, fmt: str = "int") -> torch.Tensor:
+    """x_hat of min-max groups, element by element from the definition, in float64 (fp8: absmax / 448
+    scales, the value through torch's float8_e4m3fn cast in the input's dtype)."""
     b, h, s, d = x.shape
     out = torch.empty_like(x, dtype=torch.float64)
     levels = 2**bits - 1
@@ -69,6 +70,12 @@ def _reference_groups(x: torch.Tensor, bits: int, axis: str, group: int) -> torc
             else:
                 blocks = [(slice(t, t + group), c) for t in range(0, s, group) for c in range(d)]
             for t, c in blocks:
+                if fmt == "fp8":
+                    raw = x[bi, hi, t, c]
+                    scale = raw.abs().max() / 448.0
+                    fp8 = (raw / scale).to(torch.float8_e4m3fn) if scale > 0 else torch.zeros_like(raw)
+                    out[bi, hi, t, c] = fp8.double() * scale.double()
+                    continue
                 g = x[bi, hi, t, c].double()
                 lo, top = float(g.min()), float(g.max())
                 scale = (top - lo) / levels
@@ -97,6 +104,19 @@ def test_groups_follow_the_min_max_definition(axis, bits):
     # the error of each entry is at most half a step of its group
     step = (ref - x).abs().max()
     assert float(step) <= float(scale.max()) / 2 + 1e-12
+
+
+def test_fp8_groups_are_torch_float8_casts_of_absmax_scaled_values():
+    x = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(11)) * 5
+    x[1, 1, :, :4] = 0.0  # an all-zero group reads back zeros
+    for axis in ("token", "channel"):
+        codes, scale, zero = quantize_groups(x, 8, axis, 4, "fp8")
+        assert zero is None and codes.dtype == torch.uint8
+        got = dequantize_groups(codes, scale, zero, axis, 4)
+        assert torch.allclose(got.double(), _reference_groups(x, 8, axis, 4, "fp8"), rtol=0, atol=1e-6)
+        assert torch.equal(got[1, 1, :, :4], torch.zeros(8, 4))
+        # e4m3 keeps 3 mantissa bits: every value within 1/16 relative of itself
+        assert ((got - x).abs() <= x.abs() / 16 + 1e-6).all()
 
 
 # ------------------------------------------------------------------------------------------ decode
@@ -155,7 +175,9 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
                     step = 1 if axis == "token" else spec.group
                     for a in range(0, body.shape[2], step):
                         pieces.append(
-                            _reference_groups(body[:, :, a : a + step], spec.bits, axis, spec.group)
+                            _reference_groups(
+                                body[:, :, a : a + step], spec.bits, axis, spec.group, spec.format
+                            )
                         )
                     body = torch.cat(pieces, 2)
                 out.append(torch.cat([seq[:, :, :n_sink], body, seq[:, :, body_end:]], 2))
@@ -183,13 +205,14 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
 
 
 SPECS = [
+    dict(bits=8, format="fp8", keys="channel", values="token", group=4, residual=4),
     dict(bits=4, keys="channel", values="token", group=4, residual=8),
     dict(bits=2, keys="token", values="channel", group=4, residual=4, sinks=3),
     dict(bits=8, keys="channel", values="token", group=4, residual=4, sinks=1, pre_rope=True),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["kivi4", "kv2-sinks", "kv8-prerope"])
+@pytest.mark.parametrize("spec", SPECS, ids=["fp8", "kivi4", "kv2-sinks", "kv8-prerope"])
 def test_quantized_decode_equals_a_float64_brute_force(kind, spec):
     model = tiny_model(kind).double()
     ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -303,7 +326,8 @@ def test_decode_logits_equal_transformers_quantized_cache(tmp_path, axis_key):
         (dict(bits=3), "kv_cache.bits"),
         (dict(keys="head"), "kv_cache.keys"),
         (dict(group=0), "kv_cache.group"),
-        (dict(format="fp8"), "kv_cache.format"),
+        (dict(format="nf4"), "kv_cache.format"),
+        (dict(format="fp8", bits=4), "fp8 stores 8-bit codes; bits must be 8, got 4"),
         (dict(pre_rope=1), "kv_cache.pre_rope"),
         (dict(bogus=1), "bogus"),
     ],

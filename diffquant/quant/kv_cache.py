@@ -50,7 +50,8 @@ from diffquant.schema import key
 
 AXES = ("token", "channel")
 Axis = Literal["token", "channel"]
-FORMATS = ("int",)
+FORMATS = ("int", "fp8")
+FP8_MAX = 448.0  # largest float8_e4m3fn magnitude
 
 
 @dataclass
@@ -65,7 +66,11 @@ class KVCacheSpec:
     residual: int = key(128, min=0)
     sinks: int = key(0, min=0)
     pre_rope: bool = key(False)
-    format: Literal["int"] = key("int")
+    format: Literal["int", "fp8"] = key("int")
+
+    def __post_init__(self) -> None:
+        if self.format == "fp8" and self.bits != 8:
+            raise DiffquantError(f"kv_cache.format fp8 stores 8-bit codes; bits must be 8, got {self.bits}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,7 +78,8 @@ class KVCacheSpec:
     def label(self) -> str:
         extra = [f"r{self.residual}"] + ([f"sinks{self.sinks}"] if self.sinks else [])
         extra += ["pre-rope"] if self.pre_rope else []
-        return f"kv{self.bits} K:{self.keys} V:{self.values} g{self.group} " + " ".join(extra)
+        kind = "fp8" if self.format == "fp8" else f"kv{self.bits}"
+        return f"{kind} K:{self.keys} V:{self.values} g{self.group} " + " ".join(extra)
 
     def check_model(self, head_dim: int, value_dim: int, where: str) -> None:
         """One-line errors for a group that cannot tile this model's heads or the window."""
@@ -138,11 +144,20 @@ def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, ...]) -> torch.Tens
 
 
 def quantize_groups(
-    x: torch.Tensor, bits: int, axis: str, group: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, bits: int, axis: str, group: int, fmt: str = "int"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes (B, H, S, D) uint8 in [0, 2^bits), scale, zero) of asymmetric min-max groups of ``x``
-    (B, H, S, D); scale / zero have the group dim reduced (token: (B, H, S, D/g); channel: (B, H, S/g, D))."""
+    (B, H, S, D); scale / zero have the group dim reduced (token: (B, H, S, D/g); channel: (B, H, S/g, D)).
+
+    ``fmt="fp8"``: symmetric float8 e4m3 codes (the bits of torch's float8_e4m3fn cast, round to nearest even)
+    of x / scale with scale = absmax / 448 per group, and no zero (None)."""
     g = _grouped(x, axis, group)
+    if fmt == "fp8":
+        scale = g.abs().amax(-1) / FP8_MAX
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        ratio = (g / safe.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        codes = ratio.to(torch.float8_e4m3fn).view(torch.uint8)
+        return _ungrouped(codes, axis, tuple(x.shape)), scale, None
     lo = g.amin(-1)
     hi = g.amax(-1)
     scale = (hi - lo) / (2**bits - 1)
@@ -153,9 +168,13 @@ def quantize_groups(
 
 
 def dequantize_groups(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str, group: int
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, axis: str, group: int
 ) -> torch.Tensor:
-    """x_hat = code * scale + zero per group (the inverse of :func:`quantize_groups` up to rounding)."""
+    """x_hat = code * scale + zero per group (the inverse of :func:`quantize_groups` up to rounding); with
+    no zero (fp8) the codes are float8_e4m3fn bits and x_hat = fp8 value * scale."""
+    if zero is None:
+        g = _grouped(codes.view(torch.float8_e4m3fn), axis, group).to(scale.dtype)
+        return _ungrouped(g * scale.unsqueeze(-1), axis, tuple(codes.shape))
     g = _grouped(codes, axis, group).to(scale.dtype)
     return _ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), axis, tuple(codes.shape))
 
@@ -212,14 +231,16 @@ class _Stream:
             if n == 0:
                 return
         move, self.window = self.window[:, :, :n], self.window[:, :, n:]
-        codes, scale, zero = quantize_groups(move, self.spec.bits, self.axis, self.spec.group)
+        codes, scale, zero = quantize_groups(
+            move, self.spec.bits, self.axis, self.spec.group, self.spec.format
+        )
         codes = pack(codes, self.spec.bits)
         if self.codes is None:
             self.codes, self.scale, self.zero = codes, scale, zero
         else:
             self.codes = torch.cat([self.codes, codes], dim=2)
             self.scale = torch.cat([self.scale, scale], dim=2)
-            self.zero = torch.cat([self.zero, zero], dim=2)
+            self.zero = None if zero is None else torch.cat([self.zero, zero], dim=2)
 
     def select_rows(self, rows: torch.Tensor) -> _Stream:
         out = _Stream(self.spec, self.axis)

@@ -249,7 +249,10 @@ class QuantPlan:
                 )
         kv_cache = None
         if doc["kv_cache"] is not None:
-            kv_cache = KVCacheSpec(**doc["kv_cache"])
+            try:
+                kv_cache = KVCacheSpec(**doc["kv_cache"])
+            except DiffquantError as err:
+                raise DiffquantError(f"{source}: {err}") from None
             if kv_cache.pre_rope and rotate is not None and rotate.qk != "none":
                 raise DiffquantError(
                     f"{source}: kv_cache.pre_rope caches keys before RoPE, but rotate.qk rotates them after "
