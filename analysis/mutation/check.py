@@ -1797,6 +1797,13 @@ MUTANTS = [
         ("tests/test_kv_cache.py::test_decode_mode_perplexity_scores_the_decoded_targets",),
     ),
     M(
+        "kv-fp8-max",
+        "diffquant/quant/kv_cache.py",
+        "FP8_MAX = 448.0",
+        "FP8_MAX = 240.0",
+        ("tests/test_kv_cache.py::test_fp8_groups_are_torch_float8_casts_of_absmax_scaled_values",),
+    ),
+    M(
         "kv-every-text-task-decodes",
         "diffquant/eval/tasks.py",
         '            return self.params.get("decode") is not None',
