@@ -90,7 +90,9 @@ def main() -> None:
             0, model.config.vocab_size, (1, top), generator=torch.Generator().manual_seed(0)
         )
     rows = []
-    for context in args.contexts:
+    for asked in args.contexts:
+        # the decode steps must fit the model's positions (8K of SmolLM2's 8,192 leaves no room for them)
+        context = min(asked, model.config.max_seq_len - args.steps)
         prompt = stream[:, :context]
         times: dict[str, list[float]] = {s: [] for s in args.settings}
         held: dict[str, dict[str, int]] = {}
