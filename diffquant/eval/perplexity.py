@@ -184,18 +184,8 @@ def evaluate_bpb(
         raise DiffquantError(
             f"data source {source!r} has {stream.numel()} tokens, fewer than one window of seq_len {window}"
         )
-    if decode is not None:
-        return evaluate_stream(
-            model,
-            stream,
-            tokenizer=tokenizer,
-            seq_len=seq_len,
-            stride=stride,
-            windows=windows,
-            batch_size=batch_size,
-            progress=progress,
-            decode=decode,
-        )
+    # decode mode runs the whole model here (a streamed ``evaluate`` was refused above)
+    extra: dict[str, Any] = {} if decode is None else {"decode": decode}
     return (evaluate or evaluate_stream)(
         model,
         stream,
@@ -205,4 +195,5 @@ def evaluate_bpb(
         windows=windows,
         batch_size=batch_size,
         progress=progress,
+        **extra,
     )
