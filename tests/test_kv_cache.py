@@ -52,15 +52,25 @@ def test_pack_round_trips_every_code(bits):
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 16 * bits // 8
     assert torch.equal(unpack(packed, bits), codes)
-    # low bits first: the first code of a byte is its lowest bits
-    if bits < 8:
-        assert int(packed[0, 0, 0, 0]) & (2**bits - 1) == int(codes[0, 0, 0, 0])
+    # planar, low bits first: byte j of a row holds code j + i * D / per in bits [bits * i, bits * (i + 1))
+    per, row = 8 // bits, codes[1, 2, 3].tolist()
+    want = [sum(row[j + i * (16 // per)] << (bits * i) for i in range(per)) for j in range(16 // per)]
+    assert packed[1, 2, 3].tolist() == want
 
 
-def _reference_groups(x: torch.Tensor, bits: int, axis: str, group: int, fmt: str = "int") -> torch.Tensor:
+def _reference_groups(
+    x: torch.Tensor, bits: int, axis: str, group: int, fmt: str = "int", scale_dtype: str = "model"
+) -> torch.Tensor:
     """x_hat of min-max groups, element by element from the definition, in float64 (fp8: absmax / 448
-    scales, the value through torch's float8_e4m3fn cast in the input's dtype)."""
+    scales, the value through torch's float8_e4m3fn cast in the input's dtype). ``scale_dtype`` float16 /
+    bfloat16: lo is rounded to it, then scale = (max - lo) / levels is rounded, and the codes use both."""
     b, h, s, d = x.shape
+
+    def stored(value: float) -> float:
+        if scale_dtype == "model":
+            return value
+        return float(torch.tensor(value, dtype=torch.float64).to(getattr(torch, scale_dtype)))
+
     out = torch.empty_like(x, dtype=torch.float64)
     levels = 2**bits - 1
     for bi in range(b):
@@ -72,13 +82,14 @@ def _reference_groups(x: torch.Tensor, bits: int, axis: str, group: int, fmt: st
             for t, c in blocks:
                 if fmt == "fp8":
                     raw = x[bi, hi, t, c]
-                    scale = raw.abs().max() / 448.0
-                    fp8 = (raw / scale).to(torch.float8_e4m3fn) if scale > 0 else torch.zeros_like(raw)
-                    out[bi, hi, t, c] = fp8.double() * scale.double()
+                    scale = stored(float(raw.abs().max()) / 448.0)
+                    ratio = (raw / scale).clamp(-448.0, 448.0)
+                    fp8 = ratio.to(torch.float8_e4m3fn) if scale > 0 else torch.zeros_like(raw)
+                    out[bi, hi, t, c] = fp8.double() * scale
                     continue
                 g = x[bi, hi, t, c].double()
-                lo, top = float(g.min()), float(g.max())
-                scale = (top - lo) / levels
+                lo, top = stored(float(g.min())), float(g.max())
+                scale = stored((top - lo) / levels)
                 q = (
                     torch.zeros_like(g)
                     if scale == 0
@@ -176,7 +187,12 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
                     for a in range(0, body.shape[2], step):
                         pieces.append(
                             _reference_groups(
-                                body[:, :, a : a + step], spec.bits, axis, spec.group, spec.format
+                                body[:, :, a : a + step],
+                                spec.bits,
+                                axis,
+                                spec.group,
+                                spec.format,
+                                spec.scale_dtype,
                             )
                         )
                     body = torch.cat(pieces, 2)
@@ -209,10 +225,14 @@ SPECS = [
     dict(bits=4, keys="channel", values="token", group=4, residual=8),
     dict(bits=2, keys="token", values="channel", group=4, residual=4, sinks=3),
     dict(bits=8, keys="channel", values="token", group=4, residual=4, sinks=1, pre_rope=True),
+    dict(bits=4, keys="channel", values="token", group=4, residual=8, scale_dtype="float16"),
+    dict(bits=8, format="fp8", keys="token", values="token", group=4, residual=4, scale_dtype="bfloat16"),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["fp8", "kivi4", "kv2-sinks", "kv8-prerope"])
+@pytest.mark.parametrize(
+    "spec", SPECS, ids=["fp8", "kivi4", "kv2-sinks", "kv8-prerope", "kivi4-f16-scales", "fp8-bf16-scales"]
+)
 def test_quantized_decode_equals_a_float64_brute_force(kind, spec):
     model = tiny_model(kind).double()
     ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -227,8 +247,9 @@ def test_quantized_decode_equals_a_float64_brute_force(kind, spec):
     assert body["codes"] > 0
 
 
-def test_packed_bytes_equal_the_formula(kind):
-    spec = dict(bits=4, keys="channel", values="token", group=4, residual=8, sinks=2)
+@pytest.mark.parametrize("scale_dtype", ["model", "float16"])
+def test_packed_bytes_equal_the_formula(kind, scale_dtype):
+    spec = dict(bits=4, keys="channel", values="token", group=4, residual=8, sinks=2, scale_dtype=scale_dtype)
     model = tiny_model(kind)
     apply_plan(model, _plan(**spec))
     ids = torch.randint(0, 61, (3, 37), generator=torch.Generator().manual_seed(4))
@@ -247,7 +268,8 @@ def test_packed_bytes_equal_the_formula(kind):
             elements = 3 * heads * n * width
             groups = elements // 4
             assert part["codes"] == elements * 4 // 8
-            assert part["scales"] == groups * 4 and part["zeros"] == groups * 4  # fp32 scale and zero
+            per = 4 if scale_dtype == "model" else 2  # the model's fp32, or float16
+            assert part["scales"] == groups * per and part["zeros"] == groups * per
             assert part["full"] == 3 * heads * (2 + window) * width * 4
             for key in total:
                 total[key] += part[key]
@@ -329,6 +351,7 @@ def test_decode_logits_equal_transformers_quantized_cache(tmp_path, axis_key):
         (dict(format="nf4"), "kv_cache.format"),
         (dict(format="fp8", bits=4), "fp8 stores 8-bit codes; bits must be 8, got 4"),
         (dict(pre_rope=1), "kv_cache.pre_rope"),
+        (dict(scale_dtype="float8"), "kv_cache.scale_dtype"),
         (dict(bogus=1), "bogus"),
     ],
 )

@@ -30,7 +30,23 @@ SETTINGS = {
     "fp": None,
     "kv8": {"bits": 8, "keys": "channel", "values": "token", "group": 32, "residual": 128},
     "kv4": {"bits": 4, "keys": "channel", "values": "token", "group": 32, "residual": 128},
+    "kv4-s16": {
+        "bits": 4,
+        "keys": "channel",
+        "values": "token",
+        "group": 32,
+        "residual": 128,
+        "scale_dtype": "float16",
+    },
     "kv4-g64": {"bits": 4, "keys": "channel", "values": "token", "group": 64, "residual": 128},
+    "kv4-g64-s16": {
+        "bits": 4,
+        "keys": "channel",
+        "values": "token",
+        "group": 64,
+        "residual": 128,
+        "scale_dtype": "float16",
+    },
     "kv2": {"bits": 2, "keys": "channel", "values": "token", "group": 32, "residual": 128},
 }
 GOALS = {"memory_vs_bf16_at_4k": 0.3, "speed_vs_fp": 0.7}
@@ -125,13 +141,14 @@ def main() -> None:
             )
     print(
         f"{args.model} ({args.dtype}): decode {args.steps} tokens after a prefill of C tokens, "
-        f"{args.threads} threads; scales, zeros and the window in the model's dtype"
+        f"{args.threads} threads; scales, zeros and the window in the model's dtype (-s16: scales and zeros "
+        "in float16)"
     )
-    print(f"{'context':>7} {'cache':<9} {'MiB':>9} {'vs bf16':>8} {'tok/s':>7} {'vs fp':>6}")
+    print(f"{'context':>7} {'cache':<11} {'MiB':>9} {'vs bf16':>8} {'tok/s':>7} {'vs fp':>6}")
     for r in rows:
         vs_fp = f"{r['speed_vs_fp']:.2f}" if r["speed_vs_fp"] is not None else "-"
         print(
-            f"{r['context']:>7} {r['cache']:<9} {r['bytes'] / 2**20:>9.2f} {r['vs_bf16']:>8.3f} "
+            f"{r['context']:>7} {r['cache']:<11} {r['bytes'] / 2**20:>9.2f} {r['vs_bf16']:>8.3f} "
             f"{r['tokens_per_s']:>7.2f} {vs_fp:>6}"
         )
     print(

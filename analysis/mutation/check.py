@@ -1747,8 +1747,8 @@ MUTANTS = [
     M(
         "kv-pack-shift",
         "diffquant/quant/kv_cache.py",
-        "        out |= c[..., i] << (bits * i)",
-        "        out |= c[..., i] << (bits * i - 1)",
+        "        out |= planes[..., i, :] << (bits * i)",
+        "        out |= planes[..., i, :] << (bits * i - 1)",
         ("tests/test_kv_cache.py::test_pack_round_trips_every_code",),
     ),
     M(
@@ -1802,6 +1802,40 @@ MUTANTS = [
         "FP8_MAX = 448.0",
         "FP8_MAX = 240.0",
         ("tests/test_kv_cache.py::test_fp8_groups_are_torch_float8_casts_of_absmax_scaled_values",),
+    ),
+    M(
+        "kv-unpack-plane-shift",
+        "diffquant/quant/kv_cache.py",
+        "        plane = packed if i == 0 else packed >> (bits * i)",
+        "        plane = packed if i == 0 else packed >> (bits * (i - 1))",
+        (
+            "tests/test_kv_cache.py::test_pack_round_trips_every_code",
+            "tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",
+        ),
+    ),
+    M(
+        "kv-window-over-the-sinks",
+        "diffquant/quant/kv_cache.py",
+        "                    out[:, :, start : start + n].copy_(part)",
+        "                    out[:, :, :n].copy_(part)",
+        ("tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",),
+    ),
+    M(
+        "kv-scale-dtype-ignored",
+        "diffquant/quant/kv_cache.py",
+        "        scale_dtype = SCALE_DTYPES.get(self.spec.scale_dtype)",
+        "        scale_dtype = None",
+        (
+            "tests/test_kv_cache.py::test_packed_bytes_equal_the_formula",
+            "tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",
+        ),
+    ),
+    M(
+        "kv-codes-from-unrounded-scales",
+        "diffquant/quant/kv_cache.py",
+        "        return t if scale_dtype is None else t.to(scale_dtype).to(x.dtype)",
+        "        return t",
+        ("tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",),
     ),
     M(
         "kv-every-text-task-decodes",

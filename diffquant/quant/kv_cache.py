@@ -25,7 +25,12 @@ sit in fixed channels, so per-channel scales isolate them; quanto ``axis=-1`` wh
 of the group). ``pre_rope`` (KVQuant, Hooper et al. 2024) caches keys before RoPE and rotates the
 dequantized keys at every read, so the quantizer sees keys whose outlier channels are not mixed by position.
 
-Codes are packed ``8 / bits`` per byte along the channel dim; scale and zero are kept in the cache's dtype.
+Codes are packed ``8 / bits`` per byte along the channel dim, planar: byte j of a row of D channels holds
+channel ``j + i * D / per`` in bits ``[bits * i, bits * (i + 1))`` (per = 8 / bits), so unpacking writes
+contiguous half / quarter rows instead of interleaving (a decode step dequantizes the whole body, and the
+interleaving copy was its slowest part). Scale and zero are kept in the cache's dtype, or in float16 /
+bfloat16 with ``scale_dtype`` (KIVI's layout in a float32 model: 16-bit scales halve their share of the
+bytes); the codes are computed from the rounded scale and zero, so what is stored is what is read.
 :meth:`QuantizedLayerKV.nbytes` counts the bytes of the tensors it holds.
 
 Works for all three attention kinds: the cache holds what the layer's K / V projections produce (DIFF V1:
@@ -52,6 +57,7 @@ AXES = ("token", "channel")
 Axis = Literal["token", "channel"]
 FORMATS = ("int", "fp8")
 FP8_MAX = 448.0  # largest float8_e4m3fn magnitude
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -67,6 +73,7 @@ class KVCacheSpec:
     sinks: int = key(0, min=0)
     pre_rope: bool = key(False)
     format: Literal["int", "fp8"] = key("int")
+    scale_dtype: Literal["model", "float16", "bfloat16"] = key("model")
 
     def __post_init__(self) -> None:
         if self.format == "fp8" and self.bits != 8:
@@ -78,6 +85,7 @@ class KVCacheSpec:
     def label(self) -> str:
         extra = [f"r{self.residual}"] + ([f"sinks{self.sinks}"] if self.sinks else [])
         extra += ["pre-rope"] if self.pre_rope else []
+        extra += [f"scales:{self.scale_dtype}"] if self.scale_dtype != "model" else []
         kind = "fp8" if self.format == "fp8" else f"kv{self.bits}"
         return f"{kind} K:{self.keys} V:{self.values} g{self.group} " + " ".join(extra)
 
@@ -108,25 +116,37 @@ class KVCacheSpec:
 
 # ------------------------------------------------------------------------------------------ codes
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes (< 2^bits) packed ``8 // bits`` per byte along the last dim (low bits first)."""
+    """uint8 codes (< 2^bits) packed ``8 // bits`` per byte along the last dim, planar: of a row of D codes,
+    byte j holds code ``j + i * D / per`` in bits ``[bits * i, bits * (i + 1))``."""
     per = 8 // bits
     if per == 1:
         return codes
-    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per)
-    out = c[..., 0].clone()
+    planes = codes.view(*codes.shape[:-1], per, codes.shape[-1] // per)
+    out = planes[..., 0, :].clone()
     for i in range(1, per):
-        out |= c[..., i] << (bits * i)
+        out |= planes[..., i, :] << (bits * i)
+    return out
+
+
+def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Write the codes of ``packed`` into ``out`` (any dtype, last dim ``8 // bits`` times longer; it may be
+    a strided view): one contiguous plane per code of a byte, no interleaving copy."""
+    per = 8 // bits
+    if per == 1:
+        return out.copy_(packed)
+    planes = out.view(*out.shape[:-1], per, out.shape[-1] // per)
+    mask = (1 << bits) - 1
+    for i in range(per):
+        plane = packed if i == 0 else packed >> (bits * i)
+        planes[..., i, :].copy_(plane if i == per - 1 else plane & mask)
     return out
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of :func:`pack`: uint8 codes, the last dim ``8 // bits`` times longer."""
     per = 8 // bits
-    if per == 1:
-        return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    out = torch.empty(*packed.shape[:-1], packed.shape[-1] * per, dtype=torch.uint8, device=packed.device)
+    return unpack_into(out, packed, bits)
 
 
 def _grouped(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
@@ -144,39 +164,84 @@ def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, ...]) -> torch.Tens
 
 
 def quantize_groups(
-    x: torch.Tensor, bits: int, axis: str, group: int, fmt: str = "int"
+    x: torch.Tensor,
+    bits: int,
+    axis: str,
+    group: int,
+    fmt: str = "int",
+    scale_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes (B, H, S, D) uint8 in [0, 2^bits), scale, zero) of asymmetric min-max groups of ``x``
     (B, H, S, D); scale / zero have the group dim reduced (token: (B, H, S, D/g); channel: (B, H, S/g, D)).
 
     ``fmt="fp8"``: symmetric float8 e4m3 codes (the bits of torch's float8_e4m3fn cast, round to nearest even)
-    of x / scale with scale = absmax / 448 per group, and no zero (None)."""
+    of x / scale with scale = absmax / 448 per group, and no zero (None).
+
+    ``scale_dtype``: scale and zero are rounded to it first and returned in it; the codes are computed from
+    the rounded values (x's dtype otherwise)."""
     g = _grouped(x, axis, group)
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        return t if scale_dtype is None else t.to(scale_dtype).to(x.dtype)
+
     if fmt == "fp8":
-        scale = g.abs().amax(-1) / FP8_MAX
+        scale = stored(g.abs().amax(-1) / FP8_MAX)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         ratio = (g / safe.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         codes = ratio.to(torch.float8_e4m3fn).view(torch.uint8)
-        return _ungrouped(codes, axis, tuple(x.shape)), scale, None
-    lo = g.amin(-1)
+        return _ungrouped(codes, axis, tuple(x.shape)), scale.to(scale_dtype or x.dtype), None
+    lo = stored(g.amin(-1))
     hi = g.amax(-1)
-    scale = (hi - lo) / (2**bits - 1)
+    scale = stored((hi - lo) / (2**bits - 1))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 2**bits - 1)
     codes = _ungrouped(codes.to(torch.uint8), axis, tuple(x.shape))
-    return codes, scale, lo
+    out_dtype = scale_dtype or x.dtype
+    return codes, scale.to(out_dtype), lo.to(out_dtype)
 
 
 def dequantize_groups(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, axis: str, group: int
 ) -> torch.Tensor:
     """x_hat = code * scale + zero per group (the inverse of :func:`quantize_groups` up to rounding); with
-    no zero (fp8) the codes are float8_e4m3fn bits and x_hat = fp8 value * scale."""
+    no zero (fp8) the codes are float8_e4m3fn bits and x_hat = fp8 value * scale. Unpacked codes (B, H, S, D)."""
+    out = torch.empty(codes.shape, dtype=scale.dtype, device=codes.device)
+    out.copy_(codes.view(torch.float8_e4m3fn) if zero is None else codes)
+    return _scale_into(out, scale, zero, axis, group)
+
+
+def _scale_into(
+    out: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, axis: str, group: int
+) -> torch.Tensor:
+    """In place: ``out`` (B, H, S, D) holding code values becomes code * scale (+ zero) per group. The groups
+    are views of ``out`` (channel groups split the token dim, token groups the channel dim), so nothing is
+    transposed or copied."""
+    b, h, s, d = out.shape
+    dim = -1 if axis == "token" else 3  # where a group's members lie in the grouped view
+    g = out.view(b, h, s, d // group, group) if axis == "token" else out.view(b, h, s // group, group, d)
+    g.mul_(scale.unsqueeze(dim))
+    if zero is not None:
+        g.add_(zero.unsqueeze(dim))
+    return out
+
+
+def dequantize_packed_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    axis: str,
+    group: int,
+) -> torch.Tensor:
+    """x_hat of packed codes written straight into ``out`` (B, H, S, D), a view of the step's key / value
+    tensor: the planes are unpacked into it, then scaled in place (same values as :func:`dequantize_groups`
+    of :func:`unpack`, bit for bit)."""
     if zero is None:
-        g = _grouped(codes.view(torch.float8_e4m3fn), axis, group).to(scale.dtype)
-        return _ungrouped(g * scale.unsqueeze(-1), axis, tuple(codes.shape))
-    g = _grouped(codes, axis, group).to(scale.dtype)
-    return _ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), axis, tuple(codes.shape))
+        out.copy_(packed.view(torch.float8_e4m3fn))
+    else:
+        unpack_into(out, packed, bits)
+    return _scale_into(out, scale, zero, axis, group)
 
 
 # ------------------------------------------------------------------------------------------ the cache
@@ -190,6 +255,7 @@ class _Stream:
         self.codes: torch.Tensor | None = None  # packed (B, H, N, D * bits / 8)
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
+        self.dtype: torch.dtype | None = None  # of the tokens moved into the body (what a read returns)
 
     @property
     def body_len(self) -> int:
@@ -210,17 +276,39 @@ class _Stream:
             self.sink = head if self.sink is None else torch.cat([self.sink, head], dim=2)
         if x.shape[2]:
             self.window = x if self.window is None else torch.cat([self.window, x], dim=2)
-        parts = [t for t in (self.sink, self.body(), self.window) if t is not None and t.shape[2]]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        parts = [t for t in (self.sink, self.window) if t is not None and t.shape[2]]
+        if self.codes is None and len(parts) == 1:
+            out = parts[0]
+        else:  # one tensor for the step, the body dequantized straight into its slice (no concatenation)
+            like = x if self.window is None else self.window
+            b, h, _, d = like.shape
+            out = torch.empty(b, h, self.length, d, dtype=like.dtype, device=like.device)
+            start = 0
+            for part in (self.sink, "body", self.window):
+                n = self.body_len if isinstance(part, str) else self._len(part)
+                if n == 0:
+                    continue
+                if isinstance(part, str):
+                    self._body_into(out[:, :, start : start + n])
+                else:
+                    out[:, :, start : start + n].copy_(part)
+                start += n
         self._flush()
         return out
 
+    def _body_into(self, out: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        return dequantize_packed_into(
+            out, self.codes, self.scale, self.zero, spec.bits, self.axis, spec.group
+        )
+
     def body(self) -> torch.Tensor | None:
-        """The quantized body, dequantized (B, H, N, D), or None."""
+        """The quantized body, dequantized (B, H, N, D) in the cache's dtype, or None."""
         if self.codes is None:
             return None
-        codes = unpack(self.codes, self.spec.bits)
-        return dequantize_groups(codes, self.scale, self.zero, self.axis, self.spec.group)
+        b, h, n, packed = self.codes.shape
+        shape = (b, h, n, packed * (8 // self.spec.bits))
+        return self._body_into(torch.empty(shape, dtype=self.dtype, device=self.codes.device))
 
     def _flush(self) -> None:
         n = self._len(self.window)
@@ -231,8 +319,10 @@ class _Stream:
             if n == 0:
                 return
         move, self.window = self.window[:, :, :n], self.window[:, :, n:]
+        self.dtype = move.dtype
+        scale_dtype = SCALE_DTYPES.get(self.spec.scale_dtype)
         codes, scale, zero = quantize_groups(
-            move, self.spec.bits, self.axis, self.spec.group, self.spec.format
+            move, self.spec.bits, self.axis, self.spec.group, self.spec.format, scale_dtype
         )
         codes = pack(codes, self.spec.bits)
         if self.codes is None:
@@ -244,6 +334,7 @@ class _Stream:
 
     def select_rows(self, rows: torch.Tensor) -> _Stream:
         out = _Stream(self.spec, self.axis)
+        out.dtype = self.dtype
         for name in ("sink", "window", "codes", "scale", "zero"):
             t = getattr(self, name)
             setattr(out, name, None if t is None else t.index_select(0, rows.to(t.device)))
