@@ -187,8 +187,9 @@ def test_every_preset_applies_to_every_kind(kind):
     for name in PRESETS:
         if name.startswith(("quanto", "bnb")):
             continue
-        # every width a multiple of 128: the weights presets' groups of 128 divide every Linear
-        model = tiny_model(kind, d_model=128, head_dim=32, ffn_dim=256)
+        # every width a multiple of 128 (the weights presets' groups of 128 divide every Linear), heads of 64
+        # (kv4-compact's channel groups of 64 tile them)
+        model = tiny_model(kind, d_model=128, head_dim=64, ffn_dim=256)
         plan = preset(name)
         applied = apply_plan(model, plan)
         assert applied

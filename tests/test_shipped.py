@@ -75,7 +75,7 @@ def test_an_existing_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
     [
         (
             ["run", "nope"],
-            "recipe 'nope': no such file, and not a shipped recipe; shipped: kv-cache-zoo, kv-cache, paper-fig8, ",
+            "recipe 'nope': no such file, and not a shipped recipe; shipped: kv-cache, kv-cache-long, kv-cache-zoo, ",
         ),
         (["train", "nope.yaml"], "training recipe 'nope.yaml': no such file, and not a shipped training "),
         (["run", "plans/example"], "recipe 'plans/example': no such file"),

@@ -125,21 +125,17 @@ def _span_kind(model: Any) -> str | None:
 
 
 def _branch_cache(model: Any, cache: Any, rows: torch.Tensor) -> Any | None:
-    """A new cache holding batch rows ``rows`` of ``cache``, or None when the cache's layout is unknown.
+    """A new cache holding batch rows ``rows`` of ``cache`` (each layer's ``select_rows``: a quantized cache
+    branches its codes too), or None when the cache is empty or of an unknown layout (then the candidates are
+    scored by recomputation).
 
     DecoderLM's cache rebinds (torch.cat) rather than mutates its tensors, so branches are independent.
     """
     layers = getattr(cache, "layers", None)
-    if layers is not None and all(callable(getattr(x, "select_rows", None)) and x.length for x in layers):
-        branch = model.new_cache()  # a quantized cache (a plan's kv_cache) branches its codes too
-        branch.layers = [x.select_rows(rows) for x in layers]
-        return branch
-    if layers is None or not all(getattr(x, "k", None) is not None for x in layers):
+    if layers is None or not all(callable(getattr(x, "select_rows", None)) and x.length for x in layers):
         return None
     branch = model.new_cache()
-    for src, dst in zip(layers, branch.layers, strict=True):
-        dst.k = src.k.index_select(0, rows.to(src.k.device))
-        dst.v = src.v.index_select(0, rows.to(src.v.device))
+    branch.layers = [x.select_rows(rows) for x in layers]
     return branch
 
 

@@ -370,6 +370,14 @@ class QuantizedLayerKV(LayerKV):
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k.append(k), self._v.append(v)
 
+    def bodies(self) -> dict[str, tuple[int, torch.Tensor | None]]:
+        """Per stream (``k``, ``v``): the position of the body's first token and the dequantized body (None
+        while nothing is quantized); pre-RoPE keys come back unrotated."""
+        return {
+            name: (stream._len(stream.sink), stream.body())
+            for name, stream in (("k", self._k), ("v", self._v))
+        }
+
     def select_rows(self, rows: torch.Tensor) -> QuantizedLayerKV:
         out = QuantizedLayerKV(self.spec)
         out._k, out._v = self._k.select_rows(rows), self._v.select_rows(rows)
@@ -429,11 +437,12 @@ def kv_cache_error(model: nn.Module, windows: torch.Tensor, batch_size: int = 8)
             quantized = model.new_cache()
             model(batch, quantized)
             for i, (ref, got) in enumerate(zip(plain.layers, quantized.layers, strict=True)):
-                for name, full, stream in (("k", ref.k, got._k), ("v", ref.v, got._v)):
-                    body = stream.body()
+                bodies = got.bodies()
+                for name, full in (("k", ref.k), ("v", ref.v)):
+                    start, body = bodies[name]
                     if body is None or full is None:
                         continue
-                    start, n = stream._len(stream.sink), body.shape[2]
+                    n = body.shape[2]
                     if name == "k" and spec.pre_rope:
                         attn = model.layers[i].attn
                         cos, sin = rope_cos_sin(

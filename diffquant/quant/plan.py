@@ -168,6 +168,16 @@ class PlanDoc:
     kv_cache: KVCacheSpec | None = key(None, what="a mapping")
 
 
+def _spec(cls: type, section: dict[str, Any] | None, source: str) -> Any:
+    """A plan section's dataclass (None when absent); its own checks' errors name the plan file."""
+    if section is None:
+        return None
+    try:
+        return cls(**section)
+    except DiffquantError as err:
+        raise DiffquantError(f"{source}: {err}") from None
+
+
 @dataclass
 class QuantPlan:
     name: str = "custom"
@@ -228,39 +238,27 @@ class QuantPlan:
                     f"{source}: smooth: works with fake-quant rules only; the backend {backend.name} converts "
                     "its Linears when the plan is applied, before calibration could smooth them"
                 )
-        rotate = None
-        if doc["rotate"] is not None:
-            rotate = RotateSpec(**doc["rotate"])
-            if backend is not None:
-                raise DiffquantError(
-                    f"{source}: rotate: works with fake-quant rules only; the backend {backend.name} would "
-                    "replace the Linears that carry the online rotations"
-                )
-        weights = None
-        if doc["weights"] is not None:
-            try:
-                weights = WeightsSpec(**doc["weights"])
-            except DiffquantError as err:
-                raise DiffquantError(f"{source}: {err}") from None
-            if backend is not None:
-                raise DiffquantError(
-                    f"{source}: weights: works with fake-quant rules only; the backend {backend.name} "
-                    "quantizes its Linears' weights itself"
-                )
-        kv_cache = None
-        if doc["kv_cache"] is not None:
-            try:
-                kv_cache = KVCacheSpec(**doc["kv_cache"])
-            except DiffquantError as err:
-                raise DiffquantError(f"{source}: {err}") from None
-            if kv_cache.pre_rope and rotate is not None and rotate.qk != "none":
-                raise DiffquantError(
-                    f"{source}: kv_cache.pre_rope caches keys before RoPE, but rotate.qk rotates them after "
-                    "RoPE; use one of the two"
-                )
-        plan = cls(str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate, weights)
-        plan.kv_cache = kv_cache
-        return plan
+        rotate = _spec(RotateSpec, doc["rotate"], source)
+        if rotate is not None and backend is not None:
+            raise DiffquantError(
+                f"{source}: rotate: works with fake-quant rules only; the backend {backend.name} would "
+                "replace the Linears that carry the online rotations"
+            )
+        weights = _spec(WeightsSpec, doc["weights"], source)
+        if weights is not None and backend is not None:
+            raise DiffquantError(
+                f"{source}: weights: works with fake-quant rules only; the backend {backend.name} "
+                "quantizes its Linears' weights itself"
+            )
+        kv_cache = _spec(KVCacheSpec, doc["kv_cache"], source)
+        if kv_cache is not None and kv_cache.pre_rope and rotate is not None and rotate.qk != "none":
+            raise DiffquantError(
+                f"{source}: kv_cache.pre_rope caches keys before RoPE, but rotate.qk rotates them after "
+                "RoPE; use one of the two"
+            )
+        return cls(
+            str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate, weights, kv_cache
+        )
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:

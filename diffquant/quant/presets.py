@@ -275,6 +275,18 @@ def _kv_presets() -> dict[str, dict[str, Any]]:
             "description": f"KV cache int2, keys quantized before RoPE (KVQuant), {words}",
             "kv_cache": {**base, "bits": 2, "pre_rope": True},
         }
+    out["kv4-compact"] = {
+        "description": "KV cache int4 (KIVI) in 0.28x the bytes of bf16: groups of 64, float16 scales and zeros, "
+        "128 recent tokens in full precision",
+        "kv_cache": {
+            "bits": 4,
+            "keys": "channel",
+            "values": "token",
+            "group": 64,
+            "residual": 128,
+            "scale_dtype": "float16",
+        },
+    }
     return out
 
 

@@ -46,7 +46,7 @@ def _kind_of(path: Path) -> Kind:
 
 def shipped_names(kind: Kind) -> list[str]:
     """The shipped files of one kind by name (file stem), sorted."""
-    paths = sorted(_FOLDERS[kind].glob("*.yaml"))
+    paths = sorted(_FOLDERS[kind].glob("*.yaml"), key=lambda p: p.stem)  # kv-cache before kv-cache-zoo
     return [p.stem for p in paths if _kind_of(p) == kind]
 
 
