@@ -1733,8 +1733,8 @@ MUTANTS = [
     M(
         "kv-levels",
         "diffquant/quant/kv_cache.py",
-        "    scale = (hi - lo) / (2**bits - 1)",
-        "    scale = (hi - lo) / (2**bits)",
+        "    scale = stored((hi - lo) / (2**bits - 1))",
+        "    scale = stored((hi - lo) / (2**bits))",
         ("tests/test_kv_cache.py::test_groups_follow_the_min_max_definition",),
     ),
     M(
