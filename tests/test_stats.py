@@ -95,6 +95,23 @@ def brute(x, kind, site, valid=None, tokens=None, sample_offset=0, positions=Non
                 d = row - row.mean()
                 kurt.append(np.mean(d**4) / np.mean(d**2) ** 2)
         out["token_kurtosis"] = float(np.mean(kurt)) if kurt else None
+        # the rotation papers' kurtosis: each (head,) channel's RMS over every other dim, then over channels
+        keep = [i for i, d in enumerate(layout) if d in ("head", "channel")]
+        moved = np.moveaxis(xn, keep, list(range(len(keep)))).reshape(
+            int(np.prod([xn.shape[i] for i in keep])), -1
+        )
+        moved_ok = np.moveaxis(ok, keep, list(range(len(keep)))).reshape(moved.shape)
+        rms = [
+            math.sqrt(sum(v * v for v, g in zip(col, good, strict=True) if g) / good.sum())
+            for col, good in zip(moved, moved_ok, strict=True)
+            if good.any()
+        ]
+        out["channel_rms_kurtosis"] = None
+        if len(rms) >= 2:
+            r = np.array(rms)
+            d = r - r.mean()
+            if np.mean(d**2) > 0:
+                out["channel_rms_kurtosis"] = float(np.mean(d**4) / np.mean(d**2) ** 2)
     return out
 
 
@@ -123,6 +140,13 @@ def check_against(s: SiteStats, ref: dict) -> None:
     assert rel_close(sm["std"], sd, 1e-6)
     kurt = float(np.mean((vals - mu) ** 4) / np.mean((vals - mu) ** 2) ** 2)
     assert rel_close(sm["kurtosis"], kurt, 1e-6)
+    if "channel_rms_kurtosis" in ref:
+        if ref["channel_rms_kurtosis"] is None:
+            assert sm["channel_rms_kurtosis"] is None
+        else:
+            assert rel_close(sm["channel_rms_kurtosis"], ref["channel_rms_kurtosis"], 1e-9)
+    else:
+        assert sm["channel_rms_kurtosis"] is None
     if "token_kurtosis" in ref:
         if ref["token_kurtosis"] is None:
             assert sm["token_kurtosis_mean"] is None
@@ -344,8 +368,14 @@ def _stats_of(site, kind, x, **kw):
 
 
 def assert_state_equal(a: dict, b: dict, rel: float = 1e-9) -> None:
-    """to_dict equality: exact except the float64 moments and the token-kurtosis sum (summation order)."""
+    """to_dict equality: exact except the float64 moments, the token-kurtosis sum and the channel sums of
+    squares (summation order)."""
     a, b = dict(a), dict(b)
+    assert (a["channel_sumsq"] is None) == (b["channel_sumsq"] is None)
+    if a["channel_sumsq"] is not None:
+        for u, v in zip(a["channel_sumsq"], b["channel_sumsq"], strict=True):
+            assert math.isclose(u, v, rel_tol=rel, abs_tol=1e-300), "channel_sumsq"
+    a["channel_sumsq"] = b["channel_sumsq"] = None
     for key in ("mean", "m2", "m4"):
         assert math.isclose(a["moments"][key], b["moments"][key], rel_tol=rel, abs_tol=1e-9), key
     # M3 is a signed sum (cancels): its rounding error scales with sum |d|^3 <= sqrt(M2 M4) (Cauchy-Schwarz).
@@ -489,7 +519,7 @@ def test_memory_does_not_grow_with_tokens():
     assert max(sizes[10:]) <= 1.2 * sizes[9]  # only digits of sample indices / counts change
     state = [vars(s), *(vars(acc) for acc in s._accumulators())]  # SiteStats and its accumulators
     tensors = [v for part in state for v in part.values() if isinstance(v, torch.Tensor)]
-    assert [t.numel() for t in tensors] == [32]
+    assert [t.numel() for t in tensors] == [32, 32, 32]  # abs-max, sum of squares and count per channel
 
 
 # ----------------------------------------------------------------------------------- bins, edges

@@ -1729,6 +1729,28 @@ MUTANTS = [
         "lo, hi = xf.amax(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)",
         ("tests/test_quant.py::test_fake_quant_equals_a_reference_implementation",),
     ),
+    # --- the rotation papers' kurtosis (channel RMS over tokens, kurtosis over channels; issue 29)
+    M(
+        "rms-kurtosis-mean-square",
+        "diffquant/profile/accumulators.py",
+        "        return torch.where(self.n > 0, self.sumsq / self.n.clamp_min(1), math.nan).sqrt()",
+        "        return torch.where(self.n > 0, self.sumsq / self.n.clamp_min(1), math.nan)",
+        ("tests/test_stats.py::test_exact_against_brute_force",),
+    ),
+    M(
+        "rms-kurtosis-counts-masked-entries",
+        "diffquant/profile/stats.py",
+        "            okv = ok.view(x.shape).to(torch.float64)",
+        "            okv = torch.ones(x.shape, dtype=torch.float64)",
+        ("tests/test_stats.py::test_exact_against_brute_force",),
+    ),
+    M(
+        "rms-kurtosis-merge-overwrites",
+        "diffquant/profile/accumulators.py",
+        "            self.sumsq += sumsq",
+        "            self.sumsq = sumsq.clone()",
+        ("tests/test_stats.py::test_split_merge_equals_one_pass_resid",),
+    ),
     # --- the quantized KV cache (diffquant/quant/kv_cache.py, issue 28)
     M(
         "kv-levels",

@@ -543,6 +543,72 @@ class ChannelAbsMax(Accumulator):
         return s
 
 
+class ChannelSquares(Accumulator):
+    """Per-channel sum of squares and count of the finite valid values over every dim but head / channel
+    (float64, CPU, flattened): the channel RMS that the rotation papers (QuaRot, Ashkboos et al. 2024;
+    SpinQuant, Liu et al. 2024) take over tokens before the kurtosis over channels. Merged by addition."""
+
+    FIELDS = ("channel_sumsq", "channel_count")
+
+    def __init__(self, site: str) -> None:
+        self.site = site
+        self.sumsq: torch.Tensor | None = None
+        self.n: torch.Tensor | None = None
+
+    def add(self, sumsq: torch.Tensor | None, n: torch.Tensor | None, other: str = "") -> None:
+        """Add flattened float64 CPU per-channel ``sumsq`` and counts ``n`` (``other``: their site)."""
+        if sumsq is None or n is None:
+            return
+        if self.sumsq is None or self.n is None:
+            self.sumsq, self.n = sumsq.clone(), n.clone()
+        elif self.sumsq.shape != sumsq.shape:
+            raise ValueError(
+                f"site {self.site!r}: {self.sumsq.numel()} channels do not match {sumsq.numel()}"
+                f"{f' of site {other!r}' if other else ''}"
+            )
+        else:
+            self.sumsq += sumsq
+            self.n += n
+
+    def merge(self, other: ChannelSquares, loc: dict[str, Any] | None = None) -> None:
+        self.add(other.sumsq, other.n, other.site)
+
+    @property
+    def rms(self) -> torch.Tensor | None:
+        """sqrt(mean x^2) per channel (NaN for a channel that saw no value)."""
+        if self.sumsq is None or self.n is None:
+            return None
+        return torch.where(self.n > 0, self.sumsq / self.n.clamp_min(1), math.nan).sqrt()
+
+    @property
+    def kurtosis(self) -> float | None:
+        """Pearson kurtosis E[(r - mean r)^4] / Var(r)^2 of the channel RMS r over the channels that saw a
+        value (3 for Gaussian r); None with fewer than 2 channels or equal RMS everywhere."""
+        r = self.rms
+        if r is None:
+            return None
+        r = r[~torch.isnan(r)]
+        if r.numel() < 2:
+            return None
+        d = r - r.mean()
+        var = float((d * d).mean())
+        return None if var <= 0.0 else float((d**4).mean()) / var**2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "channel_sumsq": None if self.sumsq is None else self.sumsq.tolist(),
+            "channel_count": None if self.n is None else self.n.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChannelSquares:
+        s = cls(d["site"])
+        if d.get("channel_sumsq") is not None:  # absent in older profiles
+            s.sumsq = torch.tensor(d["channel_sumsq"], dtype=torch.float64)
+            s.n = torch.tensor(d["channel_count"], dtype=torch.float64)
+        return s
+
+
 class ThresholdCounts(Accumulator):
     """The exact count of |x| >= 6 (LLM.int8's outlier threshold)."""
 
@@ -619,4 +685,5 @@ ACCUMULATORS: tuple[type[Accumulator], ...] = (
     LogHistogram,
     ThresholdCounts,
     Massive,
+    ChannelSquares,
 )

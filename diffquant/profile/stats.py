@@ -15,6 +15,11 @@ follows a published definition:
   total order (descending |x|, then location) so that sharded and one-pass runs agree entry for entry.
 * quantiles of |x| (the Table 5 median, p90/p99/p999) from a log-spaced histogram -- approximate, see below.
 * per-channel abs-max, SmoothQuant's ``act_scales`` (Xiao et al. 2023), merged by elementwise max.
+* channel-RMS kurtosis, the kurtosis the rotation papers report (QuaRot, SpinQuant): each channel's RMS over
+  tokens (a float64 sum of squares per channel, merged by addition), then the Pearson kurtosis of those RMS
+  values over channels; only for layouts whose last dim is ``channel``. Three kurtoses, three questions: the
+  stream's (heavy tails of all values), per token (a token's outlier channels), over channels' RMS (channels
+  that are large for every token: what a rotation spreads).
 * count of |x| >= 6 (the LLM.int8 outlier threshold, Dettmers et al. 2022), exact.
 * count of values beyond 6 standard deviations (Bondarenko et al. 2023) -- approximate, see below.
 * massive activations (Sun et al. 2024): |x| > 100 and > 1000 x the median magnitude, with locations.
@@ -79,6 +84,7 @@ from diffquant.profile.accumulators import (
     STATE_VERSION,
     Accumulator,
     ChannelAbsMax,
+    ChannelSquares,
     LogHistogram,
     Massive,
     Moments,
@@ -409,6 +415,7 @@ class SiteStats:
         self._hist = LogHistogram()
         self._thresholds = ThresholdCounts()
         self._massive_acc = Massive(self.massive_cap)
+        self._squares = ChannelSquares(site)
 
     def _accumulators(self) -> tuple[Accumulator, ...]:
         """Every accumulator, in the order of :data:`~diffquant.profile.accumulators.ACCUMULATORS`."""
@@ -421,6 +428,7 @@ class SiteStats:
             self._hist,
             self._thresholds,
             self._massive_acc,
+            self._squares,
         )
 
     # ------------------------------------------------------------------------- state, by statistic
@@ -553,6 +561,7 @@ class SiteStats:
         if ok is not None:
             af_flat.masked_fill_(~ok, -1.0)
         self._update_absmax(af_flat.view(shape), layout)
+        self._update_squares(x if ok is None else torch.where(ok.view(shape), x, 0.0), ok, layout)
         per_token = bool(layout) and layout[-1] == "channel"
         if n_ok == 0:
             if per_token:  # every token has a non-finite / masked channel (or no channels)
@@ -688,6 +697,22 @@ class SiteStats:
             amax = (af.amax(dim=reduce) if reduce else af).clamp_min(0.0).to("cpu", torch.float64)
         self._absmax_acc.add(amax.reshape(-1), keep)
 
+    def _update_squares(self, x: torch.Tensor, ok: torch.Tensor | None, layout: Layout) -> None:
+        """Per-channel float64 sum of squares and count over every dim but head / channel (layouts whose last
+        dim is ``channel``; excluded entries are zeros in ``x`` and not counted)."""
+        if not layout or layout[-1] != "channel" or x.numel() == 0:
+            return
+        reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
+        keep = [n for n, d in zip(x.shape, layout, strict=True) if d in ("head", "channel")]
+        sq = x.to(torch.float64).square()  # not in place: a float64 x is the caller's tensor
+        sumsq = sq.sum(dim=reduce) if reduce else sq
+        if ok is None:
+            n = torch.full(keep, float(x.numel() // max(math.prod(keep), 1)), dtype=torch.float64)
+        else:
+            okv = ok.view(x.shape).to(torch.float64)
+            n = okv.sum(dim=reduce) if reduce else okv
+        self._squares.add(sumsq.to("cpu").reshape(-1), n.to("cpu").reshape(-1))
+
     def _entries(
         self,
         idx: torch.Tensor,
@@ -810,6 +835,7 @@ class SiteStats:
             s._hist,
             s._thresholds,
             s._massive_acc,
+            s._squares,
         ) = (acc.from_dict(d) for acc in ACCUMULATORS)
         return s
 
@@ -832,6 +858,12 @@ class SiteStats:
     def kurtosis(self) -> float | None:
         """Pearson kurtosis n * M4 / M2^2 (3 for a Gaussian); None without variance."""
         return self._moments_acc.kurtosis
+
+    @property
+    def channel_rms_kurtosis(self) -> float | None:
+        """The rotation papers' kurtosis (QuaRot / SpinQuant): each channel's RMS over tokens, then the
+        Pearson kurtosis of those RMS values over channels (channel layouts only; None otherwise)."""
+        return self._squares.kurtosis
 
     def quantile(self, q: float) -> float:
         """Quantile of |x| (inverted CDF: the value of rank ceil(q * count) among the sorted magnitudes).
@@ -907,6 +939,7 @@ class SiteStats:
             "token_kurtosis_mean": self._tk.mean,
             "token_kurtosis_tokens": self._tk.tokens,
             "token_kurtosis_skipped": self._tk.skipped,
+            "channel_rms_kurtosis": self.channel_rms_kurtosis,
             "top": copy_entries(self._top),
             **{f"top{k}": self.kth_largest(k) for k in (1, 2, 3, 10, 100)},
             **quant,
@@ -940,5 +973,7 @@ _FIELDS = (
     "count_abs_ge_6",
     "count_abs_gt_100",
     "massive",
+    "channel_sumsq",
+    "channel_count",
 )
 assert sorted(_FIELDS) == sorted(f for acc in ACCUMULATORS for f in acc.FIELDS)
