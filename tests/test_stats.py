@@ -144,7 +144,8 @@ def check_against(s: SiteStats, ref: dict) -> None:
         if ref["channel_rms_kurtosis"] is None:
             assert sm["channel_rms_kurtosis"] is None
         else:
-            assert rel_close(sm["channel_rms_kurtosis"], ref["channel_rms_kurtosis"], 1e-9)
+            # float32 squares (2^-24 relative each) summed in float64
+            assert rel_close(sm["channel_rms_kurtosis"], ref["channel_rms_kurtosis"], 1e-6)
     else:
         assert sm["channel_rms_kurtosis"] is None
     if "token_kurtosis" in ref:

@@ -16,7 +16,7 @@ follows a published definition:
 * quantiles of |x| (the Table 5 median, p90/p99/p999) from a log-spaced histogram -- approximate, see below.
 * per-channel abs-max, SmoothQuant's ``act_scales`` (Xiao et al. 2023), merged by elementwise max.
 * channel-RMS kurtosis, the kurtosis the rotation papers report (QuaRot, SpinQuant): each channel's RMS over
-  tokens (a float64 sum of squares per channel, merged by addition), then the Pearson kurtosis of those RMS
+  tokens (squares in float32 summed in float64 per channel, merged by addition), then the Pearson kurtosis of those RMS
   values over channels; only for layouts whose last dim is ``channel``. Three kurtoses, three questions: the
   stream's (heavy tails of all values), per token (a token's outlier channels), over channels' RMS (channels
   that are large for every token: what a rotation spreads).
@@ -224,6 +224,8 @@ def _masked_extremes(flat: torch.Tensor, ok: torch.Tensor) -> tuple[float, float
 
 
 # -------------------------------------------------------------------------------------------- moments
+_SQUARE_LO, _SQUARE_HI = 2.0**-50, 2.0**60  # float32 squares of magnitudes in this range neither overflow
+# nor (at the largest one) underflow; a channel far below the largest counts as 0, which moves no kurtosis
 _TINY_S2 = 2.0**-50  # rows with mean squared deviation below this are redone in float64 (float32 underflow)
 
 
@@ -561,7 +563,6 @@ class SiteStats:
         if ok is not None:
             af_flat.masked_fill_(~ok, -1.0)
         self._update_absmax(af_flat.view(shape), layout)
-        self._update_squares(x if ok is None else torch.where(ok.view(shape), x, 0.0), ok, layout)
         per_token = bool(layout) and layout[-1] == "channel"
         if n_ok == 0:
             if per_token:  # every token has a non-finite / masked channel (or no channels)
@@ -569,6 +570,8 @@ class SiteStats:
             return
 
         self._moments_acc.add_extremes(n_ok, lo, hi)
+        src = x if ok is None else torch.where(ok.view(shape), x, 0.0)
+        self._update_squares(src, ok, layout, max(abs(lo), abs(hi)))
         dense, ge6, ge100 = _histogram(flat, ok)
         self._hist.add_dense(dense)
         self._thresholds.add(ge6)
@@ -697,15 +700,20 @@ class SiteStats:
             amax = (af.amax(dim=reduce) if reduce else af).clamp_min(0.0).to("cpu", torch.float64)
         self._absmax_acc.add(amax.reshape(-1), keep)
 
-    def _update_squares(self, x: torch.Tensor, ok: torch.Tensor | None, layout: Layout) -> None:
+    def _update_squares(self, x: torch.Tensor, ok: torch.Tensor | None, layout: Layout, amax: float) -> None:
         """Per-channel float64 sum of squares and count over every dim but head / channel (layouts whose last
-        dim is ``channel``; excluded entries are zeros in ``x`` and not counted)."""
+        dim is ``channel``; excluded entries are zeros in ``x`` and not counted; ``amax``: the largest
+        magnitude counted)."""
         if not layout or layout[-1] != "channel" or x.numel() == 0:
             return
         reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
         keep = [n for n, d in zip(x.shape, layout, strict=True) if d in ("head", "channel")]
-        sq = x.to(torch.float64).square()  # not in place: a float64 x is the caller's tensor
-        sumsq = sq.sum(dim=reduce) if reduce else sq
+        # squares in x's dtype (float32: each rounded by at most 2^-24 relative), summed in float64: a fifth of
+        # the time of squaring in float64 (0.95 vs 4.6 ms on 8 x 256 x 576), and the RMS within 1e-7 relative
+        if x.dtype == torch.float32 and not _SQUARE_LO <= amax < _SQUARE_HI:
+            x = x.to(torch.float64)  # float32 squares would overflow, or all underflow: square in float64
+        sq = x * x
+        sumsq = sq.sum(dim=reduce, dtype=torch.float64) if reduce else sq.to(torch.float64)
         if ok is None:
             n = torch.full(keep, float(x.numel() // max(math.prod(keep), 1)), dtype=torch.float64)
         else:

@@ -47,7 +47,9 @@ def describe_location(loc: dict[str, Any] | None) -> str:
 
 
 def layerwise(profile: Profile, kind: str = "resid") -> list[dict[str, Any]]:
-    """Per layer: top-1/2/3 and median magnitude over the sites of ``kind`` (massive-activations view)."""
+    """Per layer: top-1/2/3 and median magnitude over the sites of ``kind`` (massive-activations view) and the
+    three kurtoses: of all values (``kurtosis``), per token over channels (``token_kurtosis``, Bondarenko et
+    al. 2023) and of the channels' RMS over tokens (``channel_rms_kurtosis``, as QuaRot / SpinQuant report)."""
     by_layer: dict[int, list] = {}
     for name, stats in profile.sites.items():
         layer = layer_of(name)
@@ -56,7 +58,10 @@ def layerwise(profile: Profile, kind: str = "resid") -> list[dict[str, Any]]:
     rows = []
     for layer in sorted(by_layer):
         s = type(by_layer[layer][0]).merged(by_layer[layer], site=f"layers.{layer}:{kind}").summary()
-        rows.append({"layer": layer, **{k: s[k] for k in ("top1", "top2", "top3", "median", "kurtosis")}})
+        row = {"layer": layer, **{k: s[k] for k in ("top1", "top2", "top3", "median", "kurtosis")}}
+        row["token_kurtosis"] = s["token_kurtosis_mean"]
+        row["channel_rms_kurtosis"] = s["channel_rms_kurtosis"]
+        rows.append(row)
     return rows
 
 

@@ -195,7 +195,8 @@ def describe_plan(name: str, plan: dict[str, Any] | None) -> str:
             parts.append(f"{transform} transform first")
     cache = plan.get("kv_cache")
     if isinstance(cache, dict):
-        settings = ", ".join(f"{k} {v}" for k, v in cache.items() if k != "format")
+        defaults = {"format": "int", "scale_dtype": "model"}  # said only when a plan changes them
+        settings = ", ".join(f"{k} {v}" for k, v in cache.items() if defaults.get(k, object()) != v)
         parts.append(f"a quantized KV cache when the model decodes ({settings})")
     text = str(plan.get("description") or "").strip().rstrip(".")
     rules = "; ".join(parts)
@@ -303,7 +304,7 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
         per_layer = {n: {r["layer"]: r for r in rows} for n, rows in per_layer.items() if rows}
         if per_layer:
             layers = sorted({layer for rows in per_layer.values() for layer in rows})
-            stats = ("top1", "median", "kurtosis")
+            stats = ("top1", "median", "kurtosis", "channel_rms_kurtosis")
             header = ["layer"] + [f"{n} {s}" for s in stats for n in per_layer]
             columns = [layers] + [
                 [per_layer[n].get(layer, {}).get(s) for layer in layers] for s in stats for n in per_layer
