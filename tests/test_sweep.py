@@ -127,19 +127,42 @@ def test_torchrun_spreads_cells_over_ranks(tmp_path, text):
 
 
 # ---------------------------------------------------------------------------------------- recipes
-def _tiny(raw: dict, text: str) -> dict:
+def _heads_of_64(kind: str, folder: Path) -> str:
+    """A tiny random model of ``kind`` with heads of 64 saved as a native checkpoint (KV groups of 64)."""
+    import dataclasses
+
+    from diffquant.io import load_model
+    from diffquant.io.checkpoint import save_checkpoint
+    from diffquant.models.transformer import DecoderLM
+
+    path = folder / f"{kind}-heads64"
+    if not path.exists():
+        config = dataclasses.replace(load_model(f"init:{kind}:tiny").config, head_dim=64)
+        save_checkpoint(DecoderLM(config).eval(), path)
+    return str(path)
+
+
+def _tiny(raw: dict, text: str, folder: Path) -> dict:
     """The recipe with tiny random models and small budgets, everything else as shipped."""
+    from diffquant.quant.presets import PRESETS, preset_data
+
     raw = json.loads(json.dumps(raw))
     kinds = ("baseline", "diff_v1", "diff_v2")  # zoo:KIND keeps its kind; real checkpoints are Llamas
     # weights in groups of 128 need Linears at least 128 wide: the small preset (d 256), not tiny (d 96)
-    # and KV caches in groups of 32 heads a multiple of 32 wide: small's heads of 32, not tiny's 24
+    # and KV caches in groups of 32 heads a multiple of 32 wide: small's heads of 32, not tiny's 24; groups
+    # of 64 (kv4-compact) heads of 64: tiny models with head_dim 64, saved as checkpoints
     plans = raw.get("sweep", {}).get("plans", [])
     wide = any("g128" in p or (p.startswith("kv") and "-g8" not in p) for p in plans)
+    kv_groups = [(preset_data(p).get("kv_cache") or {}).get("group", 0) for p in plans if p in PRESETS]
     size = "small" if wide else "tiny"
     raw["models"] = {
         name: f"init:{spec.split(':')[1] if spec.split(':')[1] in kinds else 'baseline'}:{size}"
         for name, spec in raw["models"].items()
     }
+    if max(kv_groups, default=0) > 32:
+        raw["models"] = {
+            name: _heads_of_64(spec.split(":")[1], folder) for name, spec in raw["models"].items()
+        }
     raw.setdefault("data", {})["calib"] = {"source": text, "tokens": 128, "seq_len": 64}
     if "profile" in raw:
         raw["profile"].update(data=text, tokens=256, seq_len=64)
@@ -157,7 +180,7 @@ def _tiny(raw: dict, text: str) -> dict:
 def test_shipped_recipe_validates_and_runs(tmp_path, text, recipe, capsys):
     load_recipe(recipe)  # as shipped
     small = tmp_path / recipe.name
-    small.write_text(yaml.safe_dump(_tiny(yaml.safe_load(recipe.read_text()), text)))
+    small.write_text(yaml.safe_dump(_tiny(yaml.safe_load(recipe.read_text()), text, tmp_path)))
     assert main(["run", str(small), "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
