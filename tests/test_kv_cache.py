@@ -520,3 +520,36 @@ def test_greedy_generation_equals_transformers_generate_with_a_quantized_cache(t
     got = ours.generate(prompt, 40)
     assert torch.equal(got, theirs)
     assert not torch.equal(theirs, plain)  # the quantized cache changed what was generated
+
+
+@pytest.mark.parametrize("scale_dtype", ["model", "float16"])
+def test_a_bfloat16_model_decodes_through_its_cache_in_bfloat16(scale_dtype):
+    """bf16 models are what users decode with: the cache returns bf16 keys / values, stores scales in the
+    model's dtype (or float16), and its body reads back the definition x_hat = code * scale + lo computed
+    in float64 from the stored codes, scales and zeros, rounded once to bf16 per operation."""
+    model = tiny_model("diff_v2").to(torch.bfloat16)
+    spec = dict(bits=4, keys="channel", values="token", group=4, residual=8, scale_dtype=scale_dtype)
+    apply_plan(model, _plan(**spec))
+    ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(12))
+    got, cache = _decode(model, ids, 9)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got.float()).all()
+    want_scale = torch.bfloat16 if scale_dtype == "model" else torch.float16
+    for layer in cache.layers:
+        for name, stream in (("k", layer._k), ("v", layer._v)):
+            start, body = layer.bodies()[name]
+            assert body is not None and body.dtype == torch.bfloat16
+            assert stream.scale.dtype == want_scale and stream.zero.dtype == want_scale
+            codes = unpack(stream.codes, 4).double()
+            b, h, n, d = codes.shape
+            axis = spec["keys"] if name == "k" else spec["values"]
+            if axis == "token":
+                s = stream.scale.double().repeat_interleave(4, -1)
+                z = stream.zero.double().repeat_interleave(4, -1)
+            else:
+                s = stream.scale.double().repeat_interleave(4, -2)
+                z = stream.zero.double().repeat_interleave(4, -2)
+            product = (codes * s).to(torch.bfloat16).double()  # bf16 rounds the product, then the sum
+            assert torch.equal(body.double(), (product + z).to(torch.bfloat16).double()), name
+    plain = tiny_model("diff_v2").to(torch.bfloat16)
+    ref, _ = _decode(plain, ids, 9)
+    assert (got.float() - ref.float()).abs().max() < 0.5  # a 4-bit cache moves bf16 logits, not wildly

@@ -1860,6 +1860,13 @@ MUTANTS = [
         ("tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",),
     ),
     M(
+        "kv-step-tensor-float32",
+        "diffquant/quant/kv_cache.py",
+        "out = torch.empty(b, h, self.length, d, dtype=like.dtype, device=like.device)",
+        "out = torch.empty(b, h, self.length, d, dtype=torch.float32, device=like.device)",
+        ("tests/test_kv_cache.py::test_a_bfloat16_model_decodes_through_its_cache_in_bfloat16",),
+    ),
+    M(
         "kv-every-text-task-decodes",
         "diffquant/eval/tasks.py",
         '            return self.params.get("decode") is not None',
