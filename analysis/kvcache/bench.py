@@ -25,30 +25,27 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# (label, kv_cache section or None)
-SETTINGS = {
-    "fp": None,
-    "kv8": {"bits": 8, "keys": "channel", "values": "token", "group": 32, "residual": 128},
-    "kv4": {"bits": 4, "keys": "channel", "values": "token", "group": 32, "residual": 128},
-    "kv4-s16": {
-        "bits": 4,
-        "keys": "channel",
-        "values": "token",
-        "group": 32,
-        "residual": 128,
-        "scale_dtype": "float16",
-    },
-    "kv4-g64": {"bits": 4, "keys": "channel", "values": "token", "group": 64, "residual": 128},
-    "kv4-g64-s16": {
-        "bits": 4,
-        "keys": "channel",
-        "values": "token",
-        "group": 64,
-        "residual": 128,
-        "scale_dtype": "float16",
-    },
-    "kv2": {"bits": 2, "keys": "channel", "values": "token", "group": 32, "residual": 128},
-}
+
+# label -> the plan's kv_cache section (None: full precision): the shipped presets, and KIVI's kv4 with one
+# change at a time (kv4-g64-s16 is the preset kv4-compact)
+def _settings() -> dict[str, dict | None]:
+    from diffquant.quant.presets import preset_data
+
+    def kv(name: str, **change) -> dict:
+        return {**preset_data(name)["kv_cache"], **change}
+
+    return {
+        "fp": None,
+        "kv8": kv("kv8"),
+        "kv4": kv("kv4"),
+        "kv4-s16": kv("kv4", scale_dtype="float16"),
+        "kv4-g64": kv("kv4", group=64),
+        "kv4-g64-s16": kv("kv4-compact"),
+        "kv2": kv("kv2"),
+    }
+
+
+SETTINGS = _settings()
 GOALS = {"memory_vs_bf16_at_4k": 0.3, "speed_vs_fp": 0.7}
 
 

@@ -1838,8 +1838,8 @@ MUTANTS = [
     M(
         "kv-window-over-the-sinks",
         "diffquant/quant/kv_cache.py",
-        "                    out[:, :, start : start + n].copy_(part)",
-        "                    out[:, :, :n].copy_(part)",
+        "                out[:, :, window_start:].copy_(self.window)",
+        "                out[:, :, : self.length - window_start].copy_(self.window)",
         ("tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",),
     ),
     M(

@@ -570,8 +570,7 @@ class SiteStats:
             return
 
         self._moments_acc.add_extremes(n_ok, lo, hi)
-        src = x if ok is None else torch.where(ok.view(shape), x, 0.0)
-        self._update_squares(src, ok, layout, max(abs(lo), abs(hi)))
+        self._update_squares(x, ok, layout, max(abs(lo), abs(hi)))
         dense, ge6, ge100 = _histogram(flat, ok)
         self._hist.add_dense(dense)
         self._thresholds.add(ge6)
@@ -702,10 +701,12 @@ class SiteStats:
 
     def _update_squares(self, x: torch.Tensor, ok: torch.Tensor | None, layout: Layout, amax: float) -> None:
         """Per-channel float64 sum of squares and count over every dim but head / channel (layouts whose last
-        dim is ``channel``; excluded entries are zeros in ``x`` and not counted; ``amax``: the largest
-        magnitude counted)."""
+        dim is ``channel``; entries where flat ``ok`` is False are left out; ``amax``: the largest magnitude
+        counted)."""
         if not layout or layout[-1] != "channel" or x.numel() == 0:
             return
+        if ok is not None:  # masked only here: other layouts pay no copy
+            x = torch.where(ok.view(x.shape), x, 0.0)
         reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
         keep = [n for n, d in zip(x.shape, layout, strict=True) if d in ("head", "channel")]
         # squares in x's dtype (float32: each rounded by at most 2^-24 relative), summed in float64: a fifth of

@@ -204,10 +204,10 @@ def dequantize_groups(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, axis: str, group: int
 ) -> torch.Tensor:
     """x_hat = code * scale + zero per group (the inverse of :func:`quantize_groups` up to rounding); with
-    no zero (fp8) the codes are float8_e4m3fn bits and x_hat = fp8 value * scale. Unpacked codes (B, H, S, D)."""
+    no zero (fp8) the codes are float8_e4m3fn bits and x_hat = fp8 value * scale. Unpacked codes (B, H, S, D):
+    :func:`dequantize_packed_into` of one code per byte."""
     out = torch.empty(codes.shape, dtype=scale.dtype, device=codes.device)
-    out.copy_(codes.view(torch.float8_e4m3fn) if zero is None else codes)
-    return _scale_into(out, scale, zero, axis, group)
+    return dequantize_packed_into(out, codes, scale, zero, 8, axis, group)
 
 
 def _scale_into(
@@ -283,16 +283,14 @@ class _Stream:
             like = x if self.window is None else self.window
             b, h, _, d = like.shape
             out = torch.empty(b, h, self.length, d, dtype=like.dtype, device=like.device)
-            start = 0
-            for part in (self.sink, "body", self.window):
-                n = self.body_len if isinstance(part, str) else self._len(part)
-                if n == 0:
-                    continue
-                if isinstance(part, str):
-                    self._body_into(out[:, :, start : start + n])
-                else:
-                    out[:, :, start : start + n].copy_(part)
-                start += n
+            body_start = self._len(self.sink)
+            window_start = body_start + self.body_len
+            if body_start:
+                out[:, :, :body_start].copy_(self.sink)
+            if self.body_len:
+                self._body_into(out[:, :, body_start:window_start])
+            if window_start < self.length:
+                out[:, :, window_start:].copy_(self.window)
         self._flush()
         return out
 
