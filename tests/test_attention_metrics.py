@@ -12,6 +12,7 @@ from diffquant.profile.attention_metrics import (
     DiffMapStats,
     LambdaStats,
     MapStats,
+    SinkRateStats,
     SpanMassStats,
     accumulator_from_dict,
 )
@@ -491,3 +492,157 @@ def test_fused_metrics_equal_the_plain_ones_bit_for_bit(cls, dtype, monkeypatch)
             acc.update(m.to(dtype), valid)
         out.append(json.dumps(acc.to_dict()))
     assert out[0] == out[1]
+
+
+# ------------------------------------------------------------------ the attention-sink rate (Gu et al.)
+def _brute_sink(maps: list[torch.Tensor], epsilon: float) -> tuple[list[int], list[int], list[float]]:
+    """Gu et al. 2024 by loops: per sequence b and head h, alpha = (1 / T) sum_i A[b, h, i, 0]; a sink head
+    when alpha > epsilon. Per head: (sequences, sink sequences, sum of alpha), over the whole maps given."""
+    seqs, sinks, total = [0] * H, [0] * H, [0.0] * H
+    for m in maps:
+        for b in range(m.shape[0]):
+            for h in range(m.shape[1]):
+                alpha = sum(float(m[b, h, i, 0]) for i in range(m.shape[2])) / m.shape[2]
+                seqs[h] += 1
+                sinks[h] += alpha > epsilon
+                total[h] += alpha
+    return seqs, sinks, total
+
+
+def _alphas(maps: list[torch.Tensor]) -> list[float]:
+    return [float(m[b, h, :, 0].mean()) for m in maps for b in range(m.shape[0]) for h in range(m.shape[1])]
+
+
+@pytest.mark.parametrize("which", ["probs", "diff_map"])
+def test_sink_rate_matches_gu_et_al_by_loops_over_chunked_forwards(which):
+    """Two forwards (seeds), each fed in three query chunks as the explicit path does; epsilon at the median
+    alpha, so some (sequence, head) pairs are sinks and some are not, and none sits on the threshold."""
+    maps = [_probs(0), _probs(5)] if which == "probs" else [_diff()[0], _diff()[0] * 0.5 + _probs(7) * 0.5]
+    alphas = sorted(_alphas(maps))
+    epsilon = (alphas[len(alphas) // 2 - 1] + alphas[len(alphas) // 2]) / 2
+    stats = SinkRateStats(H, epsilon)
+    for m in maps:
+        for t0, t1 in [(0, 3), (3, OFFSET), (OFFSET, S)]:
+            stats.update(m[:, :, t0:t1], _valid(t0, t1))
+    seqs, sinks, total = _brute_sink(maps, epsilon)
+    out = stats.summary()
+    assert out["sequences"] == seqs == [2 * B] * H
+    assert out["sink_rate"]["per_head"] == [k / n for k, n in zip(sinks, seqs, strict=True)]
+    assert 0 < sum(sinks) < sum(seqs)
+    for h in range(H):
+        _close(out["first_token_importance"]["per_head"][h], total[h] / seqs[h], 1e-12)
+    assert out["mean_length"]["per_head"] == [S] * H
+
+
+def test_sink_rate_counts_only_sequences_seen_from_their_first_row():
+    """A decode step (one query at the end) or a chunk that does not continue the open sequence is not a
+    sequence of Gu et al.'s probe; a bf16 map is summed in float64."""
+    p = _probs(0)
+    stats = SinkRateStats(H)
+    stats.update(p[:, :, OFFSET:S], _valid(OFFSET, S))  # no first rows: nothing counted
+    stats.update(p[:, :, 0:3], _valid(0, 3))
+    stats.update(p[:, :, OFFSET:S], _valid(OFFSET, S))  # skips rows 3..6: the sequence is dropped
+    assert stats.summary()["sequences"] == [0] * H
+    stats.update(p.to(torch.bfloat16), _valid(0, S))  # a whole prefill ...
+    stats.update(p[:, :, S - 1 :], _valid(S - 1, S))  # ... then a decode step: one sequence per row
+    out = stats.summary()
+    assert out["sequences"] == [B] * H
+    want = [float(p.to(torch.bfloat16)[:, h, :, 0].double().sum()) / (B * S) for h in range(H)]
+    for h in range(H):
+        _close(out["first_token_importance"]["per_head"][h], want[h], 1e-12)
+
+
+def test_sink_rate_merges_round_trips_and_refuses_mixed_epsilons():
+    one = SinkRateStats(H, 0.2)
+    parts = [SinkRateStats(H, 0.2) for _ in range(B)]
+    one.update(_probs(0), _valid(0, S))
+    for b, part in enumerate(parts):
+        part.update(_probs(0)[b : b + 1], _valid(0, S))
+    merged = parts[0].merge(parts[1])
+    _assert_nested_close(one.summary(), merged.summary())
+    data = json.loads(json.dumps(one.to_dict(), allow_nan=False))
+    assert data["epsilon"] == 0.2
+    assert accumulator_from_dict(data).summary() == one.summary()
+    nan = _probs(0).clone()
+    nan[0, 1, 4, 0] = math.nan
+    one.update(nan, _valid(0, S))
+    assert one.summary()["nonfinite_sequences"] == [0, 1, 0]
+    assert one.summary()["sequences"] == [4, 3, 4]
+    for call in (
+        lambda: SinkRateStats(H, 0.2).merge(SinkRateStats(H, 0.3)),
+        lambda: SinkRateStats.from_dict({**SinkRateStats(H).to_dict(), "epsilon": True}),
+    ):
+        with pytest.raises(DiffquantError) as info:
+            call()
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError):
+        SinkRateStats(H, float("nan"))
+
+
+@pytest.mark.parametrize("kind", ["baseline", "diff_v2"])
+def test_sink_probe_on_a_model_equals_the_definition_on_its_captured_maps(kind):
+    """sink_rates / sink_rate_summary on a 10-layer model (chunked explicit path) against Gu et al.'s
+    formula computed here from maps captured whole by a plain hook: per layer the share of (sequence, head)
+    pairs over epsilon, the mean over layers, and the DIFF components."""
+    from diffquant.profile.sinks import sink_rate_summary, sink_rates
+
+    torch.manual_seed(1)
+    cfg = matched_config(BASE, kind) if kind != "baseline" else BASE
+    cfg = ModelConfig(**{**cfg.to_dict(), "n_layers": 10})
+    model = DecoderLM(cfg).eval()
+    ids = torch.randint(0, 61, (5, 16), generator=torch.Generator().manual_seed(4))
+    captured: dict[str, list[torch.Tensor]] = {}
+    handles = [
+        tap.register_forward_hook(lambda _m, a, o, n=name: captured.setdefault(n, []).append(o.double()))
+        for name, tap in model.taps("*").items()
+        if tap.kind in ("probs", "diff_map")
+    ]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    # epsilon in the widest gap between the middle half of the alphas: no pair within rounding of it
+    alphas = sorted(_alphas([torch.cat(v) for v in captured.values()]))
+    mid = alphas[len(alphas) // 4 : 3 * len(alphas) // 4]
+    gap, i = max((b - a, i) for i, (a, b) in enumerate(zip(mid, mid[1:], strict=False)))
+    epsilon = (mid[i] + mid[i + 1]) / 2
+    assert gap > 1e-5
+    model.set_attention_path("explicit", chunk_size=5)
+    summary = sink_rate_summary(sink_rates(model, ids, epsilon=epsilon, batch_size=2))
+
+    def rate(suffix: str) -> tuple[float, list[float]]:
+        per_layer = []
+        for layer in range(10):
+            m = torch.cat(captured[f"layers.{layer}.attn.{suffix}"])
+            per_layer.append(float((m[:, :, :, 0].mean(-1) > epsilon).double().mean()))
+        return sum(per_layer) / 10, per_layer
+
+    effective = "probs" if kind == "baseline" else "diff_map"
+    want, want_layers = rate(effective)
+    assert summary["map"] == effective and summary["sequences"] == 5 and summary["seq_len"] == 16
+    assert summary["per_layer"] == pytest.approx(want_layers, abs=1e-12)
+    assert summary["rate"] == pytest.approx(want, abs=1e-12)
+    assert summary["heads"] == 10 * cfg.n_heads
+    if kind == "diff_v2":
+        assert set(summary["components"]) == {"probs1", "probs2"}
+        assert summary["components"]["probs1"] == pytest.approx(rate("probs1")[0], abs=1e-12)
+    else:
+        assert summary["components"] == {}
+
+
+def test_sink_rate_lines_name_the_probe_once_or_per_model():
+    from diffquant.profile.sinks import format_sink_rates
+
+    base = {"epsilon": 0.3, "sequences": 100, "seq_len": 64.0, "rate": 0.716, "heads": 270, "components": {}}
+    diff = {**base, "rate": 0.05, "heads": 12, "components": {"probs1": 0.25, "probs2": None}}
+    lines = format_sink_rates({"smollm2": base, "zoo-v1": diff, "none": None})
+    assert lines == [
+        "attention-sink rate (Gu et al. 2024: heads whose mean attention to the first token > 0.3; 100 x 64 tokens)",
+        "smollm2  71.6 % of 270 heads",
+        "zoo-v1   5.0 % of 12 heads (A1 - lambda A2; components A1 25.0 %)",
+    ]
+    short = format_sink_rates({"a": base, "b": {**base, "seq_len": 32.0}})
+    assert short[0].endswith("> epsilon; probes differ per model)") and short[2].endswith(
+        "(eps 0.3, 100 x 32 tokens)"
+    )
+    assert format_sink_rates({"a": None}) == []

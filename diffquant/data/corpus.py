@@ -310,7 +310,7 @@ def _stream(source: str, max_tokens: int | None, tokenizer: Tokenizer) -> torch.
 
 
 def token_windows(
-    source: str, n_tokens: int, seq_len: int, tokenizer: Tokenizer | None = None
+    source: str, n_tokens: int, seq_len: int, tokenizer: Tokenizer | None = None, *, quiet: bool = False
 ) -> torch.Tensor:
     """The first ceil(n_tokens / seq_len) windows (n_windows, seq_len) of ``source``'s token stream, long.
 
@@ -318,7 +318,8 @@ def token_windows(
     consecutive non-overlapping windows (a window may span documents, as in LM pretraining). Documents are
     read only until enough tokens are there. A source shorter than the request yields the whole windows it
     has (fewer rows; the caller reports it); one shorter than a single window is an error. ``tokenizer``
-    defaults to :class:`ByteTokenizer`.
+    defaults to :class:`ByteTokenizer`; ``quiet``: no warning for a short source (a probe that takes what
+    there is).
     """
     _check_count(source, "n_tokens", n_tokens)
     _check_count(source, "seq_len", seq_len)
@@ -330,7 +331,8 @@ def token_windows(
         raise DiffquantError(
             f"data source {source!r} has {have} tokens, fewer than one window of seq_len {seq_len}"
         )
-    _warn_short(source, tokenizer, have, n_tokens)
+    if not quiet:
+        _warn_short(source, tokenizer, have, n_tokens)
     n_windows = min(n_windows, have // seq_len)
     return stream[: n_windows * seq_len].view(n_windows, seq_len)
 

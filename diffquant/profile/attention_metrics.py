@@ -28,7 +28,14 @@ import torch
 from diffquant.errors import DiffquantError
 from diffquant.profile.sites import query_positions
 
-__all__ = ["DiffMapStats", "LambdaStats", "MapStats", "SpanMassStats", "accumulator_from_dict"]
+__all__ = [
+    "DiffMapStats",
+    "LambdaStats",
+    "MapStats",
+    "SinkRateStats",
+    "SpanMassStats",
+    "accumulator_from_dict",
+]
 
 # Fast paths for maps whose visible entries are all finite (the usual case): the same sums from fewer passes
 # over the (B, H, Tq, S) map. Tests turn this off to compare with the general path.
@@ -373,6 +380,99 @@ class SpanMassStats(_HeadSums):
         }
 
 
+class SinkRateStats(_HeadSums):
+    """The attention-sink rate of Gu et al. 2024 ("When Attention Sink Emerges in Language Models"), per head.
+
+    For one sequence of T tokens, head h's importance of the first token is alpha = (1 / T) sum_i A[i, 0]
+    over all T query rows (their Eq. for Sink_k with k = 1; row 0 sees only key 0, so it adds 1). A head is a
+    sink head on that sequence when alpha > epsilon (their epsilon = 0.3). Per head this keeps the number of
+    whole sequences seen, how many of them made it a sink head, and the sum of alpha; the model's
+    Sink_1^epsilon is the share of (sequence, layer, head) triples over epsilon (:func:`sink_rate_of`).
+
+    alpha needs every row of a sequence: chunks of one forward are summed per (batch row, head) until the
+    chunk holding the last key's row arrives. A chunk that does not continue a sequence from position 0 (a
+    cached decode step, a prefill over a cache) is not counted: its first rows were never seen here. A
+    sequence whose alpha is NaN / Inf is counted in ``nonfinite_sequences`` and left out. Works on softmax
+    maps (probs) and on DIFF's A1 - lambda A2 (diff_map), where alpha is the signed mass on key 0.
+    """
+
+    SUMS = ("importance_sum",)
+    COUNTS = ("sequences", "sink_sequences", "nonfinite_sequences", "tokens")
+    EPSILON = 0.3
+
+    def __init__(self, n_heads: int | None = None, epsilon: float = EPSILON) -> None:
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon):
+            raise ValueError(f"SinkRateStats: epsilon must be a finite number, got {epsilon!r}")
+        super().__init__(n_heads)
+        self.epsilon = float(epsilon)
+        self._open: torch.Tensor | None = None  # (B, H) float64 sums of A[i, 0] of the sequences in flight
+        self._next = 0  # the absolute position the next chunk of those sequences must start at
+
+    def update(self, attn_map: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add one chunk: a map (B, H, Tq, S) and its ``valid`` mask (query positions are read off it)."""
+        _check_map(attn_map, "SinkRateStats")
+        self._ensure_heads(attn_map.shape[1])
+        valid = _valid_or_all(attn_map, valid)
+        s = attn_map.shape[-1]
+        # the absolute position of a query row is its last visible key (causal or windowed)
+        keys = torch.arange(s, device=valid.device)
+        rows = valid.reshape(-1, valid.shape[-2], s)[0]
+        positions = torch.where(rows, keys, -1).amax(-1).tolist()
+        first, last = int(positions[0]), int(positions[-1])
+        if first == 0:
+            self._open = torch.zeros(attn_map.shape[:2], dtype=torch.float64, device=attn_map.device)
+        elif self._open is None or first != self._next or self._open.shape != attn_map.shape[:2]:
+            self._open = None  # not the continuation of a sequence seen from its start
+            return
+        column = torch.where(valid[..., 0], attn_map[..., 0].to(torch.float64), 0.0)  # (B, H, Tq)
+        self._open = self._open + column.sum(-1)
+        self._next = last + 1
+        if last == s - 1:
+            alpha = self._open / s
+            self._open = None
+            finite = torch.isfinite(alpha)
+            self._add("sequences", finite.sum(0))
+            self._add("nonfinite_sequences", (~finite).sum(0))
+            self._add("sink_sequences", (finite & (alpha > self.epsilon)).sum(0))
+            self._add("importance_sum", torch.where(finite, alpha, 0.0).sum(0))
+            self._add("tokens", finite.sum(0) * s)
+
+    def merge(self, other: _HeadSums) -> SinkRateStats:
+        if isinstance(other, SinkRateStats) and other.epsilon != self.epsilon:
+            raise DiffquantError(
+                f"cannot merge sink rates at epsilon {other.epsilon} into one at epsilon {self.epsilon}"
+            )
+        super().merge(other)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "epsilon": self.epsilon}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SinkRateStats:
+        obj = super().from_dict(data)
+        epsilon = data.get("epsilon")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon):
+            raise DiffquantError(f"SinkRateStats.from_dict: epsilon must be a finite number, got {epsilon!r}")
+        obj.epsilon = float(epsilon)
+        return obj
+
+    def summary(self) -> dict[str, Any]:
+        seqs = self._get("sequences")
+        return {
+            "epsilon": self.epsilon,
+            "sequences": seqs,
+            "nonfinite_sequences": self._get("nonfinite_sequences"),
+            "mean_length": _per_head([_mean(t, n) for t, n in zip(self._get("tokens"), seqs, strict=True)]),
+            "sink_rate": _per_head(
+                [_mean(k, n) for k, n in zip(self._get("sink_sequences"), seqs, strict=True)]
+            ),
+            "first_token_importance": _per_head(
+                [_mean(a, n) for a, n in zip(self._get("importance_sum"), seqs, strict=True)]
+            ),
+        }
+
+
 class LambdaStats:
     """The lambda of one DIFF layer (DIFF paper Eq. 2 for V1; DIFF V2 post for V2).
 
@@ -551,10 +651,14 @@ class LambdaStats:
         }
 
 
-_TYPES: dict[str, Any] = {cls.__name__: cls for cls in (MapStats, DiffMapStats, SpanMassStats, LambdaStats)}
+_TYPES: dict[str, Any] = {
+    cls.__name__: cls for cls in (MapStats, DiffMapStats, SpanMassStats, SinkRateStats, LambdaStats)
+}
 
 
-def accumulator_from_dict(data: dict[str, Any]) -> MapStats | DiffMapStats | SpanMassStats | LambdaStats:
+def accumulator_from_dict(
+    data: dict[str, Any],
+) -> MapStats | DiffMapStats | SpanMassStats | SinkRateStats | LambdaStats:
     """Rebuild any accumulator of this module from its ``to_dict`` output, dispatching on ``metric``."""
     cls = _TYPES.get(data.get("metric")) if isinstance(data, dict) else None
     if cls is None:

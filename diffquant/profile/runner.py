@@ -20,6 +20,13 @@ from diffquant.models.taps import select_taps
 from diffquant.models.transformer import DecoderLM
 from diffquant.profile.maps import capture_maps, save_maps
 from diffquant.profile.profiler import Profile, Profiler, merge_profiles
+from diffquant.profile.sinks import (
+    SINK_PROBE_LEN,
+    SINK_PROBE_SEQUENCES,
+    format_sink_rates,
+    sink_rate_summary,
+    sink_rates,
+)
 from diffquant.profile.tables import format_table5, layerwise, table5
 from diffquant.progress import progress as show_progress
 from diffquant.textfiles import write_json_atomic, write_text_atomic
@@ -216,6 +223,8 @@ def profile_stage(
             paths = path_summary(model)
         if profile is None:
             continue
+        if attention is not False and name not in streamed:
+            profile.meta["sink_rate"] = sink_probe(model, data, tokenizer, batch_size)
         profile.meta.update(
             model=name,
             checkpoint=str(spec),
@@ -243,6 +252,7 @@ def profile_stage(
         tables[name] = table5(profile)
         summaries[name] = {
             "table5": tables[name],
+            **({"sink_rate": profile.meta["sink_rate"]} if profile.meta.get("sink_rate") else {}),
             "layerwise_hidden": layerwise(profile, "resid"),
             **counts[name],
         }
@@ -265,7 +275,19 @@ def profile_stage(
             + f"; windows of {seq_len})"
         )
     header = f"Table 5 view: k-th largest |x| and median |x| over {what} from {data}"
-    text = format_table5(tables)
+    sinks = format_sink_rates({n: s.get("sink_rate") for n, s in summaries.items()})
+    text = "\n".join([format_table5(tables), *sinks])
     write_text_atomic(out / "table5.txt", header + "\n" + text + "\n")
     write_json_atomic(out / "table5.json", {"tokens": first["tokens"], "data": data, "models": summaries})
     return header, text, first["tokens"]
+
+
+def sink_probe(model: DecoderLM, data: str, tokenizer, batch_size: int = 8) -> dict | None:
+    """Gu et al.'s attention-sink rate (:mod:`diffquant.profile.sinks`) on their probe: the first 100 disjoint
+    64-token windows of ``data`` (shorter when the model's context is), None when the text has none."""
+    seq_len = min(SINK_PROBE_LEN, model.config.max_seq_len)
+    windows = token_windows(data, SINK_PROBE_SEQUENCES * seq_len, seq_len, tokenizer, quiet=True)
+    device = next(model.parameters()).device
+    with _logits_skipped(model):
+        stats = sink_rates(model, windows.to(device), batch_size=max(batch_size, 16))
+    return sink_rate_summary(stats)
