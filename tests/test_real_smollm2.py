@@ -90,3 +90,61 @@ def test_lmeval_adapter_equals_hflm(smollm2, tmp_path):
         for name, want in metrics.items():
             if name != "n_samples" and not name.endswith("_stderr"):
                 assert ours[task][name] == pytest.approx(want, rel=1e-4), (task, name)
+
+
+def test_sink_rate_equals_gu_et_al_on_transformers_eager_maps(smollm2, smollm2_transformers):
+    """Gu et al.'s Sink_1^0.3 of SmolLM2 on 64-token WikiText-2 windows equals the definition computed here in
+    float64 from transformers' own attention maps (eager attention, output_attentions): per layer the share
+    of (sequence, head) pairs whose mean attention to the first token exceeds 0.3."""
+    from diffquant.data import token_windows
+    from diffquant.profile.sinks import sink_rate_summary, sink_rates
+
+    _, model = smollm2
+    _, reference = smollm2_transformers
+    ids = token_windows("wikitext2:test", 16 * 64, 64, model.tokenizer)
+    ours = sink_rate_summary(sink_rates(model, ids, batch_size=8))
+    before = reference.config._attn_implementation
+    reference.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            maps = [reference(ids[i : i + 8], output_attentions=True).attentions for i in (0, 8)]
+    finally:
+        reference.set_attn_implementation(before)
+    layers = len(maps[0])
+    alpha = [torch.cat([m[layer] for m in maps]).double()[..., 0].mean(-1) for layer in range(layers)]
+    near = sum(int(((a - 0.3).abs() < 1e-4).sum()) for a in alpha)
+    theirs = [float((a > 0.3).double().mean()) for a in alpha]
+    print(
+        f"\nSmolLM2 sink rate (16 x 64 tokens): ours {ours['rate']:.4f}, transformers {sum(theirs) / layers:.4f}"
+    )
+    assert near == 0  # no head within rounding of the threshold on these windows, so counts compare exactly
+    assert ours["sequences"] == 16 and ours["heads"] == layers * alpha[0].shape[1]
+    assert ours["per_layer"] == theirs
+    importance = sum(float(a.mean()) for a in alpha) / layers
+    assert ours["first_token_importance"] == pytest.approx(importance, abs=1e-5)
+    assert (
+        0.3 < ours["rate"] < 1.0
+    )  # a trained Llama has sinks (Gu et al.: most heads of LLaMA-family models)
+
+
+def test_massive_activation_interventions_of_sun_et_al(smollm2):
+    """Sun et al. 2024, Table 3 on SmolLM2: zeroing the massive activations where they appear wrecks perplexity,
+    setting them to their mean leaves it close (WikiText-2 test, 2 x 1024 tokens)."""
+    from diffquant.eval.tasks import parse_task, run_task
+
+    _, model = smollm2
+    base = "ppl:data=wikitext2:test,tokens=2048,seq_len=1024"
+    out = {
+        mode: run_task(model, parse_task(base + (f",intervene={mode}" if mode else "")), batch_size=2)
+        for mode in (None, "zero", "mean")
+    }
+    ppl = {mode: r["perplexity"] for mode, r in out.items()}
+    print(
+        f"\nSmolLM2 ppl: original {ppl[None]:.4f}, zero {ppl['zero']:.1f}, mean {ppl['mean']:.4f}; "
+        f"layer {out['zero']['intervene_layer']}, channels {out['zero']['intervene_channels']}"
+    )
+    assert out["zero"]["intervene_layer"] == out["mean"]["intervene_layer"]
+    assert "507" in out["zero"]["intervene_channels"].split(",")  # the channel the profile finds (test above)
+    assert out["zero"]["intervened"] > 0 and out["zero"]["massive_outside"] == 0
+    assert ppl["zero"] > 100 * ppl[None]
+    assert abs(ppl["mean"] / ppl[None] - 1) < 0.1

@@ -84,6 +84,10 @@ class TextParams:
     # decode-mode perplexity: prefill this many tokens of each window, then one token per forward through the
     # KV cache (where a plan's kv_cache acts); only the targets the decode steps predict are scored
     decode: int | None = key(None, min=1)
+    # Sun et al. 2024's intervention: set the massive activations of the layer where they appear to 0 or to
+    # their mean (diffquant.eval.interventions); intervene_layer picks the layer (default: the first with any)
+    intervene: Literal["zero", "mean"] | None = key(None)
+    intervene_layer: int | None = key(None, min=0)
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 Task types:
 - ``bpb`` / ``ppl``: bits per byte and token perplexity on a text source (``data``, ``tokens``, ``seq_len``,
-  ``stride``, ``windows``); the same numbers, ``bpb`` ranks by bits per byte (comparable across
-  tokenizers), ``ppl`` by token perplexity (what WikiText-2 tables report). ``data`` defaults to the text
+  ``stride``, ``windows``, ``decode``; ``intervene: zero|mean`` and ``intervene_layer``: Sun et al.'s
+  massive-activation intervention, :mod:`diffquant.eval.interventions`); the same numbers, ``bpb`` ranks by
+  bits per byte (comparable across tokenizers), ``ppl`` by token perplexity (what WikiText-2 tables
+  report). ``data`` defaults to the text
   the model reads best: ``wikitext2:test`` when any compared model has its own tokenizer, else
   ``stdlib:validation`` (what the zoo was validated on);
 - ``retrieval``: needle retrieval, the DIFF paper's Tables 2-3 protocol (``needles``, ``queries``,
@@ -36,10 +38,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffquant.data.corpus import default_text, iter_documents
+from diffquant.data.corpus import default_text, iter_documents, token_windows
 from diffquant.data.tokenizer import model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.eval import retrieval as retrieval_mod  # tests patch the module attribute
+from diffquant.eval.interventions import find_massive, intervened
 from diffquant.eval.lmeval import check_lmeval, run_lmeval
 from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
 from diffquant.eval.perplexity import evaluate_bpb
@@ -128,14 +131,36 @@ def _text_files(p: dict[str, Any]) -> None:
         iter_documents(p["data"])
 
 
+def _prepare_text(p: dict[str, Any], where: str) -> dict[str, Any]:
+    if p["intervene_layer"] is not None and p["intervene"] is None:
+        raise DiffquantError(
+            f"{where}: intervene_layer {p['intervene_layer']} without intervene (zero or mean)"
+        )
+    return p
+
+
 # registered bottom-up: bpb first (the order of the --help text and of messages)
-@task_type("ppl", ("perplexity", False), reads_text=True, preflight=_text_files)
-@task_type("bpb", ("bits_per_byte", False), reads_text=True, preflight=_text_files)
+@task_type("ppl", ("perplexity", False), reads_text=True, preflight=_text_files, prepare=_prepare_text)
+@task_type("bpb", ("bits_per_byte", False), reads_text=True, preflight=_text_files, prepare=_prepare_text)
 def _run_text(model, p, *, batch_size, progress, default_data):
     tokenizer = model_tokenizer(model)
+    data = p["data"] or default_data or default_text([tokenizer])
+    if p["intervene"] is None:
+        return _text_metrics(model, p, data, tokenizer, batch_size, progress)
+    if getattr(model, "stream_eval", None) is not None or not hasattr(model, "layers"):
+        raise DiffquantError("intervene: needs a whole model (hooks on its layers), not a layer-streamed one")
+    seq_len = p["seq_len"] or min(model.config.max_seq_len, 2048)
+    windows = token_windows(data, int(p["tokens"]), min(seq_len, int(p["tokens"])), tokenizer, quiet=True)
+    sites = find_massive(model, windows, batch_size=batch_size, layer=p["intervene_layer"])
+    with intervened(model, sites, p["intervene"]) as counts:
+        out = _text_metrics(model, p, data, tokenizer, batch_size, progress)
+    return {**out, "intervene": p["intervene"], **sites.metrics(), **counts}
+
+
+def _text_metrics(model, p, data, tokenizer, batch_size, progress):
     return evaluate_bpb(
         model,
-        p["data"] or default_data or default_text([tokenizer]),
+        data,
         max_tokens=int(p["tokens"]),
         seq_len=p["seq_len"],
         stride=p["stride"],
@@ -260,8 +285,9 @@ class TaskSpec:
 
     @property
     def streams(self) -> bool:
-        """Whether a layer-streamed skeleton can run it: text tasks scored by whole windows (not decoding)."""
-        return self.reads_text and not self.decodes
+        """Whether a layer-streamed skeleton can run it: text tasks scored by whole windows (not decoding),
+        without an intervention (its hooks need the whole model)."""
+        return self.reads_text and not self.decodes and self.params.get("intervene") is None
 
     def preflight(self) -> None:
         """Fail now on an input file the task would read and cannot (before a run writes anything)."""
