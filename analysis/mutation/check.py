@@ -1751,6 +1751,75 @@ MUTANTS = [
         "            self.sumsq = sumsq.clone()",
         ("tests/test_stats.py::test_split_merge_equals_one_pass_resid",),
     ),
+    # --- Gu et al.'s attention-sink rate (diffquant/profile/attention_metrics.py, sinks.py; issue 29)
+    M(
+        "sink-rate-alpha-over-t-minus-1",
+        "diffquant/profile/attention_metrics.py",
+        "            alpha = self._open / s",
+        "            alpha = self._open / max(1, s - 1)",
+        ("tests/test_attention_metrics.py::test_sink_rate_matches_gu_et_al_by_loops_over_chunked_forwards",),
+    ),
+    M(
+        "sink-rate-key-1",
+        "diffquant/profile/attention_metrics.py",
+        "torch.where(valid[..., 0], attn_map[..., 0].to(torch.float64), 0.0)",
+        "torch.where(valid[..., 1], attn_map[..., 1].to(torch.float64), 0.0)",
+        ("tests/test_attention_metrics.py::test_sink_rate_matches_gu_et_al_by_loops_over_chunked_forwards",),
+    ),
+    M(
+        "sink-rate-counts-a-gap",
+        "diffquant/profile/attention_metrics.py",
+        "        elif self._open is None or first != self._next or self._open.shape != attn_map.shape[:2]:",
+        "        elif self._open is None or self._open.shape != attn_map.shape[:2]:",
+        ("tests/test_attention_metrics.py::test_sink_rate_counts_only_sequences_seen_from_their_first_row",),
+    ),
+    M(
+        "sink-rate-model-rate-from-a-component",
+        "diffquant/profile/sinks.py",
+        '        "rate": rate(effective),',
+        '        "rate": rate(next((k for k in _COMPONENTS if k in by_kind), effective)),',
+        (
+            "tests/test_attention_metrics.py::test_sink_probe_on_a_model_equals_the_definition_on_its_captured_maps",
+        ),
+    ),
+    # --- Sun et al.'s massive-activation interventions (diffquant/eval/interventions.py; issue 29)
+    M(
+        "massive-mean-not-median",
+        "diffquant/eval/interventions.py",
+        "MASSIVE_RATIO * float(magnitude.float().median())",
+        "MASSIVE_RATIO * float(magnitude.float().mean())",
+        ("tests/test_interventions.py::test_massive_mask_is_sun_et_als_criterion",),
+    ),
+    M(
+        "massive-last-layer",
+        "diffquant/eval/interventions.py",
+        "        layer = next((i for i, n in enumerate(counts) if n), None)",
+        "        layer = next((i for i, n in reversed(list(enumerate(counts))) if n), None)",
+        (
+            "tests/test_interventions.py::test_the_finding_pass_locates_the_planted_activations_and_their_means",
+        ),
+    ),
+    M(
+        "massive-roles-swapped",
+        "diffquant/eval/interventions.py",
+        "torch.where(_first_rows(args, out)[:, None], value[0], value[1])",
+        "torch.where(_first_rows(args, out)[:, None], value[1], value[0])",
+        ("tests/test_interventions.py",),
+    ),
+    M(
+        "massive-cache-ignored",
+        "diffquant/eval/interventions.py",
+        "    start = 0 if cache is None else cache.length - x.shape[1]",
+        "    start = 0",
+        ("tests/test_interventions.py::test_cached_decoding_knows_the_first_token_from_the_cache",),
+    ),
+    M(
+        "massive-zero-keeps-value",
+        "diffquant/eval/interventions.py",
+        "            return out.masked_fill(chosen, 0.0)",
+        "            return out",
+        ("tests/test_interventions.py::test_ppl_under_the_intervention_equals_editing_the_entries_by_hand",),
+    ),
     # --- the quantized KV cache (diffquant/quant/kv_cache.py, issue 28)
     M(
         "kv-levels",
