@@ -1786,8 +1786,15 @@ MUTANTS = [
     M(
         "massive-mean-not-median",
         "diffquant/eval/interventions.py",
-        "MASSIVE_RATIO * float(magnitude.float().median())",
-        "MASSIVE_RATIO * float(magnitude.float().mean())",
+        "    median = magnitude.reshape(magnitude.shape[0], -1).float().median(dim=1).values",
+        "    median = magnitude.reshape(magnitude.shape[0], -1).float().mean(dim=1)",
+        ("tests/test_interventions.py::test_massive_mask_is_sun_et_als_criterion",),
+    ),
+    M(
+        "massive-median-of-the-batch",
+        "diffquant/eval/interventions.py",
+        "    median = magnitude.reshape(magnitude.shape[0], -1).float().median(dim=1).values",
+        "    median = magnitude.reshape(1, -1).float().median(dim=1).values",
         ("tests/test_interventions.py::test_massive_mask_is_sun_et_als_criterion",),
     ),
     M(
