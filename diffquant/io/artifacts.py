@@ -88,6 +88,9 @@ def _fetch_cache_file(name: str) -> tuple[Path, int, str] | None:
     if name == "smollm2":
         path = fetch.cache_root() / "smollm2" / fetch.SMOLLM2_FILE
         return path, fetch.SMOLLM2_SIZE, fetch.SMOLLM2_SHA256
+    if name == "gemma3-270m":
+        path = fetch.cache_root() / "gemma3-270m" / fetch.GEMMA3_FILE
+        return path, fetch.GEMMA3_SIZE, fetch.GEMMA3_SHA256
     return None
 
 
