@@ -194,12 +194,15 @@ def test_valid_mask_window():
     assert torch.equal(_valid_mask(5, 5, 0, torch.device("cpu"))[0, 0], torch.ones(5, 5).tril().bool())
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral"])
-def test_cached_decoding_matches_full_forward(folders, name):
+@pytest.mark.parametrize(
+    "name, path", [("qwen2", "auto"), ("qwen3", "auto"), ("mistral", "auto"), ("mistral", "explicit")]
+)
+def test_cached_decoding_matches_full_forward(folders, name, path):
     """Prefill, then one token per step (one query, more keys than the window): each step's logits equal
-    transformers' full forward at that position."""
+    transformers' full forward at that position, on the SDPA path and on the explicit map path."""
     hf_model, folder = folders[name]
     model = load_model(f"hf:{folder}")
+    model.set_attention_path(path)
     ids = _ids(batch=1, seed=3)
     prefill = 20
     with torch.no_grad():
@@ -212,13 +215,15 @@ def test_cached_decoding_matches_full_forward(folders, name):
     assert _rel(torch.cat(out, dim=1), ref) < RTOL
 
 
-def test_quantized_kv_cache_decodes_with_window(folders):
-    """A plan's quantized cache goes through the same windowed attention: 8-bit codes stay near fp32."""
+@pytest.mark.parametrize("name, pre_rope", [("mistral", False), ("qwen3-window", True)])
+def test_quantized_kv_cache_decodes_with_window(folders, name, pre_rope):
+    """A plan's quantized cache goes through the same windowed attention (pre-RoPE keys: after the qk-norm):
+    8-bit codes stay near fp32."""
     from diffquant.quant.kv_cache import KVCacheSpec, attach_kv_cache
 
-    hf_model, folder = folders["mistral"]
+    hf_model, folder = folders[name]
     model = load_model(f"hf:{folder}")
-    attach_kv_cache(model, KVCacheSpec(bits=8, group=8, residual=8), where="test")
+    attach_kv_cache(model, KVCacheSpec(bits=8, group=8, residual=8, pre_rope=pre_rope), where="test")
     ids = _ids(batch=1, seed=4)
     with torch.no_grad():
         ref = hf_model(ids).logits
@@ -228,13 +233,48 @@ def test_quantized_kv_cache_decodes_with_window(folders):
     assert _rel(torch.cat(out, dim=1), ref) < 0.05
 
 
-def test_streamed_run_reads_the_new_tensors(folders):
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_streamed_run_reads_the_new_tensors(folders, name):
+    """The layer-streamed run reads biases and q/k-norm weights through the same key map."""
     from diffquant.stream.api import logits_streamed
 
-    hf_model, folder = folders["qwen2"]
+    hf_model, folder = folders[name]
     ids = _ids()
     with torch.no_grad():
         assert _rel(logits_streamed(f"hf:{folder}", ids, batch_size=2), hf_model(ids).logits) < RTOL
+
+
+def test_map_taps_see_the_windowed_valid_mask(folders):
+    """A hook on a probs tap sees the windowed mask, and the probabilities it sees are zero outside it."""
+    _, folder = folders["mistral"]
+    model = load_model(f"hf:{folder}")
+    window = model.config.sliding_window
+    seen = []
+    tap = model.taps("layers.1.attn.probs")["layers.1.attn.probs"]
+    tap.register_forward_hook(lambda mod, args, out: seen.append((out, args[1])))
+    ids = _ids(length=20, batch=1)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(ids[:, :16], cache)
+        model(ids[:, 16:17], cache)
+    for (probs, valid), (t, pos0) in zip(seen, [(16, 0), (1, 16)], strict=True):
+        assert torch.equal(valid, _valid_mask(t, pos0 + t, pos0, torch.device("cpu"), window))
+        assert bool((probs.masked_select(~valid) == 0).all())
+        assert torch.allclose(probs.sum(-1), torch.ones(()))
+    assert seen[1][1].sum().item() == window
+
+
+def test_native_checkpoint_keeps_the_fields(folders, tmp_path):
+    from diffquant.io import save_checkpoint
+
+    _, folder = folders["qwen2"]
+    model = load_model(f"hf:{folder}")
+    save_checkpoint(model, tmp_path / "native")
+    again = load_model(str(tmp_path / "native"))
+    assert again.config == model.config
+    ids = _ids(length=16)
+    with torch.no_grad():
+        assert torch.equal(again(ids), model(ids))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
