@@ -301,8 +301,10 @@ def test_export_command(tmp_path):
 def test_hf_bad_inputs(hf_folders, tmp_path):
     _, single, sharded = hf_folders["diffllama-gqa"]
 
-    bad = _copy_with_config(single, tmp_path / "mistral", model_type="mistral")
-    with pytest.raises(DiffquantError, match="'mistral' is not supported; supported: llama, diffllama") as e:
+    bad = _copy_with_config(single, tmp_path / "gemma", model_type="gemma")
+    with pytest.raises(
+        DiffquantError, match="'gemma' is not supported; supported: llama, diffllama, qwen2, qwen3, mistral"
+    ) as e:
         load_hf(bad)
     _one_line_error(e)
 

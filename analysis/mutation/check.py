@@ -1949,6 +1949,71 @@ MUTANTS = [
         "            return True",
         ("tests/test_kv_cache.py::test_a_kv_cache_plan_on_a_task_that_never_decodes_says_so",),
     ),
+    # --- decoder families (Qwen2 biases, Qwen3 qk-norm, Mistral / Qwen sliding window)
+    M(
+        "family-window-off-by-one",
+        "diffquant/models/attention.py",
+        "        valid = valid & (k_pos > q_pos - window)",
+        "        valid = valid & (k_pos >= q_pos - window)",
+        (
+            "tests/test_families.py::test_valid_mask_window",
+            "tests/test_families.py::test_import_matches_transformers",
+        ),
+    ),
+    M(
+        "family-decode-step-forgets-window",
+        "diffquant/models/attention.py",
+        "        if self.window is not None and s > self.window:",
+        "        if self.window is not None and t > self.window:",
+        ("tests/test_families.py::test_cached_decoding_matches_full_forward",),
+    ),
+    M(
+        "family-linear-drops-bias",
+        "diffquant/models/attention.py",
+        "        return F.linear(self.input(x), weight, self.bias)",
+        "        return F.linear(self.input(x), weight)",
+        ("tests/test_families.py::test_import_matches_transformers",),
+    ),
+    M(
+        "family-qk-norm-after-rope",
+        "diffquant/models/attention.py",
+        """        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3 (transformers' Qwen3Attention): normalise each head over its d channels, then RoPE.
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
+        positions = torch.arange(pos0, pos0 + t, device=x.device)
+        inv_freq = self.rope_inv_freq(x.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
+        k_unrotated = k
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+""",
+        """        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
+        positions = torch.arange(pos0, pos0 + t, device=x.device)
+        inv_freq = self.rope_inv_freq(x.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
+        k_unrotated = k
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+""",
+        ("tests/test_families.py::test_import_matches_transformers",),
+    ),
+    M(
+        "family-qk-norm-default-eps",
+        "diffquant/models/attention.py",
+        "        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None",
+        "        self.q_norm = RMSNorm(c.head_dim) if c.qk_norm else None",
+        ("tests/test_families.py::test_import_matches_transformers",),
+    ),
+    M(
+        "family-rotation-leaves-v-bias",
+        "diffquant/quant/rotate.py",
+        "            vb.data[rows] = (r.T @ vb.data[rows].double()).to(vb.dtype)",
+        "            pass",
+        ("tests/test_families.py::test_rotation_keeps_logits",),
+    ),
 ]
 
 

@@ -1,4 +1,9 @@
-"""Hugging Face checkpoints <-> native DecoderLM: ``llama`` <-> baseline, ``diffllama`` <-> DIFF V1.
+"""Hugging Face checkpoints <-> native DecoderLM: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` <-> baseline,
+``diffllama`` <-> DIFF V1.
+
+The other families are Llama plus one or two :class:`ModelConfig` fields: Qwen2 = q/k/v biases
+(``attention_bias``), Qwen3 = per-head q/k RMSNorm (``qk_norm``), Mistral = ``sliding_window``; windowed
+Qwen2/3 (``use_sliding_window``) import when the window covers every layer or none (see :func:`_window`).
 
 Import (:func:`load_hf`) reads a local HF folder (``config.json`` plus ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``) lazily with ``safe_open``: the model is built on the meta device and each
@@ -47,9 +52,19 @@ from diffquant.models.hf_names import hf_key_map
 from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE  # noqa: F401 (INDEX_FILE: public here too)
 
-SUPPORTED_MODEL_TYPES = {"llama": "baseline", "diffllama": "diff_v1"}
-# HF class defaults for keys a config.json may leave out (Llama and DiffLlama differ only in rms_norm_eps).
-_RMS_EPS_DEFAULT = {"llama": 1e-6, "diffllama": 1e-5}
+SUPPORTED_MODEL_TYPES = {
+    "llama": "baseline",
+    "diffllama": "diff_v1",
+    "qwen2": "baseline",
+    "qwen3": "baseline",
+    "mistral": "baseline",
+}
+# HF class defaults (transformers 5.x config classes) for keys a config.json may leave out.
+_RMS_EPS_DEFAULT = {"llama": 1e-6, "diffllama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "mistral": 1e-6}
+_HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others derive it: hidden_size / num_attention_heads
+# Families whose attention_bias key puts a bias on all four projections (o_proj too), which the native model
+# (biases on q/k/v only) cannot hold; Qwen2 always has q/k/v biases, and Mistral has no such key.
+_ALL_FOUR_BIAS = ("llama", "diffllama", "qwen3")
 
 
 # ============================================================================================ import
@@ -101,9 +116,13 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             "holds floating-point weights only (float32, float16, bfloat16)"
         )
     rope_scaling = _check_rope(hf, source)
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise DiffquantError(f"{source}: {flag} = true, expected false (the native model has no biases)")
+    if model_type in _ALL_FOUR_BIAS and hf.get("attention_bias"):
+        raise DiffquantError(
+            f"{source}: attention_bias = true, expected false ({model_type} then biases o_proj too; the native "
+            "model has q/k/v biases only, as Qwen2)"
+        )
+    if hf.get("mlp_bias"):
+        raise DiffquantError(f"{source}: mlp_bias = true, expected false (the native MLP has no biases)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise DiffquantError(f"{source}: hidden_act = {act!r}, expected 'silu' (the native MLP is SwiGLU)")
@@ -116,7 +135,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
     ints = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
-    head_dim = hf.get("head_dim") or (hidden // heads if ints else 0)
+    head_dim = hf.get("head_dim", _HEAD_DIM_DEFAULT.get(model_type)) or (hidden // heads if ints else 0)
     theta = _rope_theta(hf, source)
     fields: dict[str, Any] = {
         "attention": SUPPORTED_MODEL_TYPES[model_type],
@@ -133,6 +152,9 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "norm_eps": hf.get("rms_norm_eps", _RMS_EPS_DEFAULT[model_type]),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "init_std": hf.get("initializer_range") or 0.02,
+        "attention_bias": model_type == "qwen2",  # Qwen2Attention: bias=True on q/k/v whatever the config
+        "qk_norm": model_type == "qwen3",
+        "sliding_window": _window(hf, model_type, source),
     }
     if model_type == "diffllama":
         # num_attention_heads counts component heads; native counts differential pairs (and kv pairs).
@@ -152,6 +174,60 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig(**fields)
     except DiffquantError as err:
         raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
+
+
+def _window(hf: dict[str, Any], model_type: str, source: str) -> int | None:
+    """The native ``sliding_window`` of an HF config (None = full attention), as transformers applies it.
+
+    Mistral: ``sliding_window`` in every layer (4096 when the key is absent, null = none). Qwen2 / Qwen3: the
+    window is ``sliding_window`` when ``use_sliding_window``, on the layers ``layer_types`` marks
+    ``sliding_attention`` (by default layers >= ``max_window_layers``). The native model has one window for
+    all layers, so a file that windows some layers but not others is refused.
+    """
+    if model_type == "mistral":
+        window = hf.get("sliding_window", 4096)
+    elif model_type in ("qwen2", "qwen3"):
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    else:
+        return None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise DiffquantError(
+            f"{source}: sliding_window = {json.dumps(window)}, expected null or an integer >= 1"
+        )
+    if model_type == "mistral":
+        return window
+    n_layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:
+        if window is None:
+            return None
+        first = hf.get("max_window_layers", 28)
+        if not isinstance(n_layers, int) or not isinstance(first, int) or isinstance(first, bool):
+            raise DiffquantError(
+                f"{source}: max_window_layers = {json.dumps(first)}, expected an integer (the first layer "
+                "of the sliding window)"
+            )
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    kinds = set(types) if isinstance(types, list) else {None}
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise DiffquantError(
+            f"{source}: layer_types = {json.dumps(types)}, expected a list of 'full_attention' / "
+            "'sliding_attention'"
+        )
+    if kinds == {"full_attention", "sliding_attention"}:
+        first = types.index("sliding_attention")
+        raise DiffquantError(
+            f"{source}: layer_types mixes full_attention and sliding_attention layers (first windowed layer "
+            f"{first} of {len(types)}), expected one kind for every layer (the native model has one window)"
+        )
+    if kinds == {"sliding_attention"}:
+        if window is None:
+            raise DiffquantError(
+                f"{source}: layer_types are sliding_attention but the window is null (use_sliding_window = "
+                f"{json.dumps(hf.get('use_sliding_window', False))}), expected a sliding_window"
+            )
+        return window
+    return None
 
 
 # RoPE keys a config.json may carry, per transformers version (both spellings describe one scheme):
@@ -290,10 +366,12 @@ def _import_transforms(config: ModelConfig) -> dict[str, Transform]:
 def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write ``model`` as an HF folder (config.json + model.safetensors), atomically.
 
-    baseline -> ``llama``; DIFF V1 -> ``diffllama`` (a per-head norm weight is folded into o_proj);
-    DIFF V2 has no HF format. Tensors keep the model's dtype.
+    baseline -> ``llama``, or the family its fields name (:func:`hf_model_type`: ``qwen3`` for qk-norm,
+    ``qwen2`` for q/k/v biases, ``mistral`` for a window alone); DIFF V1 -> ``diffllama`` (a per-head norm
+    weight is folded into o_proj); DIFF V2 has no HF format. Tensors keep the model's dtype.
     """
     config = model.config
+    hf_model_type(config)  # refuses a combination no HF family holds, before anything is written
     if getattr(model, "quant_plan", None) is not None:
         raise DiffquantError(
             "export: model is quantized; HF llama/diffllama folders hold unquantized weights only"
@@ -372,6 +450,33 @@ def fold_norm_weight(o_proj: torch.Tensor, weight: torch.Tensor, n_heads: int, n
     return folded
 
 
+# model_type -> (architecture class, ModelConfig fields it holds beyond Llama's).
+_EXPORT_FAMILIES = {
+    "llama": ("LlamaForCausalLM", ()),
+    "diffllama": ("DiffLlamaForCausalLM", ()),
+    "qwen2": ("Qwen2ForCausalLM", ("attention_bias", "sliding_window")),
+    "qwen3": ("Qwen3ForCausalLM", ("qk_norm", "sliding_window")),
+    "mistral": ("MistralForCausalLM", ("sliding_window",)),
+}
+
+
+def hf_model_type(config: ModelConfig) -> str:
+    """The HF ``model_type`` that holds ``config``: the smallest family with its fields, or a one-line refusal
+    (Qwen3's ``attention_bias`` biases o_proj too, so qk-norm with q/k/v-only biases has no HF family)."""
+    if config.attention == "diff_v1":
+        return "diffllama"
+    if config.qk_norm and config.attention_bias:
+        raise DiffquantError(
+            "export: attention_bias = true with qk_norm = true, expected one of them (Qwen3's attention_bias "
+            "biases o_proj too; no HF family has q/k/v-only biases with qk-norm)"
+        )
+    if config.qk_norm:
+        return "qwen3"
+    if config.attention_bias:
+        return "qwen2"
+    return "mistral" if config.sliding_window is not None else "llama"
+
+
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json of the exported folder.
 
@@ -380,13 +485,14 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     tokenizer.
     """
     diff = config.attention == "diff_v1"
+    model_type = hf_model_type(config)
     heads, kv_heads = (
         (2 * config.n_heads, 2 * config.n_kv_heads) if diff else (config.n_heads, config.n_kv_heads)
     )
     dtype_name = str(dtype).removeprefix("torch.")
     hf: dict[str, Any] = {
-        "architectures": ["DiffLlamaForCausalLM" if diff else "LlamaForCausalLM"],
-        "model_type": "diffllama" if diff else "llama",
+        "architectures": [_EXPORT_FAMILIES[model_type][0]],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.ffn_dim,
@@ -417,6 +523,20 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         hf["rope_scaling"] = {"type": scaling["rope_type"], **scaling}
     if diff:
         hf["lambda_std_dev"] = 0.1
-    else:
+    elif model_type == "llama":
         hf["mlp_bias"] = False
+    if model_type == "mistral":
+        hf["sliding_window"] = config.sliding_window
+    elif model_type in ("qwen2", "qwen3"):
+        # Every layer windowed (max_window_layers 0), or none; layer_types spelled out for transformers 5.x.
+        window = config.sliding_window
+        kind = "full_attention" if window is None else "sliding_attention"
+        hf.update(
+            use_sliding_window=window is not None,
+            sliding_window=window,
+            max_window_layers=0 if window is not None else config.n_layers,
+            layer_types=[kind] * config.n_layers,
+        )
+        if model_type == "qwen2":
+            del hf["attention_bias"]  # Qwen2 has q/k/v biases whatever the key says; leave no false claim
     return hf

@@ -34,6 +34,8 @@ def kernel_core(attn) -> CoreQuant | None:
     """
     if attn.kind not in ("diff_v1", "diff_v2") or attn.head_dim not in (16, 32, 64, 128):
         return None
+    if getattr(attn, "window", None) is not None:
+        return None  # the kernel attends causally over every key: no sliding window
     if attn.diff_map.quantizer is not None:
         return None
     q, k, v = _scheme(attn.q), _scheme(attn.k), _scheme(attn.v)
@@ -75,6 +77,8 @@ def flash_ready(attn, x: torch.Tensor) -> bool:
     """An unquantized DIFF layer on CUDA with flash-attn installed and no map observed."""
     if not x.is_cuda or attn.kind not in ("diff_v1", "diff_v2") or attn._maps_observed():
         return False
+    if getattr(attn, "window", None) is not None:
+        return False  # diff_v*_flash call flash-attn without a window
     if any(getattr(t, "quantizer", None) is not None for t in (attn.q, attn.k, attn.v, *attn._map_taps())):
         return False
 

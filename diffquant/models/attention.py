@@ -9,6 +9,10 @@ Two execution paths compute that core:
 - explicit: materialises logits, probabilities and the differential map, feeding them through their taps,
   in query chunks so a long sequence never holds a full T x S map per head at once.
 
+Family options (``ModelConfig``): q/k/v biases (Qwen2) live in the projections; the per-head q/k RMSNorm
+(Qwen3) runs on the projections' output before RoPE, so the q and k taps still see rotated, normalised heads;
+a sliding window (Mistral) narrows :func:`_valid_mask`, which both paths and the map taps share.
+
 A hook on a map tap only observes: the maps are computed for it, but the layer's output still comes from
 the fused path, so profiling never changes a model's logits. A quantizer on a map tap rewrites the maps,
 so then the explicit path's output is used.
@@ -190,10 +194,15 @@ class Attention(nn.Module):
         self.value_dim = c.value_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
         k_heads = 2 * c.n_kv_heads if self.kind == "diff_v1" else c.n_kv_heads
-        self.q_proj = Linear(c.d_model, c.n_q_heads * c.head_dim)
-        self.k_proj = Linear(c.d_model, k_heads * c.head_dim)
-        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.value_dim)
+        bias = c.attention_bias  # Qwen2: q, k, v only; o never
+        self.q_proj = Linear(c.d_model, c.n_q_heads * c.head_dim, bias=bias)
+        self.k_proj = Linear(c.d_model, k_heads * c.head_dim, bias=bias)
+        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.value_dim, bias=bias)
         self.o_proj = Linear(c.n_heads * c.value_dim, c.d_model)
+        # Qwen3's qk-norm: one (d,) weight shared by every q head (and one by every k head), eps = norm_eps.
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.window = c.sliding_window
         self.q, self.k, self.v = Tap("q"), Tap("k"), Tap("v")
         self.path = "auto"
         self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
@@ -236,8 +245,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
         bsz, t, _ = x.shape
         pos0 = cache.length if cache is not None else 0
-        q = self.q_proj(x).view(bsz, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, t, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(bsz, t, -1, self.head_dim)
+        k = self.k_proj(x).view(bsz, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3 (transformers' Qwen3Attention): normalise each head over its d channels, then RoPE.
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
         positions = torch.arange(pos0, pos0 + t, device=x.device)
         inv_freq = self.rope_inv_freq(x.device)
@@ -312,7 +325,11 @@ class Attention(nn.Module):
         t, s = components[0][0].shape[2], components[0][1].shape[2]
         mask = None
         causal = False
-        if t == s:
+        if self.window is not None and s > self.window:
+            # The last query's window starts after key 0 (a prefill longer than the window, or a decode step
+            # past it): SDPA's is_causal cannot express that, so the window goes in as a boolean mask.
+            mask = _valid_mask(t, s, pos0, v.device, self.window)[0, 0]
+        elif t == s:
             causal = t > 1
         elif t > 1:
             mask = _valid_mask(t, s, pos0, v.device)[0, 0]
@@ -347,7 +364,7 @@ class Attention(nn.Module):
         chunk = self.chunk_size or max(1, DEFAULT_MAP_BUDGET // max(1, bsz * heads * s))
         if not all(getattr(tap.quantizer, "row_local", True) for tap in self._map_taps()):
             chunk = t  # a scale shared across query rows (per tensor / head) must see the whole map
-        valid_all = _valid_mask(t, s, pos0, v.device)
+        valid_all = _valid_mask(t, s, pos0, v.device, self.window)
         names = [""] if len(components) == 1 else ["1", "2"]
         # Observing only (no output wanted): stop after the last map someone watches (logits-only profiles
         # skip the softmax and the difference map).
@@ -388,11 +405,17 @@ def _pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
-def _valid_mask(t: int, s: int, pos0: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, T, S) bool: query at absolute position pos0 + i may see keys 0 .. pos0 + i."""
+def _valid_mask(t: int, s: int, pos0: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(1, 1, T, S) bool: query at absolute position p = pos0 + i may see keys 0 .. p, or with a sliding
+    ``window`` W only keys j with p - W < j <= p (W keys, itself included: transformers'
+    ``sliding_window_overlay``, Mistral's rolling buffer). Keys are at absolute positions 0 .. S - 1 (the
+    cache keeps every key), so a decode step (T < S) is windowed at its own position."""
     q_pos = torch.arange(pos0, pos0 + t, device=device)[:, None]
     k_pos = torch.arange(s, device=device)[None, :]
-    return (k_pos <= q_pos)[None, None]
+    valid = k_pos <= q_pos
+    if window is not None:
+        valid = valid & (k_pos > q_pos - window)
+    return valid[None, None]
 
 
 def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:

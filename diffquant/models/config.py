@@ -9,6 +9,11 @@ Head counting follows what each kind computes, so that one field means one thing
 
 RoPE: ``rope_theta`` is the base; ``rope_scaling`` (None = plain RoPE) rescales its frequencies for long
 context, in the two forms the Llama family uses (see :data:`ROPE_SCALING_KEYS`).
+
+Other decoder families, each one field whose default is the Llama behaviour (baseline attention only):
+``attention_bias`` (Qwen2: biases on q/k/v, none on o), ``qk_norm`` (Qwen3: per-head RMSNorm on q and k before
+RoPE), ``sliding_window`` (Mistral, windowed Qwen2/3: a query at i sees keys j with i - window < j <= i, in every
+layer).
 """
 
 from __future__ import annotations
@@ -80,6 +85,15 @@ class ModelConfig:
     v1_norm_eps: float = key(1e-5, check=lambda v: _number(v, 0, 1, "a number in (0, 1)"))
     # DIFF V1 only: None = the paper's schedule 0.8 - 0.6 exp(-0.3 depth); a number = that constant.
     v1_lambda_init: float | None = key(None, check=lambda v: _lambda_init_problem(v))
+    # Qwen2 (Yang et al. 2024): a bias on q_proj, k_proj and v_proj (o_proj has none). Input-side of the
+    # residual stream, so rotation R1 and SmoothQuant's column scaling leave it alone; R2 rotates v's bias.
+    attention_bias: bool = key(False)
+    # Qwen3 (Yang et al. 2025): RMSNorm over each d-wide q and k head (weight (d,), eps norm_eps), applied to
+    # the projections' output before RoPE, so before the q / k taps, which still see the rotated heads.
+    qk_norm: bool = key(False)
+    # Mistral (Jiang et al. 2023): None = full causal attention; W = a query at position i sees keys j with
+    # i - W < j <= i (transformers' sliding_window_overlay), in every layer, prefill and cached decoding alike.
+    sliding_window: int | None = key(None, check=lambda v: _window_problem(v))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +115,14 @@ class ModelConfig:
             "n_kv_heads",
             f"a divisor of n_heads={self.n_heads}",
         )
+        if self.attention != "baseline":
+            # DIFF models with these exist nowhere to compare against, and the DIFF kernels cannot do a window.
+            for field, off in (("attention_bias", False), ("qk_norm", False), ("sliding_window", None)):
+                need(
+                    getattr(self, field) == off,
+                    field,
+                    f"{json.dumps(off)} for attention {self.attention!r} (only baseline models support it)",
+                )
 
     # ------------------------------------------------------------------------------ derived widths
     @property
@@ -170,7 +192,13 @@ class ModelConfig:
 
 
 # Fields a saved config may lack (added later; their default is the behaviour of older checkpoints).
-OPTIONAL_FIELDS = {"rope_scaling": None, "v1_norm_eps": 1e-5}
+OPTIONAL_FIELDS = {
+    "rope_scaling": None,
+    "v1_norm_eps": 1e-5,
+    "attention_bias": False,
+    "qk_norm": False,
+    "sliding_window": None,
+}
 
 
 def _is_number(value: Any) -> bool:
@@ -190,6 +218,11 @@ def _number(value: Any, low: float, high: float | None, expected: str) -> str | 
 def _scaling_problem(value: Any) -> str | None:
     problem = rope_scaling_problem(value)
     return None if problem is None else f"null or a supported scaling ({problem})"
+
+
+def _window_problem(value: Any) -> str | None:
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    return None if ok else "null (full causal attention) or an integer >= 1"
 
 
 def _lambda_init_problem(value: Any) -> str | None:

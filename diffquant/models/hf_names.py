@@ -17,6 +17,12 @@ def hf_key_map(config: ModelConfig) -> dict[str, str]:
         keys[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
         for proj in ("q", "k", "v", "o"):
             keys[f"{n}attn.{proj}_proj.weight"] = f"{h}self_attn.{proj}_proj.weight"
+        if config.attention_bias:  # Qwen2: q/k/v biases (o_proj has none)
+            for proj in ("q", "k", "v"):
+                keys[f"{n}attn.{proj}_proj.bias"] = f"{h}self_attn.{proj}_proj.bias"
+        if config.qk_norm:  # Qwen3: per-head RMSNorm weights of width head_dim
+            for proj in ("q", "k"):
+                keys[f"{n}attn.{proj}_norm.weight"] = f"{h}self_attn.{proj}_norm.weight"
         for proj in ("gate", "up", "down"):
             keys[f"{n}mlp.{proj}.weight"] = f"{h}mlp.{proj}_proj.weight"
         if config.attention == "diff_v1":

@@ -95,6 +95,8 @@ class DecoderLM(nn.Module):
                 isinstance(module, nn.Linear) and "lambda_proj" not in name
             ):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:  # Qwen2's q/k/v biases start at zero
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm) and module.weight is not None:
                 nn.init.ones_(module.weight)
             elif isinstance(module, DiffV1Attention):
