@@ -407,3 +407,22 @@ def test_old_configs_default_to_llama():
         data.pop(field)
     config = ModelConfig.from_dict(data, complete=True)
     assert (config.attention_bias, config.qk_norm, config.sliding_window) == (False, False, None)
+
+
+def test_query_positions_are_read_off_a_windowed_mask():
+    """Profile locations and span metrics read query positions off the map's mask: under a sliding window a
+    far row sees W keys, not p + 1, so the position is its last visible key."""
+    from diffquant.models.attention import _valid_mask
+    from diffquant.models.sites import query_positions
+
+    for window in (None, 3):
+        assert query_positions(_valid_mask(5, 12, 7, torch.device("cpu"), window)).tolist() == [
+            7,
+            8,
+            9,
+            10,
+            11,
+        ]
+        assert query_positions(_valid_mask(12, 12, 0, torch.device("cpu"), window)).tolist() == list(
+            range(12)
+        )

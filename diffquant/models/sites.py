@@ -87,8 +87,10 @@ def layer_of(site: str) -> int | None:
 def query_positions(valid: torch.Tensor) -> torch.Tensor:
     """Absolute query positions of a causal map chunk from its valid mask (..., Tq, S).
 
-    Under a causal mask the query at absolute position p sees keys 0..p, so p = (number of visible keys) - 1;
-    this recovers the positions of a query chunk or a cached decode step without extra arguments.
+    The query at absolute position p sees keys up to p (all of 0..p under a causal mask, the last W under a
+    sliding window), so p = the index of its last visible key; this recovers the positions of a query chunk
+    or a cached decode step without extra arguments (a row that sees no key gives -1).
     """
     rows = valid.reshape(-1, valid.shape[-2], valid.shape[-1])[0]
-    return rows.sum(-1) - 1
+    keys = torch.arange(rows.shape[-1], device=rows.device)
+    return torch.where(rows, keys, -1).amax(-1)
