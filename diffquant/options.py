@@ -117,6 +117,10 @@ class ProfileStage:
         help=f"largest magnitudes kept per site, with locations (default: 100; at most {MAX_TOPK})",
     )
     attention_metrics: bool = key(True, help="skip per-head attention metrics (default: computed)")
+    sink_rate: bool = key(
+        False,
+        help="also run Gu et al.'s attention-sink probe (100 windows of 64 tokens; whole models, not streamed)",
+    )
 
 
 @dataclass

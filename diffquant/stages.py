@@ -123,6 +123,7 @@ def run_profile(
         progress=progress,
         key_name=name,
         streamed=streamed,
+        sink_rate=cfg["sink_rate"],
     )
 
 

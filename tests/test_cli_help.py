@@ -116,5 +116,8 @@ def test_eval_help_lists_exactly_the_task_types_that_run(capsys):
     assert list(TASK_TYPES) == list(TASK_TYPE_PARAMS)
     assert all(TASK_TYPES[name].params is params for name, params in TASK_TYPE_PARAMS.items())
     text = _help(["eval"], capsys)
-    assert "types and their keys: bpb (data, tokens, seq_len, stride, windows, decode); ppl (" in text
+    assert (
+        "types and their keys: bpb (data, tokens, seq_len, stride, windows, decode, intervene, intervene_layer); ppl ("
+        in text
+    )
     assert "lmeval (tasks [required], path, limit," in text

@@ -171,6 +171,7 @@ def profile_stage(
     map_len: int = 64,
     key_name: Callable[[str], str] = lambda key: "--" + key.replace("_", "-"),
     streamed: Mapping[str, StreamedProfile] | None = None,
+    sink_rate: bool = False,
 ) -> tuple[str, str, int]:
     """Profile each (spec, model) on the same text; write profile/NAME.json, table5.{txt,json}.
 
@@ -185,7 +186,8 @@ def profile_stage(
     layer-streamed (:func:`diffquant.stream.profile_streamed`): ``fn(windows, (rank, world))`` profiles the
     batches :func:`shard_starts` gives that rank and returns (profile, attention paths); the ranks' profiles
     are merged by :func:`gather_profile`, as :func:`profile_model` merges. Its attention maps need the whole
-    model and are not captured (said on stderr).
+    model and are not captured (said on stderr). ``sink_rate``: also run Gu et al.'s sink probe
+    (:func:`sink_probe`) on whole models, into the profile's meta, table5.json and the printed table.
     """
     streamed = streamed or {}
     tokenizers = check_profile(models, seq_len, data, sites, key_name)
@@ -223,7 +225,7 @@ def profile_stage(
             paths = path_summary(model)
         if profile is None:
             continue
-        if attention is not False and name not in streamed:
+        if sink_rate and attention is not False and name not in streamed:
             profile.meta["sink_rate"] = sink_probe(model, data, tokenizer, batch_size)
         profile.meta.update(
             model=name,
