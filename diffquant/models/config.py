@@ -13,7 +13,10 @@ context, in the two forms the Llama family uses (see :data:`ROPE_SCALING_KEYS`).
 Other decoder families, each one field whose default is the Llama behaviour (baseline attention only):
 ``attention_bias`` (Qwen2: biases on q/k/v, none on o), ``qk_norm`` (Qwen3: per-head RMSNorm on q and k before
 RoPE), ``sliding_window`` (Mistral, windowed Qwen2/3: a query at i sees keys j with i - window < j <= i, in every
-layer).
+layer); Gemma 3's ``layer_types`` / ``rope_local_theta`` (which layers are windowed, and their RoPE base),
+``norm_unit_offset`` ((1 + w) RMSNorms), ``sandwich_norms`` (post-attention / post-MLP norms),
+``embed_scale`` and ``mlp_activation`` (GeGLU). The last four sit outside attention, so DIFF kinds take them
+too; the attention-side ones are refused for DIFF (no DIFF model has them and the DIFF kernels cannot window).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ ATTENTION_KIND_TABLE: tuple[AttentionKind, ...] = (
 ATTENTION_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE)
 ATTENTION_LABELS: dict[str, str] = {k.name: k.label for k in ATTENTION_KIND_TABLE}
 DIFF_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE if k.differential)
+
+# ModelConfig.mlp_activation values; LAYER_TYPES: the entries of ModelConfig.layer_types.
+MLP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 # rope_scaling["rope_type"] -> the numeric keys that type needs, all required, no others allowed. An exact key
 # set (rather than "at least") because a key we do not know means a scheme we would silently compute wrong.
@@ -94,6 +101,25 @@ class ModelConfig:
     # Mistral (Jiang et al. 2023): None = full causal attention; W = a query at position i sees keys j with
     # i - W < j <= i (transformers' sliding_window_overlay), in every layer, prefill and cached decoding alike.
     sliding_window: int | None = key(None, check=lambda v: _window_problem(v))
+    # Gemma 3 (Gemma Team 2025): None = every layer as ``sliding_window`` says; else one entry per layer,
+    # "sliding_attention" (windowed by ``sliding_window``, RoPE base ``rope_local_theta``, plain RoPE) or
+    # "full_attention" (causal, ``rope_theta`` with ``rope_scaling``), transformers' names for them.
+    layer_types: list[str] | None = key(None, check=lambda v: _layer_types_problem(v))
+    # Gemma 3's rope_local_base_freq: the RoPE base of "sliding_attention" layers (None = rope_theta).
+    rope_local_theta: float | None = key(
+        None, check=lambda v: None if v is None else _number(v, 1, None, "null or a number > 1")
+    )
+    # Gemma: every RMSNorm (block, final, q / k norms) scales by (1 + w), the weight stored as w (as in
+    # transformers; llama.cpp's GGUF stores w + 1), computed in float32 and cast back as Gemma does.
+    norm_unit_offset: bool = key(False)
+    # Gemma 2 / 3: RMSNorms on the attention and MLP outputs before each residual add (post_attention_ /
+    # post_feedforward_layernorm), beside the pre-norms attn_norm / mlp_norm (input_ / pre_feedforward_).
+    sandwich_norms: bool = key(False)
+    # Gemma: embeddings are multiplied by this (sqrt(d_model), rounded to the embedding's dtype); 1 = none.
+    embed_scale: float = key(1.0, check=lambda v: _number(v, 0, None, "a number > 0"))
+    # The gated MLP's activation: "silu" (SwiGLU, Llama) or "gelu_tanh" (GeGLU with the tanh approximation
+    # of GELU, Gemma's gelu_pytorch_tanh).
+    mlp_activation: str = key("silu", check=lambda v: _one_of(v, MLP_ACTIVATIONS))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,12 +143,48 @@ class ModelConfig:
         )
         if self.attention != "baseline":
             # DIFF models with these exist nowhere to compare against, and the DIFF kernels cannot do a window.
-            for field, off in (("attention_bias", False), ("qk_norm", False), ("sliding_window", None)):
+            for field, off in (
+                ("attention_bias", False),
+                ("qk_norm", False),
+                ("sliding_window", None),
+                ("layer_types", None),
+                ("rope_local_theta", None),
+            ):
                 need(
                     getattr(self, field) == off,
                     field,
                     f"{json.dumps(off)} for attention {self.attention!r} (only baseline models support it)",
                 )
+
+        if self.layer_types is not None:
+            need(
+                len(self.layer_types) == self.n_layers,
+                "layer_types",
+                f"one entry per layer ({self.n_layers}), got {len(self.layer_types)}",
+            )
+            need(
+                self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                "layer_types",
+                "no 'sliding_attention' layer when sliding_window is null",
+            )
+        need(
+            self.rope_local_theta is None or self.layer_types is not None,
+            "rope_local_theta",
+            "null unless layer_types says which layers are sliding",
+        )
+
+    def layer_window(self, depth: int) -> int | None:
+        """The sliding window of layer ``depth`` (None: full causal attention)."""
+        if self.layer_types is not None and self.layer_types[depth] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, depth: int) -> tuple[float, dict[str, Any] | None]:
+        """(RoPE base, rope_scaling) of layer ``depth``: Gemma 3's sliding layers use plain RoPE with
+        ``rope_local_theta``; every other layer uses ``rope_theta`` and ``rope_scaling``."""
+        if self.layer_types is not None and self.layer_types[depth] == "sliding_attention":
+            return (self.rope_local_theta or self.rope_theta), None
+        return self.rope_theta, self.rope_scaling
 
     # ------------------------------------------------------------------------------ derived widths
     @property
@@ -198,6 +260,12 @@ OPTIONAL_FIELDS = {
     "attention_bias": False,
     "qk_norm": False,
     "sliding_window": None,
+    "layer_types": None,
+    "rope_local_theta": None,
+    "norm_unit_offset": False,
+    "sandwich_norms": False,
+    "embed_scale": 1.0,
+    "mlp_activation": "silu",
 }
 
 
@@ -223,6 +291,13 @@ def _scaling_problem(value: Any) -> str | None:
 def _window_problem(value: Any) -> str | None:
     ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
     return None if ok else "null (full causal attention) or an integer >= 1"
+
+
+def _layer_types_problem(value: Any) -> str | None:
+    ok = value is None or (
+        isinstance(value, list) and value and all(isinstance(v, str) and v in LAYER_TYPES for v in value)
+    )
+    return None if ok else f"null or a list with one of {', '.join(LAYER_TYPES)} per layer"
 
 
 def _lambda_init_problem(value: Any) -> str | None:
