@@ -636,7 +636,10 @@ def _rope_linear(w) -> None:
 
 
 BAD_FILES = {
-    "architecture": (dict(arch="qwen2"), r"general.architecture = 'qwen2'; only 'llama'"),
+    "architecture": (
+        dict(arch="falcon"),
+        r"general.architecture = 'falcon'; supported GGUF architectures: 'llama', 'qwen2', 'qwen3', 'gemma3'",
+    ),
     "tensor-type": (
         dict(raw={"blk.0.ffn_up.weight": np.zeros((96, 64), np.int32)}),
         r"tensor blk.0.ffn_up.weight has type I32, which cannot be dequantized",

@@ -49,7 +49,39 @@ from diffquant.io.assemble import FLOAT_DTYPES, Transform, assemble, check_float
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
-ARCHITECTURE = "llama"
+
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """What one ``general.architecture`` means, as llama.cpp's ``convert_hf_to_gguf.py`` writes it and its
+    ``llama-model.cpp`` reads it back. Every key of the metadata is ``<name>.<key>``.
+
+    ``permuted_qk``: Q / K rows written in the interleaved (GPT-J) RoPE order (``LlamaModel.permute``); the
+    NeoX-RoPE families (Qwen2, Qwen3, Gemma 3) are written in HF's rotate-half order and kept as they are.
+    ``attention_bias``: q / k / v biases (Qwen2). ``qk_norm``: ``attn_q_norm`` / ``attn_k_norm`` per head
+    (Qwen3, Gemma 3). ``gemma``: Gemma 3's layer features (sandwich norms, (1 + w) norms stored as w + 1,
+    sqrt(d) embedding scale, GeGLU, 5 sliding layers to 1 global layer).
+    """
+
+    name: str
+    permuted_qk: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    gemma: bool = False
+
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    a.name: a
+    for a in (
+        GGUFArchitecture("llama", permuted_qk=True),
+        GGUFArchitecture("qwen2", attention_bias=True),
+        GGUFArchitecture("qwen3", qk_norm=True),
+        GGUFArchitecture("gemma3", qk_norm=True, gemma=True),
+    )
+}
+# Gemma 3 as llama.cpp runs it (llama-model.cpp, LLM_ARCH_GEMMA3): every 6th layer is global (a fixed
+# pattern, not in the file), sliding layers use RoPE base 10000 unscaled (rope_freq_base_train_swa).
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # The layer index in a GGUF tensor name (``blk.3.attn_q.weight``).
 GGUF_LAYER_PATTERN = r"blk\.(\d+)\."
 # Token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type).
@@ -92,7 +124,8 @@ def load_gguf(
     reader, config, tokenizer = read_gguf_model(file)
     source = gguf_tensors(reader, file, config, dtype or torch.float32)
     key_map = gguf_key_map(config)
-    model = assemble(config, source, key_map, gguf_transforms(config), device, dtype or torch.float32)
+    transforms = gguf_transforms(config, metadata(reader, "general.architecture"))
+    model = assemble(config, source, key_map, transforms, device, dtype or torch.float32)
     model.tokenizer = tokenizer  # a plain attribute: stages read getattr(model, "tokenizer", None)
     return model
 
@@ -122,7 +155,7 @@ def gguf_tensors(reader: GGUFFile, file: Path, config: ModelConfig, dtype: torch
     """The tensors of ``file`` dequantized into ``dtype`` on ``get``, after the checks that need no data:
     the layer count the tensor names hold (:func:`config_from_gguf` checked it already for a config it
     read; repeated for a config from elsewhere), and every mapped tensor of a type gguf can dequantize."""
-    source = GGUFTensors(reader, file, dtype)
+    source = GGUFTensors(reader, file, dtype, shifts=gguf_shifts(config))
     check_layer_count(config.n_layers, source.keys(), GGUF_LAYER_PATTERN, str(file))
     source.check_types(list(gguf_key_map(config).values()))
     return source
@@ -167,38 +200,43 @@ def metadata(reader: GGUFFile, key: str) -> Any:
 
 
 def config_from_gguf(reader: Any, source: str) -> ModelConfig:
-    """The native config the ``llama.*`` metadata describes; whatever it cannot represent is one line."""
-    arch = metadata(reader, "general.architecture")
-    if arch != ARCHITECTURE:
-        what = "no general.architecture" if arch is None else f"general.architecture = {arch!r}"
-        raise DiffquantError(f"{source}: {what}; only {ARCHITECTURE!r} GGUF files are supported")
+    """The native config the ``<arch>.*`` metadata describes (:data:`ARCHITECTURES`); whatever it cannot
+    represent is one line."""
+    arch_name = metadata(reader, "general.architecture")
+    if arch_name not in ARCHITECTURES:
+        what = "no general.architecture" if arch_name is None else f"general.architecture = {arch_name!r}"
+        raise DiffquantError(
+            f"{source}: {what}; supported GGUF architectures: {', '.join(map(repr, ARCHITECTURES))}"
+        )
+    arch = ARCHITECTURES[arch_name]
+    prefix = arch.name + "."
     names = {t.name for t in reader.tensors}
-    _check_rope(reader, names, source)
-    experts = metadata(reader, "llama.expert_count")
+    rope_scaling = _check_rope(reader, names, source, arch)
+    experts = metadata(reader, prefix + "expert_count")
     if experts:
         raise DiffquantError(
-            f"{source}: llama.expert_count = {experts}: mixture-of-experts models are not supported"
+            f"{source}: {prefix}expert_count = {experts}: mixture-of-experts models are not supported"
         )
 
     def need(key: str) -> Any:
-        value = metadata(reader, "llama." + key)
+        value = metadata(reader, prefix + key)
         if value is None:
-            raise DiffquantError(f"{source}: missing metadata key 'llama.{key}'")
+            raise DiffquantError(f"{source}: missing metadata key '{prefix}{key}'")
         return value
 
     def integer(key: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise DiffquantError(
-                f"{source}: llama.{key} = {value!r}, expected one integer (per-layer values are not supported)"
+                f"{source}: {prefix}{key} = {value!r}, expected one integer (per-layer values are not supported)"
             )
         return value
 
     d_model = integer("embedding_length", need("embedding_length"))
     heads = integer("attention.head_count", need("attention.head_count"))
-    kv_raw = metadata(reader, "llama.attention.head_count_kv")
+    kv_raw = metadata(reader, prefix + "attention.head_count_kv")
     kv_heads = heads if kv_raw is None else integer("attention.head_count_kv", kv_raw)
-    head_dim = _head_dim(reader, d_model, heads, source)
-    vocab = metadata(reader, "llama.vocab_size")
+    head_dim = _head_dim(reader, d_model, heads, source, prefix)
+    vocab = metadata(reader, prefix + "vocab_size")
     if vocab is None:
         tokens = metadata(reader, "tokenizer.ggml.tokens")
         vocab = len(tokens) if isinstance(tokens, list) else None
@@ -206,55 +244,99 @@ def config_from_gguf(reader: Any, source: str) -> ModelConfig:
         vocab = int(_tensor(reader, "token_embd.weight").shape[-1])  # GGUF order: (d_model, vocab)
     if vocab is None:
         raise DiffquantError(
-            f"{source}: no llama.vocab_size, tokenizer.ggml.tokens or token_embd.weight to size the vocabulary"
+            f"{source}: no {prefix}vocab_size, tokenizer.ggml.tokens or token_embd.weight to size the vocabulary"
         )
-    theta = metadata(reader, "llama.rope.freq_base")
+    theta = metadata(reader, prefix + "rope.freq_base")
+    n_layers = integer("block_count", need("block_count"))
     fields: dict[str, Any] = {
         "attention": "baseline",
         "vocab_size": integer("vocab_size", vocab),
         "d_model": d_model,
-        "n_layers": integer("block_count", need("block_count")),
+        "n_layers": n_layers,
         "n_heads": heads,
         "n_kv_heads": kv_heads,
         "head_dim": head_dim,
         "ffn_dim": integer("feed_forward_length", need("feed_forward_length")),
         "max_seq_len": integer("context_length", need("context_length")),
         "rope_theta": 10000.0 if theta is None else float(theta),
+        "rope_scaling": rope_scaling,
         "norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "tie_embeddings": "output.weight" not in names,
+        "attention_bias": arch.attention_bias,
+        "qk_norm": arch.qk_norm,
     }
+    if arch.gemma:
+        # Before the per-layer list: a block_count of a billion must not build a billion-entry list.
+        check_layer_count(n_layers, names, GGUF_LAYER_PATTERN, f"{source} ({prefix}block_count)")
+        fields.update(_gemma3_fields(reader, source, prefix, d_model, heads, head_dim, n_layers))
     try:
         config = ModelConfig(**fields)
     except DiffquantError as err:
         raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
     # Before anything per layer is built (key map, re-layouts, skeleton): a block_count of a billion would
     # otherwise build a billion-entry key map in `info` or a streamed run before any tensor check.
-    check_layer_count(config.n_layers, names, GGUF_LAYER_PATTERN, f"{source} (llama.block_count)")
+    check_layer_count(config.n_layers, names, GGUF_LAYER_PATTERN, f"{source} ({prefix}block_count)")
     return config
 
 
-def _head_dim(reader: Any, d_model: int, heads: int, source: str) -> int:
+def _gemma3_fields(
+    reader: Any, source: str, prefix: str, d_model: int, heads: int, head_dim: int, n_layers: int
+) -> dict[str, Any]:
+    """Gemma 3's layer features as llama.cpp runs a ``gemma3`` GGUF: the window from
+    ``attention.sliding_window``, layer i global when (i + 1) % 6 == 0, sliding layers at RoPE base 10000,
+    queries scaled by 1 / sqrt(head_dim) (llama.cpp uses 1 / sqrt(d_model / heads) for the 27B model only:
+    refused, the native model has one scale), embeddings times sqrt(d_model), GeGLU, sandwich norms, and
+    norm weights stored as w + 1 (convert_hf_to_gguf.py adds 1; the native model stores w, as transformers)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = metadata(reader, prefix + key)
+        if value:
+            raise DiffquantError(
+                f"{source}: {prefix}{key} = {value}: logit soft-capping is not supported (Gemma 3 has none)"
+            )
+    if n_layers == 62 and d_model // heads != head_dim:  # llama.cpp's LLM_TYPE_27B rule
+        raise DiffquantError(
+            f"{source}: a 62-layer gemma3 (27B) scales queries by 1/sqrt(embedding_length / head_count = "
+            f"{d_model // heads}), not 1/sqrt(head width {head_dim}); the native attention has the latter only"
+        )
+    window = metadata(reader, prefix + "attention.sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise DiffquantError(
+            f"{source}: {prefix}attention.sliding_window = {window!r}, expected an integer >= 1"
+        )
+    full = [(i + 1) % GEMMA3_SLIDING_PATTERN == 0 for i in range(n_layers)]
+    return {
+        "sliding_window": window,
+        "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+        "rope_local_theta": GEMMA3_LOCAL_ROPE_BASE,
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "embed_scale": math.sqrt(d_model),
+        "mlp_activation": "gelu_tanh",
+    }
+
+
+def _head_dim(reader: Any, d_model: int, heads: int, source: str, prefix: str = "llama.") -> int:
     """The head width, read as llama.cpp reads it (llama-model.cpp, load_hparams): key and value widths
     are attention.key_length / value_length, each defaulting to embedding_length / head_count; the rotary
-    width rope.dimension_count defaults to the key width and, for llama, must equal it. The native
-    attention rotates the whole head and has one width for Q, K and V, so all three must agree."""
+    width rope.dimension_count defaults to the key width and must equal it (no partial rotary embeddings).
+    The native attention rotates the whole head and has one width for Q, K and V, so all three must agree."""
     default = d_model // heads if heads else 0
-    key = metadata(reader, "llama.attention.key_length")
-    value = metadata(reader, "llama.attention.value_length")
-    rope = metadata(reader, "llama.rope.dimension_count")
+    key = metadata(reader, prefix + "attention.key_length")
+    value = metadata(reader, prefix + "attention.value_length")
+    rope = metadata(reader, prefix + "rope.dimension_count")
     head_dim = default if key is None else key
     if rope is not None and rope != head_dim:
         raise DiffquantError(
-            f"{source}: llama.rope.dimension_count = {rope} differs from the head width {head_dim}"
-            f"{'' if key is not None else ' (no llama.attention.key_length: embedding_length / head_count)'}; "
+            f"{source}: {prefix}rope.dimension_count = {rope} differs from the head width {head_dim}"
+            f"{'' if key is not None else f' (no {prefix}attention.key_length: embedding_length / head_count)'}; "
             "the native model rotates whole heads (llama.cpp refuses this too: invalid n_rot)"
         )
     value_dim = default if value is None else value
     if value_dim != head_dim:
         said = (
-            f"llama.attention.value_length = {value}"
+            f"{prefix}attention.value_length = {value}"
             if value is not None
-            else f"the value width {value_dim} (no llama.attention.value_length: embedding_length / head_count)"
+            else f"the value width {value_dim} (no {prefix}attention.value_length: embedding_length / head_count)"
         )
         raise DiffquantError(
             f"{source}: {said} differs from the key width {head_dim}; the native attention has one head width"
@@ -262,38 +344,47 @@ def _head_dim(reader: Any, d_model: int, heads: int, source: str) -> int:
     return head_dim
 
 
-def _check_rope(reader: Any, names: set[str], source: str) -> None:
-    """Only plain RoPE is representable: no scaling metadata, no per-frequency factors tensor."""
-    kind = metadata(reader, "llama.rope.scaling.type")
-    factor = metadata(reader, "llama.rope.scaling.factor")
-    linear = metadata(reader, "llama.rope.scale_linear")
+def _check_rope(reader: Any, names: set[str], source: str, arch: GGUFArchitecture) -> dict[str, Any] | None:
+    """The native ``rope_scaling``: None (plain RoPE) for every architecture but one case, Gemma 3's linear
+    scaling of its global layers (the 4B-27B models: llama.cpp applies rope.scaling.factor to the non-sliding
+    layers only, as ``ModelConfig.layer_rope`` does). Any other scaling metadata, or a per-frequency factors
+    tensor, is refused in one line."""
+    prefix = arch.name + "."
+    kind = metadata(reader, prefix + "rope.scaling.type")
+    factor = metadata(reader, prefix + "rope.scaling.factor")
+    linear = metadata(reader, prefix + "rope.scale_linear")
     scaled = (
         (kind is not None and kind != "none")
         or (factor is not None and factor not in (0.0, 1.0))
         or (linear is not None and linear != 1.0)
     )
-    if scaled:
-        found = ", ".join(
-            f"{k} = {v!r}"
-            for k, v in (
-                ("llama.rope.scaling.type", kind),
-                ("llama.rope.scaling.factor", factor),
-                ("llama.rope.scale_linear", linear),
-            )
-            if v is not None
-        )
-        raise DiffquantError(
-            f"{source}: RoPE scaling ({found}) is not supported; the native model has plain RoPE"
-        )
     if "rope_freqs.weight" in names:
         raise DiffquantError(
             f"{source}: tensor rope_freqs.weight (per-frequency RoPE scaling, as in Llama 3.1) is not supported; "
             "the native model has plain RoPE"
         )
+    if not scaled:
+        return None
+    if arch.gemma and kind == "linear" and linear is None and isinstance(factor, float) and factor >= 1:
+        return {"rope_type": "linear", "factor": factor}
+    found = ", ".join(
+        f"{prefix}{k} = {v!r}"
+        for k, v in (
+            ("rope.scaling.type", kind),
+            ("rope.scaling.factor", factor),
+            ("rope.scale_linear", linear),
+        )
+        if v is not None
+    )
+    raise DiffquantError(
+        f"{source}: RoPE scaling ({found}) is not supported; the native model has plain RoPE"
+    )
 
 
 def gguf_key_map(config: ModelConfig) -> dict[str, str]:
-    """native state-dict key -> GGUF tensor name, for every tensor the native baseline model stores."""
+    """native state-dict key -> GGUF tensor name (llama.cpp's names), for every tensor the native baseline
+    model stores: q / k / v biases (Qwen2), q / k norms (Qwen3, Gemma 3) and the post-attention / post-FFN
+    norms (Gemma 3) where the config has them."""
     keys = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not config.tie_embeddings:
         keys["lm_head.weight"] = "output.weight"
@@ -301,11 +392,29 @@ def gguf_key_map(config: ModelConfig) -> dict[str, str]:
         n, g = f"layers.{i}.", f"blk.{i}."
         keys[n + "attn_norm.weight"] = g + "attn_norm.weight"
         keys[n + "mlp_norm.weight"] = g + "ffn_norm.weight"
+        if config.sandwich_norms:
+            keys[n + "attn_post_norm.weight"] = g + "post_attention_norm.weight"
+            keys[n + "mlp_post_norm.weight"] = g + "post_ffw_norm.weight"
         for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
             keys[f"{n}attn.{proj}_proj.weight"] = f"{g}{name}.weight"
+        if config.attention_bias:
+            for proj in ("q", "k", "v"):
+                keys[f"{n}attn.{proj}_proj.bias"] = f"{g}attn_{proj}.bias"
+        if config.qk_norm:
+            keys[n + "attn.q_norm.weight"] = g + "attn_q_norm.weight"
+            keys[n + "attn.k_norm.weight"] = g + "attn_k_norm.weight"
         for proj in ("gate", "up", "down"):
             keys[f"{n}mlp.{proj}.weight"] = f"{g}ffn_{proj}.weight"
     return keys
+
+
+def gguf_shifts(config: ModelConfig) -> dict[str, float]:
+    """GGUF tensor name -> the constant added to its values before the cast to the target dtype: -1 on every
+    norm weight of a model with (1 + w) norms (llama.cpp's Gemma converters store w + 1; transformers' GGUF
+    loader subtracts 1 in float32 too, so the weights match it bit for bit in any dtype)."""
+    if not config.norm_unit_offset:
+        return {}
+    return {name: -1.0 for name in gguf_key_map(config).values() if name.endswith("norm.weight")}
 
 
 # The permutation follows llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute): the rows of one head,
@@ -318,9 +427,12 @@ def ggml_rows_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_transforms(config: ModelConfig) -> dict[str, Transform]:
-    """Per native key: the re-layout applied to the dequantized tensor (Q with n_heads, K with n_kv_heads)."""
+def gguf_transforms(config: ModelConfig, arch: str = "llama") -> dict[str, Transform]:
+    """Per native key: the re-layout applied to the dequantized tensor (Q with n_heads, K with n_kv_heads),
+    for the architectures llama.cpp writes permuted (:attr:`GGUFArchitecture.permuted_qk`); none else."""
     out: dict[str, Transform] = {}
+    if not ARCHITECTURES[arch].permuted_qk:
+        return out
     for i in range(config.n_layers):
         a = f"layers.{i}.attn."
         out[a + "q_proj.weight"] = lambda w, n=config.n_heads: ggml_rows_to_halves(w, n)
@@ -369,9 +481,11 @@ class GGUFTensors:
         file: Path,
         dtype: torch.dtype = torch.float32,
         chunk_elements: int = CHUNK_ELEMENTS,
+        shifts: dict[str, float] | None = None,
     ) -> None:
         check_float_dtype(dtype, "requested dtype")
         self._tensors = {t.name: t for t in reader.tensors}
+        self._shifts = dict(shifts or {})  # name -> constant added in float32 before the cast (gguf_shifts)
         self._file = file
         self._dtype = dtype
         self._chunk = max(1, int(chunk_elements))
@@ -430,6 +544,8 @@ class GGUFTensors:
                         raise ValueError(
                             f"dequantized to {values.dtype} {values.shape}, expected ({n}, {cols})"
                         )
+                    if key in self._shifts:
+                        values = values + np.float32(self._shifts[key])
                     flat[first : first + n].copy_(torch.from_numpy(values))
         except (NotImplementedError, ValueError, OSError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -34,6 +34,7 @@ from diffquant.io.convert_gguf import (
     gguf_key_map,
     gguf_tensors,
     gguf_transforms,
+    metadata,
     read_gguf_model,
 )
 from diffquant.models.config import ModelConfig
@@ -83,7 +84,8 @@ def read_gguf_checkpoint(path: str | Path) -> GGUFCheckpoint:
     DiffquantError naming the file, raised before the per-layer key map is built."""
     file = Path(path)
     header, config, tokenizer = read_gguf_model(file)
-    return GGUFCheckpoint(file, header, config, tokenizer, gguf_key_map(config), gguf_transforms(config))
+    transforms = gguf_transforms(config, metadata(header, "general.architecture"))
+    return GGUFCheckpoint(file, header, config, tokenizer, gguf_key_map(config), transforms)
 
 
 __all__ = ["DEFAULT_DTYPE", "GGUFCheckpoint", "read_gguf_checkpoint"]
