@@ -98,7 +98,7 @@ def _scramble(module: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise)
 
 
-def _hf_model(model_type: str, overrides: dict, seed: int):
+def _hf_model(model_type: str, overrides: dict, seed: int, vocab: int = VOCAB):
     tf = _transformers()
     classes = {
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
@@ -107,7 +107,7 @@ def _hf_model(model_type: str, overrides: dict, seed: int):
     }
     cfg_cls, model_cls = classes[model_type]
     config = cfg_cls(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
         max_position_embeddings=128,

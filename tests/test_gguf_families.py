@@ -1,0 +1,187 @@
+"""`gguf:` for the NeoX-RoPE families llama.cpp writes: qwen2, qwen3 and gemma3, against transformers.
+
+Each fixture is a random tiny transformers model (the same builder as tests/test_families.py) written to GGUF
+here the way llama.cpp's ``convert_hf_to_gguf.py`` writes that architecture: its tensor names (the table
+below, written out from llama.cpp's ``gguf-py/gguf/tensor_mapping.py``), no Q/K permutation (the NeoX RoPE
+families keep HF's rotate-half rows), Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, and for Gemma 3
+every norm weight stored as w + 1 (``Gemma3Model.modify_tensors``). The reference is the transformers model
+the file was written from, and, where it reads the architecture, transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_families import _hf_model, _rel, _transformers
+from test_gguf import Q, _add_tensor
+from test_gguf import tok_files as tok_files  # noqa: F401 (the fixture, shared)
+
+from diffquant.errors import DiffquantError
+from diffquant.io import load_model
+
+gguf = pytest.importorskip("gguf")
+VOCAB = 448  # above the shared tokenizer's 401 ids (the rest written as unused tokens)
+RTOL = 1e-5  # fp32 weights written as F32: only summation order differs
+
+# HF name inside a layer -> llama.cpp's GGUF name (blk.N.<name>)
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",  # Llama / Qwen: the pre-MLP norm
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Gemma 3 renames the norms around the MLP (llama.cpp: post_attention_norm, ffn_norm, post_ffw_norm).
+GEMMA_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def write_family_gguf(path: Path, hf_model, arch: str, tok, qtype=Q.F32) -> Path:
+    """``hf_model`` as llama.cpp's converter writes an ``arch`` GGUF (metadata, names, norm shift)."""
+    c = hf_model.config
+    gemma = arch == "gemma3"
+    names = GEMMA_NAMES if gemma else LAYER_NAMES
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-test")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if arch != "qwen2":  # Qwen3Model / Gemma3Model write the head widths
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    rope = c.rope_parameters["full_attention"] if gemma else c.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    if gemma:
+        w.add_sliding_window(c.sliding_window)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tok.tokens + [f"<unused{i}>" for i in range(c.vocab_size - len(tok.tokens))])
+    w.add_token_types(tok.types + [5] * (c.vocab_size - len(tok.tokens)))
+    w.add_token_merges(tok.merges)
+    g = np.random.default_rng(0)
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"]}
+    tensors["output_norm.weight"] = state["model.norm.weight"]
+    if not c.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for i in range(c.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            key = f"model.layers.{i}.{hf_name}"
+            if key in state:
+                tensors[f"blk.{i}.{gguf_name}"] = state[key]
+    for name, array in tensors.items():
+        if gemma and name.endswith("norm.weight"):
+            array = array + np.float32(1)  # llama.cpp: data_torch + 1 for every Gemma norm
+        kind = Q.F32 if array.ndim == 1 else qtype
+        _add_tensor(w, name, np.ascontiguousarray(array), kind, g)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+QWEN = {
+    # 10 layers, GQA, tied, biases (Qwen2 always has q/k/v biases)
+    "qwen2": (
+        "qwen2",
+        {
+            "num_hidden_layers": 10,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # head_dim 24 != 64 / 4, an eps large enough that the q/k norms' eps shows, untied head
+    "qwen3": (
+        "qwen3",
+        {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "rms_norm_eps": 1e-3,
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+
+
+def _ids(vocab: int, length: int = 24, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(QWEN))
+def test_qwen_gguf_matches_transformers(tmp_path, tok_files, name):  # noqa: F811 (the shared fixture)
+    model_type, overrides = QWEN[name]
+    hf_model = _hf_model(model_type, overrides, seed=5, vocab=VOCAB)
+    path = write_family_gguf(tmp_path / f"{name}.gguf", hf_model, model_type, tok_files)
+    model = load_model(f"gguf:{path}")
+    c = model.config
+    assert (c.attention_bias, c.qk_norm, c.tie_embeddings) == (
+        name == "qwen2",
+        name == "qwen3",
+        hf_model.config.tie_word_embeddings,
+    )
+    assert c.head_dim == (24 if name == "qwen3" else 16) and c.n_layers == hf_model.config.num_hidden_layers
+    ids = _ids(c.vocab_size)
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        got = model(ids)
+    rel = _rel(got, ref)
+    print(f"\n{name}: max rel logits diff vs the transformers model {rel:.2e}")
+    assert rel < RTOL, rel
+
+
+def test_qwen2_quantized_gguf_matches_transformers_gguf_loader(tmp_path, tok_files):  # noqa: F811
+    """Q8_0 / Q5_0 weights: the same dequantized model as transformers' GGUF loader builds (qwen2 only:
+    its qwen3 reader ignores attention.key_length)."""
+    tf = _transformers()
+    model_type, overrides = QWEN["qwen2"]
+    hf_model = _hf_model(model_type, overrides, seed=6, vocab=VOCAB)
+    for qtype in (Q.Q8_0, Q.Q5_0):
+        path = write_family_gguf(tmp_path / f"{qtype.name}.gguf", hf_model, "qwen2", tok_files, qtype)
+        ours = load_model(f"gguf:{path}")
+        theirs = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+        ids = _ids(ours.config.vocab_size)
+        with torch.no_grad():
+            rel = _rel(ours(ids), theirs(ids).logits)
+        print(f"\nqwen2 {qtype.name}: max rel logits diff vs transformers' GGUF loader {rel:.2e}")
+        assert rel < 1e-4, rel
+
+
+def test_qwen2_gguf_without_biases_is_one_line(tmp_path, tok_files):  # noqa: F811
+    """A qwen2 file missing its biases names the first missing tensor."""
+    model_type, overrides = QWEN["qwen2"]
+    hf_model = _hf_model(model_type, {**overrides, "num_hidden_layers": 2}, seed=7, vocab=VOCAB)
+    for i in range(2):
+        for p in ("q", "k", "v"):
+            del hf_model.model.layers[i].self_attn._modules[f"{p}_proj"].bias
+            hf_model.model.layers[i].self_attn._modules[f"{p}_proj"].bias = None
+    path = write_family_gguf(tmp_path / "nobias.gguf", hf_model, "qwen2", tok_files)
+    with pytest.raises(DiffquantError, match=r"missing tensor blk\.0\.attn_q\.bias and 5 more") as excinfo:
+        load_model(f"gguf:{path}")
+    assert "\n" not in str(excinfo.value)
