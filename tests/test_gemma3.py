@@ -556,3 +556,15 @@ def test_hf_refusals(folders, tmp_path):
         with pytest.raises(DiffquantError, match=match) as e:
             load_model(f"hf:{_edited(src, tmp_path / str(i), **changes)}")
         _one_line(e)
+
+
+@pytest.mark.parametrize("stream", ["off", "on"])
+def test_cli_refuses_a_residual_rotation_with_exit_2(folders, tmp_path, capsys, stream):
+    from diffquant.cli import main
+
+    _, folder = folders["gemma-scaled"]
+    args = ["quantize", f"hf:{folder}", "--plan", "w8a8-quarot", "--out", str(tmp_path / "q")]
+    assert main([*args, "--tokenizer", "byte", "--seq-len", "16", "--stream", stream]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sandwich_norms = true" in err[0]
+    assert not (tmp_path / "q").exists()
