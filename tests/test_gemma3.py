@@ -568,3 +568,19 @@ def test_cli_refuses_a_residual_rotation_with_exit_2(folders, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sandwich_norms = true" in err[0]
     assert not (tmp_path / "q").exists()
+
+
+def test_embed_scale_is_rounded_like_transformers():
+    """sqrt(96) is not a bf16 number: the scale is rounded to the weights' dtype (through float32) before it
+    multiplies, as Gemma3TextScaledWordEmbedding does, so the bf16 embeddings are equal bit for bit."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from diffquant.models.transformer import ScaledEmbedding
+
+    theirs = Gemma3TextScaledWordEmbedding(VOCAB, 96, 0, embed_scale=96**0.5).to(torch.bfloat16)
+    ours = ScaledEmbedding(VOCAB, 96, 96**0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(VOCAB, 96, generator=torch.Generator().manual_seed(0)))
+        theirs.weight.copy_(ours.weight)
+    ids = _ids()
+    assert torch.equal(ours(ids), theirs(ids))

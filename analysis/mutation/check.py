@@ -2106,6 +2106,13 @@ MUTANTS = [
         '"full_attention" if i % pattern == 0 else',
         ("tests/test_gemma3.py::test_transformers_4_config_keys",),
     ),
+    M(
+        "gemma-embed-scale-not-rounded",
+        "diffquant/models/transformer.py",
+        "        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)",
+        "        return out * self.scale",
+        ("tests/test_gemma3.py::test_embed_scale_is_rounded_like_transformers",),
+    ),
 ]
 
 
