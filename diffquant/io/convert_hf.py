@@ -1,9 +1,11 @@
-"""Hugging Face checkpoints <-> native DecoderLM: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` <-> baseline,
-``diffllama`` <-> DIFF V1.
+"""Hugging Face checkpoints <-> native DecoderLM: ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma3_text``
+<-> baseline, ``diffllama`` <-> DIFF V1.
 
 The other families are Llama plus one or two :class:`ModelConfig` fields: Qwen2 = q/k/v biases
 (``attention_bias``), Qwen3 = per-head q/k RMSNorm (``qk_norm``), Mistral = ``sliding_window``; windowed
 Qwen2/3 (``use_sliding_window``) import when the window covers every layer or none (see :func:`_window`).
+Gemma 3 (text) sets the per-layer ``layer_types`` / ``rope_local_theta`` and the Gemma fields (see
+:func:`_gemma3_fields`); the multimodal ``gemma3`` folder is refused.
 
 Import (:func:`load_hf`) reads a local HF folder (``config.json`` plus ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``) lazily with ``safe_open``: the model is built on the meta device and each
@@ -520,8 +522,9 @@ def _import_transforms(config: ModelConfig) -> dict[str, Transform]:
 def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write ``model`` as an HF folder (config.json + model.safetensors), atomically.
 
-    baseline -> ``llama``, or the family its fields name (:func:`hf_model_type`: ``qwen3`` for qk-norm,
-    ``qwen2`` for q/k/v biases, ``mistral`` for a window alone); DIFF V1 -> ``diffllama`` (a per-head norm
+    baseline -> ``llama``, or the family its fields name (:func:`hf_model_type`: ``gemma3_text`` for the
+    Gemma fields, ``qwen3`` for qk-norm, ``qwen2`` for q/k/v biases, ``mistral`` for a window alone); DIFF V1
+    -> ``diffllama`` (a per-head norm
     weight is folded into o_proj); DIFF V2 has no HF format. Tensors keep the model's dtype.
     """
     config = model.config
