@@ -1984,7 +1984,7 @@ MUTANTS = [
         v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
         positions = torch.arange(pos0, pos0 + t, device=x.device)
         inv_freq = self.rope_inv_freq(x.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype, inv_freq)
         k_unrotated = k
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 """,
@@ -1992,7 +1992,7 @@ MUTANTS = [
         v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
         positions = torch.arange(pos0, pos0 + t, device=x.device)
         inv_freq = self.rope_inv_freq(x.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype, inv_freq)
         k_unrotated = k
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.q_norm is not None and self.k_norm is not None:
@@ -2003,8 +2003,8 @@ MUTANTS = [
     M(
         "family-qk-norm-default-eps",
         "diffquant/models/attention.py",
-        "        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None",
-        "        self.q_norm = RMSNorm(c.head_dim) if c.qk_norm else None",
+        "        self.q_norm = RMSNorm(c.head_dim, c.norm_eps, unit_offset=offset) if c.qk_norm else None",
+        "        self.q_norm = RMSNorm(c.head_dim, unit_offset=offset) if c.qk_norm else None",
         ("tests/test_families.py::test_import_matches_transformers",),
     ),
     M(
@@ -2013,6 +2013,105 @@ MUTANTS = [
         "            vb.data[rows] = (r.T @ vb.data[rows].double()).to(vb.dtype)",
         "            pass",
         ("tests/test_families.py::test_rotation_keeps_logits",),
+    ),
+    # --- Gemma 3 model features (issue 29)
+    M(
+        "gemma-norm-offset-dropped",
+        "diffquant/models/attention.py",
+        "            y = y * (1.0 + w) if self.unit_offset else y * w",
+        "            y = y * w",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-qk-norm-without-offset",
+        "diffquant/models/attention.py",
+        "        self.k_norm = RMSNorm(c.head_dim, c.norm_eps, unit_offset=offset) if c.qk_norm else None",
+        "        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-attn-post-norm-skipped",
+        "diffquant/models/transformer.py",
+        "        x = x + (a if self.attn_post_norm is None else self.attn_post_norm(a))",
+        "        x = x + a",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-mlp-post-norm-skipped",
+        "diffquant/models/transformer.py",
+        "        x = x + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))",
+        "        x = x + m",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-embed-scale-dropped",
+        "diffquant/models/transformer.py",
+        "        if self.scale == 1.0:\n            return out",
+        "        if True:\n            return out",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-gelu-not-tanh",
+        "diffquant/models/transformer.py",
+        'g = F.gelu(g, approximate="tanh") if',
+        "g = F.gelu(g) if",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-layer-type-window-inverted",
+        "diffquant/models/config.py",
+        '        if self.layer_types is not None and self.layer_types[depth] == "full_attention":',
+        '        if self.layer_types is not None and self.layer_types[depth] == "sliding_attention":',
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-local-rope-base-ignored",
+        "diffquant/models/config.py",
+        "            return (self.rope_local_theta or self.rope_theta), None",
+        "            return self.rope_theta, None",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-rope-from-the-global-fields",
+        "diffquant/models/attention.py",
+        "        theta, rope_scaling = self.rope_theta, self.rope_scaling",
+        "        theta, rope_scaling = self.config.rope_theta, self.config.rope_scaling",
+        ("tests/test_gemma3.py::test_import_matches_transformers",),
+    ),
+    M(
+        "gemma-smoothing-fold-without-offset",
+        "diffquant/quant/smoothquant.py",
+        "        norm.set_gain(norm.gain() / s)",
+        "        norm.weight.copy_((norm.weight.double() / s.to(norm.weight.device)).to(norm.weight.dtype))",
+        ("tests/test_gemma3.py::test_smoothing_folds_into_the_unit_offset_gain",),
+    ),
+    M(
+        "gemma-rotation-fold-leaves-ones",
+        "diffquant/models/attention.py",
+        "            nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)",
+        "            nn.init.constant_(self.weight, 1.0)",
+        ("tests/test_gemma3.py::test_residual_rotation_folds_unit_offset_norms",),
+    ),
+    M(
+        "gemma-r1-rotates-across-post-norms",
+        "diffquant/quant/rotate.py",
+        '    if weights and spec.residual != "none" and config.sandwich_norms:',
+        "    if False:",
+        ("tests/test_gemma3.py::test_residual_rotation_refused_with_sandwich_norms",),
+    ),
+    M(
+        "gemma-pattern-off-by-one",
+        "diffquant/io/convert_hf.py",
+        '"full_attention" if (i + 1) % pattern == 0 else',
+        '"full_attention" if i % pattern == 0 else',
+        ("tests/test_gemma3.py::test_transformers_4_config_keys",),
+    ),
+    M(
+        "gemma-embed-scale-not-rounded",
+        "diffquant/models/transformer.py",
+        "        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)",
+        "        return out * self.scale",
+        ("tests/test_gemma3.py::test_embed_scale_is_rounded_like_transformers",),
     ),
 ]
 

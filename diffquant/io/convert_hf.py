@@ -1,9 +1,11 @@
-"""Hugging Face checkpoints <-> native DecoderLM: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` <-> baseline,
-``diffllama`` <-> DIFF V1.
+"""Hugging Face checkpoints <-> native DecoderLM: ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma3_text``
+<-> baseline, ``diffllama`` <-> DIFF V1.
 
 The other families are Llama plus one or two :class:`ModelConfig` fields: Qwen2 = q/k/v biases
 (``attention_bias``), Qwen3 = per-head q/k RMSNorm (``qk_norm``), Mistral = ``sliding_window``; windowed
 Qwen2/3 (``use_sliding_window``) import when the window covers every layer or none (see :func:`_window`).
+Gemma 3 (text) sets the per-layer ``layer_types`` / ``rope_local_theta`` and the Gemma fields (see
+:func:`_gemma3_fields`); the multimodal ``gemma3`` folder is refused.
 
 Import (:func:`load_hf`) reads a local HF folder (``config.json`` plus ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``) lazily with ``safe_open``: the model is built on the meta device and each
@@ -58,13 +60,26 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "baseline",
     "qwen3": "baseline",
     "mistral": "baseline",
+    "gemma3_text": "baseline",
 }
 # HF class defaults (transformers 5.x config classes) for keys a config.json may leave out.
-_RMS_EPS_DEFAULT = {"llama": 1e-6, "diffllama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "mistral": 1e-6}
-_HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others derive it: hidden_size / num_attention_heads
+_RMS_EPS_DEFAULT = {
+    "llama": 1e-6,
+    "diffllama": 1e-5,
+    "qwen2": 1e-6,
+    "qwen3": 1e-6,
+    "mistral": 1e-6,
+    "gemma3_text": 1e-6,
+}
+# The others derive it: hidden_size / num_attention_heads.
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma3_text": 256}
 # Families whose attention_bias key puts a bias on all four projections (o_proj too), which the native model
 # (biases on q/k/v only) cannot hold; Qwen2 always has q/k/v biases, and Mistral has no such key.
-_ALL_FOUR_BIAS = ("llama", "diffllama", "qwen3")
+_ALL_FOUR_BIAS = ("llama", "diffllama", "qwen3", "gemma3_text")
+# Gemma3TextConfig's defaults: RoPE bases of full / sliding layers, the window, the layer pattern.
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+_GEMMA3_WINDOW = 4096
+_GEMMA3_PATTERN = 6
 
 
 # ============================================================================================ import
@@ -103,6 +118,11 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if not isinstance(hf, dict):
         raise DiffquantError(f"{source}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
+    if model_type == "gemma3":
+        raise DiffquantError(
+            f"{source}: model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration; only the text "
+            "model (model_type 'gemma3_text', Gemma3ForCausalLM) is read"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise DiffquantError(
             f"{source}: model_type {model_type!r} is not supported; supported: "
@@ -115,7 +135,8 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             f"{source}: quantized checkpoint (quantization_config.quant_method={method!r}); the native model "
             "holds floating-point weights only (float32, float16, bfloat16)"
         )
-    rope_scaling = _check_rope(hf, source)
+    gemma = _gemma3_fields(hf, source) if model_type == "gemma3_text" else {}
+    rope_scaling = gemma["rope_scaling"] if gemma else _check_rope(hf, source)
     if model_type in _ALL_FOUR_BIAS and hf.get("attention_bias"):
         raise DiffquantError(
             f"{source}: attention_bias = true, expected false ({model_type} then biases o_proj too; the native "
@@ -124,7 +145,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("mlp_bias"):
         raise DiffquantError(f"{source}: mlp_bias = true, expected false (the native MLP has no biases)")
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and not gemma:  # Gemma3 reads hidden_activation (checked in _gemma3_fields)
         raise DiffquantError(f"{source}: hidden_act = {act!r}, expected 'silu' (the native MLP is SwiGLU)")
 
     def need(key: str) -> Any:
@@ -136,7 +157,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     kv_heads = hf.get("num_key_value_heads") or heads
     ints = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
     head_dim = hf.get("head_dim", _HEAD_DIM_DEFAULT.get(model_type)) or (hidden // heads if ints else 0)
-    theta = _rope_theta(hf, source)
+    theta = gemma["rope_theta"] if gemma else _rope_theta(hf, source)
     fields: dict[str, Any] = {
         "attention": SUPPORTED_MODEL_TYPES[model_type],
         "vocab_size": need("vocab_size"),
@@ -156,6 +177,17 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "qk_norm": model_type == "qwen3",
         "sliding_window": _window(hf, model_type, source),
     }
+    if gemma:
+        fields.update(gemma)
+        fields["tie_embeddings"] = bool(hf.get("tie_word_embeddings", True))  # Gemma3TextConfig's default
+        fields["max_seq_len"] = hf.get("max_position_embeddings", 131_072)
+        # Gemma3TextScaledWordEmbedding: sqrt(hidden_size), rounded to the weights' dtype in the forward.
+        fields["embed_scale"] = hidden**0.5 if isinstance(hidden, int) and hidden > 0 else hidden
+        if head_dim != hf.get("query_pre_attn_scalar", 256):
+            raise DiffquantError(
+                f"{source}: query_pre_attn_scalar = {json.dumps(hf.get('query_pre_attn_scalar', 256))}, "
+                f"expected head_dim = {head_dim} (the native model scales logits by 1/sqrt(head_dim))"
+            )
     if model_type == "diffllama":
         # num_attention_heads counts component heads; native counts differential pairs (and kv pairs).
         for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
@@ -174,6 +206,130 @@ def config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig(**fields)
     except DiffquantError as err:
         raise DiffquantError(f"{source}: {str(err).removeprefix('model config: ')}") from None
+
+
+def _gemma3_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 3 ModelConfig fields of a ``gemma3_text`` config (transformers' Gemma3TextConfig), or a
+    one-line refusal of what the native model cannot compute.
+
+    Layers: ``layer_types``, or in a 4.x file without it ``sliding_window_pattern`` (layer i full when
+    (i + 1) % pattern == 0; 6 by default). RoPE: 5.x ``rope_parameters`` with one entry per layer type, or
+    4.x ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (the scaling applies to full layers
+    only); sliding layers take plain RoPE. Refused: another activation than gelu_pytorch_tanh, logit
+    soft-capping, bidirectional attention."""
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise DiffquantError(
+            f"{source}: hidden_activation = {json.dumps(act)}, expected 'gelu_pytorch_tanh' (the native GeGLU "
+            "is the tanh GELU)"
+        )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise DiffquantError(
+                f"{source}: {key} = {json.dumps(hf[key])}, expected null (the native model has no logit "
+                "soft-capping)"
+            )
+    if hf.get("use_bidirectional_attention"):
+        raise DiffquantError(
+            f"{source}: use_bidirectional_attention = true, expected false (the native model is causal)"
+        )
+    n_layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", _GEMMA3_PATTERN))
+        if (
+            not isinstance(pattern, int)
+            or isinstance(pattern, bool)
+            or pattern < 1
+            or not isinstance(n_layers, int)
+        ):
+            raise DiffquantError(
+                f"{source}: sliding_window_pattern = {json.dumps(pattern)}, expected an integer >= 1 (every "
+                "pattern-th layer is full attention)"
+            )
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise DiffquantError(
+            f"{source}: layer_types = {json.dumps(types)}, expected a list of 'full_attention' / "
+            "'sliding_attention'"
+        )
+    window = hf.get("sliding_window", _GEMMA3_WINDOW) if "sliding_attention" in types else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise DiffquantError(
+            f"{source}: sliding_window = {json.dumps(window)}, expected an integer >= 1 (layer_types has "
+            "sliding_attention layers)"
+        )
+    thetas, scalings = _gemma3_rope(hf, source)
+    if scalings["sliding_attention"] is not None:
+        raise DiffquantError(
+            f"{source}: rope_parameters.sliding_attention = "
+            f"{json.dumps(hf['rope_parameters']['sliding_attention'])}, expected plain RoPE (rope_type "
+            "'default'): the native model scales the full layers' RoPE only"
+        )
+
+    def number(value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    return {
+        "layer_types": list(types),
+        "sliding_window": window,
+        "rope_theta": number(thetas["full_attention"]),
+        "rope_local_theta": number(thetas["sliding_attention"]),
+        "rope_scaling": scalings["full_attention"],
+        "qk_norm": True,
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+    }
+
+
+def _gemma3_rope(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(RoPE base, native rope_scaling) per layer type of a gemma3_text config, either version's keys."""
+    thetas = dict(_GEMMA3_THETA)
+    scalings: dict[str, Any] = {"full_attention": None, "sliding_attention": None}
+    params = hf.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or not set(params) <= set(thetas):
+            raise DiffquantError(
+                f"{source}: rope_parameters = {json.dumps(params)}, expected an object with entries "
+                "'full_attention' / 'sliding_attention' (Gemma 3 gives each layer type its RoPE)"
+            )
+        for kind, rope in params.items():
+            if rope is None:
+                continue
+            if not isinstance(rope, dict):
+                raise DiffquantError(
+                    f"{source}: rope_parameters.{kind}: expected an object or null, got {type(rope).__name__}"
+                )
+            if rope.get("rope_theta") is not None:
+                thetas[kind] = rope["rope_theta"]
+            scalings[kind] = _rope_scaling_from(rope, f"rope_parameters.{kind}", source)
+    # 4.x keys (5.x reads them too: rope_scaling updates the full layers' entry, the bases are defaults).
+    legacy_scaling = hf.get("rope_scaling")
+    if legacy_scaling:
+        if not isinstance(legacy_scaling, dict):
+            raise DiffquantError(
+                f"{source}: rope_scaling: expected an object or null, got {type(legacy_scaling).__name__}"
+            )
+        scaling = _rope_scaling_from(legacy_scaling, "rope_scaling", source)
+        if params is not None and params.get("full_attention") and scalings["full_attention"] != scaling:
+            raise DiffquantError(
+                f"{source}: rope_scaling = {json.dumps(legacy_scaling)} and rope_parameters.full_attention = "
+                f"{json.dumps(params['full_attention'])} describe different RoPE scalings; expected one"
+            )
+        scalings["full_attention"] = scaling
+    for key, kind in (("rope_theta", "full_attention"), ("rope_local_base_freq", "sliding_attention")):
+        value = hf.get(key)
+        if value is None:
+            continue
+        stated = (params or {}).get(kind) or {}
+        if stated.get("rope_theta") is not None and float(stated["rope_theta"]) != float(value):
+            raise DiffquantError(
+                f"{source}: {key} = {json.dumps(value)} and rope_parameters.{kind}.rope_theta = "
+                f"{json.dumps(stated['rope_theta'])} disagree; expected one RoPE base"
+            )
+        thetas[kind] = value
+    return thetas, scalings
 
 
 def _window(hf: dict[str, Any], model_type: str, source: str) -> int | None:
@@ -366,8 +522,9 @@ def _import_transforms(config: ModelConfig) -> dict[str, Transform]:
 def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write ``model`` as an HF folder (config.json + model.safetensors), atomically.
 
-    baseline -> ``llama``, or the family its fields name (:func:`hf_model_type`: ``qwen3`` for qk-norm,
-    ``qwen2`` for q/k/v biases, ``mistral`` for a window alone); DIFF V1 -> ``diffllama`` (a per-head norm
+    baseline -> ``llama``, or the family its fields name (:func:`hf_model_type`: ``gemma3_text`` for the
+    Gemma fields, ``qwen3`` for qk-norm, ``qwen2`` for q/k/v biases, ``mistral`` for a window alone); DIFF V1
+    -> ``diffllama`` (a per-head norm
     weight is folded into o_proj); DIFF V2 has no HF format. Tensors keep the model's dtype.
     """
     config = model.config
@@ -457,12 +614,61 @@ _EXPORT_FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", ("attention_bias", "sliding_window")),
     "qwen3": ("Qwen3ForCausalLM", ("qk_norm", "sliding_window")),
     "mistral": ("MistralForCausalLM", ("sliding_window",)),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        (
+            "qk_norm",
+            "sliding_window",
+            "layer_types",
+            "rope_local_theta",
+            "norm_unit_offset",
+            "sandwich_norms",
+            "embed_scale",
+            "mlp_activation",
+        ),
+    ),
+}
+# What Gemma3ForCausalLM always computes: these fields must hold these values for a gemma3_text export.
+_GEMMA3_REQUIRED = {
+    "qk_norm": True,
+    "norm_unit_offset": True,
+    "sandwich_norms": True,
+    "mlp_activation": "gelu_tanh",
+    "attention_bias": False,
 }
 
 
 def hf_model_type(config: ModelConfig) -> str:
     """The HF ``model_type`` that holds ``config``: the smallest family with its fields, or a one-line refusal
     (Qwen3's ``attention_bias`` biases o_proj too, so qk-norm with q/k/v-only biases has no HF family)."""
+    gemma = {
+        "layer_types": config.layer_types is not None,
+        "rope_local_theta": config.rope_local_theta is not None,
+        "norm_unit_offset": config.norm_unit_offset,
+        "sandwich_norms": config.sandwich_norms,
+        "embed_scale": config.embed_scale != 1.0,
+        "mlp_activation": config.mlp_activation != "silu",
+    }
+    if any(gemma.values()):
+        field = next(f for f, on in gemma.items() if on)
+        if config.attention != "baseline":
+            raise DiffquantError(
+                f"export: {field} = {json.dumps(getattr(config, field))} with attention "
+                f"{config.attention!r}: only Gemma 3 (a baseline) holds it in Hugging Face format"
+            )
+        for key, want in _GEMMA3_REQUIRED.items():
+            if getattr(config, key) != want:
+                raise DiffquantError(
+                    f"export: {field} = {json.dumps(getattr(config, field))} needs Gemma 3 (gemma3_text), which "
+                    f"also has {key} = {json.dumps(want)}; this model has {json.dumps(getattr(config, key))}"
+                )
+        # Gemma3TextScaledWordEmbedding scales by sqrt(hidden_size) whatever the file says.
+        if config.embed_scale != config.d_model**0.5:
+            raise DiffquantError(
+                f"export: embed_scale = {config.embed_scale}, expected sqrt(d_model) = {config.d_model**0.5} "
+                "(Gemma 3 scales its embeddings by sqrt(hidden_size))"
+            )
+        return "gemma3_text"
     if config.attention == "diff_v1":
         return "diffllama"
     if config.qk_norm and config.attention_bias:
@@ -525,7 +731,9 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         hf["lambda_std_dev"] = 0.1
     elif model_type == "llama":
         hf["mlp_bias"] = False
-    if model_type == "mistral":
+    if model_type == "gemma3_text":
+        _gemma3_config(config, hf)
+    elif model_type == "mistral":
         hf["sliding_window"] = config.sliding_window
     elif model_type in ("qwen2", "qwen3"):
         # Every layer windowed (max_window_layers 0), or none; layer_types spelled out for transformers 5.x.
@@ -540,3 +748,36 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         if model_type == "qwen2":
             del hf["attention_bias"]  # Qwen2 has q/k/v biases whatever the key says; leave no false claim
     return hf
+
+
+def _gemma3_config(config: ModelConfig, hf: dict[str, Any]) -> None:
+    """Rewrite the Llama-shaped ``hf`` as a gemma3_text config.json: both transformers versions' RoPE keys
+    (5.x ``rope_parameters`` per layer type, 4.x ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``),
+    ``layer_types`` spelled out, the scalar the logits are scaled by (1/sqrt(head_dim)), no soft-capping."""
+    window = config.sliding_window
+    types = (
+        config.layer_types or ["full_attention" if window is None else "sliding_attention"] * config.n_layers
+    )
+    full = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        full = {**config.rope_scaling, "rope_theta": config.rope_theta}
+    local = config.rope_local_theta or config.rope_theta
+    del hf["hidden_act"]
+    hf.pop("rope_scaling", None)
+    hf.update(
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        },
+        rope_local_base_freq=local,
+        layer_types=types,
+        # transformers needs a number even when no layer is sliding (the importer then reads null back)
+        sliding_window=window if window is not None else config.max_seq_len,
+        query_pre_attn_scalar=config.head_dim,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
+    if config.rope_scaling is not None:
+        hf["rope_scaling"] = dict(config.rope_scaling)

@@ -11,7 +11,9 @@ Two execution paths compute that core:
 
 Family options (``ModelConfig``): q/k/v biases (Qwen2) live in the projections; the per-head q/k RMSNorm
 (Qwen3) runs on the projections' output before RoPE, so the q and k taps still see rotated, normalised heads;
-a sliding window (Mistral) narrows :func:`_valid_mask`, which both paths and the map taps share.
+a sliding window (Mistral) narrows :func:`_valid_mask`, which both paths and the map taps share. Gemma 3's
+``layer_types`` give each layer its own window and RoPE base (``config.layer_window`` / ``layer_rope``, read
+once into ``Attention.window`` / ``rope_theta`` / ``rope_scaling``), so every path of a layer uses the same.
 
 A hook on a map tap only observes: the maps are computed for it, but the layer's output still comes from
 the fused path, so profiling never changes a model's logits. A quantizer on a map tap rewrites the maps,
@@ -47,19 +49,45 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in :func:`compute_dtype` (fp32 for half-precision inputs)."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in :func:`compute_dtype` (fp32 for half-precision inputs).
 
-    def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True) -> None:
+    ``unit_offset`` (Gemma, ``ModelConfig.norm_unit_offset``): the gain is (1 + w) with w stored, so the
+    identity norm has w = 0; the product is taken in the compute dtype and cast back, as transformers'
+    Gemma3RMSNorm does. :meth:`gain` / :meth:`set_gain` read and write the gain whichever the form, so what
+    folds a norm's gain elsewhere (smoothing, rotation) acts on (1 + w) here.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.to(compute_dtype(x.dtype))
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.to(y.dtype)
+            w = self.weight.to(y.dtype)
+            y = y * (1.0 + w) if self.unit_offset else y * w
         return y.to(x.dtype)
+
+    def gain(self) -> torch.Tensor:
+        """The per-channel gain in float64: (1 + w) with ``unit_offset``, else w."""
+        assert self.weight is not None, "gain of a norm without a weight"
+        w = self.weight.detach().to(torch.float64)
+        return 1.0 + w if self.unit_offset else w
+
+    @torch.no_grad()
+    def set_gain(self, gain: torch.Tensor) -> None:
+        """Store ``gain`` (float64 or any float, cast to the weight's dtype): w = gain - 1 with ``unit_offset``."""
+        assert self.weight is not None, "gain of a norm without a weight"
+        g = gain.to(self.weight.device, torch.float64)
+        self.weight.copy_((g - 1.0 if self.unit_offset else g).to(self.weight.dtype))
+
+    def reset_gain(self) -> None:
+        """The identity gain (w = 0 with ``unit_offset``, else 1)."""
+        if self.weight is not None:
+            nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)
 
 
 class Linear(nn.Linear):
@@ -200,9 +228,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(c.d_model, c.n_kv_heads * c.value_dim, bias=bias)
         self.o_proj = Linear(c.n_heads * c.value_dim, c.d_model)
         # Qwen3's qk-norm: one (d,) weight shared by every q head (and one by every k head), eps = norm_eps.
-        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
-        self.window = c.sliding_window
+        # Gemma 3 has them too, with the (1 + w) gain (norm_unit_offset) of its other norms.
+        offset = c.norm_unit_offset
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps, unit_offset=offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps, unit_offset=offset) if c.qk_norm else None
+        # This layer's window and RoPE (Gemma 3's layer_types: sliding layers windowed with their own base).
+        self.window = c.layer_window(depth)
+        self.rope_theta, self.rope_scaling = c.layer_rope(depth)
         self.q, self.k, self.v = Tap("q"), Tap("k"), Tap("v")
         self.path = "auto"
         self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
@@ -216,11 +248,11 @@ class Attention(nn.Module):
 
     def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
         """This layer's RoPE inverse frequencies on ``device``, computed once per (config, device)."""
-        c = self.config
-        scaling = tuple(sorted(c.rope_scaling.items())) if c.rope_scaling else None
-        key = (self.head_dim, c.rope_theta, scaling, device)
+        theta, rope_scaling = self.rope_theta, self.rope_scaling
+        scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
+        key = (self.head_dim, theta, scaling, device)
         if self._rope_cache is None or self._rope_cache[0] != key:
-            self._rope_cache = (key, rope_inv_freq(self.head_dim, c.rope_theta, c.rope_scaling, device))
+            self._rope_cache = (key, rope_inv_freq(self.head_dim, theta, rope_scaling, device))
         return self._rope_cache[1]
 
     # ------------------------------------------------------------------------------ kind-specific
@@ -254,7 +286,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, t, -1, self.value_dim).transpose(1, 2)
         positions = torch.arange(pos0, pos0 + t, device=x.device)
         inv_freq = self.rope_inv_freq(x.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype, inv_freq)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype, inv_freq)
         k_unrotated = k
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.qk_rotation is not None:
@@ -274,7 +306,7 @@ class Attention(nn.Module):
             cos_all, sin_all = rope_cos_sin(
                 torch.arange(keys.shape[2], device=x.device),
                 self.head_dim,
-                self.config.rope_theta,
+                self.rope_theta,
                 q.dtype,
                 inv_freq,
             )

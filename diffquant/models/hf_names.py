@@ -14,7 +14,12 @@ def hf_key_map(config: ModelConfig) -> dict[str, str]:
     for i in range(config.n_layers):
         n, h = f"layers.{i}.", f"model.layers.{i}."
         keys[n + "attn_norm.weight"] = h + "input_layernorm.weight"
-        keys[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
+        if config.sandwich_norms:  # Gemma 2 / 3: post_attention_layernorm is the attention output's post-norm
+            keys[n + "attn_post_norm.weight"] = h + "post_attention_layernorm.weight"
+            keys[n + "mlp_norm.weight"] = h + "pre_feedforward_layernorm.weight"
+            keys[n + "mlp_post_norm.weight"] = h + "post_feedforward_layernorm.weight"
+        else:
+            keys[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
         for proj in ("q", "k", "v", "o"):
             keys[f"{n}attn.{proj}_proj.weight"] = f"{h}self_attn.{proj}_proj.weight"
         if config.attention_bias:  # Qwen2: q/k/v biases (o_proj has none)

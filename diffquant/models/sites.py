@@ -58,6 +58,8 @@ SITE_KIND_TABLE: tuple[SiteKind, ...] = (
     SiteKind("attn_out", _TOKENS, "attention-block outputs", shares_input=True),
     SiteKind("resid", _TOKENS, "hidden states (layer outputs)", shares_input=True),
     SiteKind("mlp_act", _TOKENS, "MLP activations", shares_input=True),
+    # Only with sandwich_norms (Gemma): the MLP output its post-norm reads (attn_out is the attention's).
+    SiteKind("mlp_out", _TOKENS, "MLP-block outputs", shares_input=True),
     SiteKind("linear_in", _TOKENS, "Linear-layer inputs", shares_input=True),
 )
 SITE_KIND_BY_NAME: dict[str, SiteKind] = {k.name: k for k in SITE_KIND_TABLE}

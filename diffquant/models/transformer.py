@@ -2,7 +2,8 @@
 
 Pre-norm blocks (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual), final RMSNorm, LM head,
 rotate-half RoPE, GQA, a KV cache and greedy generation. The attention kind is the only difference
-between baseline, DIFF V1 and DIFF V2 models.
+between baseline, DIFF V1 and DIFF V2 models. Gemma's config fields change pieces, not the shape: (1 + w)
+norms, post-norms on both branches (sandwich), a scaled embedding and the tanh-GELU gate.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from diffquant.models.taps import Tap, model_taps, select_taps
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)); ``act`` taps the down input."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act = silu (SwiGLU, Shazeer 2020) or the tanh GELU
+    (GeGLU, Gemma's gelu_pytorch_tanh) per ``config.mlp_activation``; ``act`` taps the down input. With
+    ``sandwich_norms`` the output, which the block's post-norm reads, is tapped too (``out``, kind mlp_out)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -38,24 +41,60 @@ class MLP(nn.Module):
         self.up = Linear(config.d_model, config.ffn_dim)
         self.down = Linear(config.ffn_dim, config.d_model)
         self.act = Tap("mlp_act")
+        self.activation = config.mlp_activation
+        self.out = Tap("mlp_out") if config.sandwich_norms else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(F.silu(self.gate(x)) * self.up(x)))
+        g = self.gate(x)
+        g = F.gelu(g, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(g)
+        y = self.down(self.act(g * self.up(x)))
+        return y if self.out is None else self.out(y)
 
 
 class Block(nn.Module):
+    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)). With ``sandwich_norms`` (Gemma 2 / 3)
+    each output is normalised again before its residual add (``attn_post_norm``, ``mlp_post_norm``); their
+    inputs are the ``attn.out`` and ``mlp.out`` taps."""
+
     def __init__(self, config: ModelConfig, depth: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        offset = config.norm_unit_offset
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, unit_offset=offset)
         self.attn = ATTENTION_CLASSES[config.attention](config, depth)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, unit_offset=offset)
         self.mlp = MLP(config)
+        self.attn_post_norm: RMSNorm | None = None
+        self.mlp_post_norm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.attn_post_norm = RMSNorm(config.d_model, config.norm_eps, unit_offset=offset)
+            self.mlp_post_norm = RMSNorm(config.d_model, config.norm_eps, unit_offset=offset)
         self.resid = Tap("resid")  # the layer output: "hidden states" in the DIFF paper's Table 5
 
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache)
-        x = x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), cache)
+        x = x + (a if self.attn_post_norm is None else self.attn_post_norm(a))
+        m = self.mlp(self.mlp_norm(x))
+        x = x + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))
         return self.resid(x)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding times ``scale`` (Gemma's sqrt(d_model)), the scale rounded to the weight's dtype through
+    float32 as transformers' Gemma3TextScaledWordEmbedding does (a float32 buffer cast to the weight's dtype);
+    scale 1 is the plain embedding, bit for bit. The state dict is the plain embedding's (``weight``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float = 1.0) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input_ids)
+        if self.scale == 1.0:
+            return out
+        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.scale == 1.0 else f", scale={self.scale}")
 
 
 class KVCache:
@@ -75,16 +114,17 @@ class DecoderLM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed = ScaledEmbedding(config.vocab_size, config.d_model, config.embed_scale)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm = RMSNorm(config.d_model, config.norm_eps, unit_offset=config.norm_unit_offset)
         self.lm_head = Linear(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, init_std) for embeddings and projections, ones for norms.
+        """GPT-2 style init: N(0, init_std) for embeddings and projections, the identity gain for norms (ones;
+        zeros for (1 + w) norms).
 
         DIFF V1's lambda vectors get N(0, 0.1) and DIFF V2's lambda_proj keeps PyTorch's default init, as in
         the reference code.
@@ -97,8 +137,8 @@ class DecoderLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:  # Qwen2's q/k/v biases start at zero
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm) and module.weight is not None:
-                nn.init.ones_(module.weight)
+            elif isinstance(module, RMSNorm):
+                module.reset_gain()
             elif isinstance(module, DiffV1Attention):
                 module.reset_lambda()
 

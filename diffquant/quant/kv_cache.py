@@ -446,7 +446,7 @@ def kv_cache_error(model: nn.Module, windows: torch.Tensor, batch_size: int = 8)
                         cos, sin = rope_cos_sin(
                             torch.arange(start, start + n, device=body.device),
                             attn.head_dim,
-                            model.config.rope_theta,
+                            attn.rope_theta,
                             body.dtype,
                             attn.rope_inv_freq(body.device),
                         )

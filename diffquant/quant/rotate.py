@@ -169,15 +169,15 @@ def _mul_left(linear: nn.Linear, q: torch.Tensor) -> None:
 
 
 def _fold_norm(norm: RMSNorm, readers: list[nn.Linear]) -> None:
-    """RMSNorm(x) * w read by W  ==  RMSNorm(x) read by W diag(w): move the weight, leave ones."""
+    """RMSNorm(x) * w read by W  ==  RMSNorm(x) read by W diag(w): move the gain, leave the identity."""
     if norm.weight is None:
         return
-    w = norm.weight.data.double()
+    w = norm.gain()  # (1 + w) for Gemma's unit-offset norms: that is what multiplies the normed x
     for linear in readers:
         linear.weight.data = (linear.weight.data.double() * w.to(linear.weight.device)[None, :]).to(
             linear.weight.dtype
         )
-    norm.weight.data.fill_(1.0)
+    norm.reset_gain()
 
 
 def _readers(block: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:
@@ -282,6 +282,14 @@ def prepare_rotation(model: nn.Module, spec: RotateSpec, weights: bool = True) -
     _check_model(model)
     _check_sizes(model, spec)
     config = model.config
+    if weights and spec.residual != "none" and config.sandwich_norms:
+        # x + post_norm(attn(...)): the post-norm's gain acts channel by channel on the residual stream, and
+        # RMSNorm(y Q) * g != RMSNorm(y) * g Q for a non-constant g, so R1 cannot pass it.
+        raise DiffquantError(
+            f"rotate.residual = {spec.residual!r}: the model has sandwich_norms = true (post-norms on the "
+            "attention / MLP outputs), which a residual rotation (R1) does not commute with; use residual: "
+            "none (heads / ffn / qk rotations work)"
+        )
     attn = model.layers[0].attn
     report: list[tuple[str, str]] = []
     if weights and spec.residual != "none":

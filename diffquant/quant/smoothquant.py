@@ -15,7 +15,7 @@ Smoothing migrates quantization difficulty from activations to weights with a pe
 where max|W_j| is taken over the output rows of every Linear that reads X (q/k/v [+ DIFF V2's
 lambda_proj] read the attention norm's output; gate/up read the MLP norm's output). Then
 X' = X diag(s)^-1 and W' = diag(s) W, which leaves X W^T unchanged: the division is folded into the
-preceding RMSNorm's weight (norm.weight_j /= s_j) and the multiplication into the Linear weights'
+preceding RMSNorm's gain (norm.weight_j /= s_j; with Gemma's (1 + w) norms (1 + w_j) /= s_j) and the multiplication into the Linear weights'
 input columns (W[:, j] *= s_j). As in the reference ``smooth_ln_fcs``, s is clamped to >= 1e-5 and
 max|W_j| to >= 1e-5; channels that never fire (max|X_j| = 0) keep s_j = 1. o_proj / down (inputs not
 produced by a norm) and the LM head (tied to the embedding in many models) are not smoothed, as in the
@@ -300,8 +300,8 @@ def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor]) -> None:
         raise DiffquantError(f"{extra[0]}: smoothing factors for a norm this model does not smooth")
     for norm_name, norm, linears in groups:
         s = torch.as_tensor(factors[norm_name]).to(torch.float64)
-        w = norm.weight
-        w.copy_((w.to(torch.float64) / s.to(w.device)).to(w.dtype))
+        # The gain divides: w / s, or with Gemma's (1 + w) norms w' = (1 + w) / s - 1 (RMSNorm.set_gain).
+        norm.set_gain(norm.gain() / s)
         for linear in linears.values():
             lw = linear.weight
             lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))
