@@ -26,8 +26,7 @@ WIKITEXT = Path(__file__).resolve().parents[1] / "diffquant" / "data" / "wikitex
 SP = "\u2581"
 CONTROL, USER, BYTE, NORMAL = 3, 4, 6, 1
 
-# SentencePiece pieces, best first (their score is -rank). "▁the" is written last in the file but scored
-# second, so merge order by score and by file position differ (llama.cpp merges by score).
+# SentencePiece pieces, best first (their score is about -rank).
 PIECES = [
     SP,
     "e",
@@ -96,7 +95,9 @@ PIECES = [
     "▁hel",
     "hel",
 ]
-LATE = "▁the"  # its score: between PIECES[0] and PIECES[1]
+# Written after every piece but scored near the top, so merge order by score and by file position differ
+# (llama.cpp merges by score).
+LATE = {"▁the": -0.5, "▁h": -0.25}
 SPACE_RUNS = ["  ", "   "]  # user-defined, stored with real spaces (Gemma's ids 138..167)
 
 
@@ -115,9 +116,10 @@ def vocabulary(with_bytes: tuple[int, ...] = tuple(range(256))) -> tuple[list[st
         tokens.append(piece)
         types.append(NORMAL)
         scores.append(-float(rank) - (1.0 if rank else 0.0))
-    tokens.append(LATE)
-    types.append(NORMAL)
-    scores.append(-0.5)
+    for piece, score in LATE.items():
+        tokens.append(piece)
+        types.append(NORMAL)
+        scores.append(score)
     return tokens, scores, types
 
 
@@ -255,8 +257,11 @@ def test_add_space_prefix_false_keeps_text_as_is(tmp_path):
 
 
 def test_merges_follow_scores_not_file_order(tmp_path):
-    """ "▁the" is the last token in the file but scored second: it must win over "▁t" + "he"."""
+    """llama.cpp merges the pair whose merged token scores highest: " he" is "▁h" (last in the file, scored
+    near the top) + "e", not "▁" + "he"; " at" is "▁a" + "t" ("▁a" outscores "at")."""
     tok = read_gguf_tokenizer(write(tmp_path / "t.gguf"))
+    assert [tok.backend.id_to_token(i) for i in tok.encode(" he")] == ["▁h", "e"]
+    assert [tok.backend.id_to_token(i) for i in tok.encode(" at")] == ["▁a", "t"]
     assert [tok.backend.id_to_token(i) for i in tok.encode(" the")] == ["▁the"]
     assert [tok.backend.id_to_token(i) for i in tok.encode("Hello")] == ["Hello"]
 

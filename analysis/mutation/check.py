@@ -2027,14 +2027,20 @@ MUTANTS = [
         "diffquant/io/gguf_spm.py",
         "ranked.append((group, -score, position,",
         "ranked.append((group, score, position,",
-        ("tests/test_gguf_spm.py::test_merges_follow_scores_not_file_order",),
+        (
+            "tests/test_gguf_spm.py::test_merges_follow_scores_not_file_order",
+            "tests/test_gguf_spm.py::test_ids_equal_the_sentencepiece_reference[no-prefix]",
+        ),
     ),
     M(
         "spm-merges-by-file-position",
         "diffquant/io/gguf_spm.py",
         "ranked.append((group, -score, position,",
         "ranked.append((group, 0.0, position,",
-        ("tests/test_gguf_spm.py::test_merges_follow_scores_not_file_order",),
+        (
+            "tests/test_gguf_spm.py::test_merges_follow_scores_not_file_order",
+            "tests/test_gguf_spm.py::test_ids_equal_the_sentencepiece_reference[no-prefix]",
+        ),
     ),
     M(
         "spm-byte-fallback-off",
