@@ -614,7 +614,10 @@ def test_tokenizer_add_bos_from_metadata(tmp_path, tok_files):
     "kwargs, match",
     [
         ({"pre": "qwen2"}, "tokenizer.ggml.pre = 'qwen2' is not supported"),
-        ({"tokenizer_model": "llama"}, "tokenizer.ggml.model = 'llama' is not supported"),
+        (
+            {"tokenizer_model": "t5"},
+            r"tokenizer.ggml.model = 't5' is not supported \(supported: 'gpt2'.*'llama'",
+        ),
     ],
 )
 def test_tokenizer_unsupported(tmp_path, tok_files, kwargs, match):

@@ -786,14 +786,20 @@ def gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:
     split by the regexes llama.cpp uses for ``tokenizer.ggml.pre``: this is why ``smollm`` splits every
     digit (SmolLM2 was trained that way; transformers' own GGUF loader uses plain GPT-2 splitting there).
     BOS / EOS / PAD ids and ``add_bos`` come from the metadata; ``add_bos`` defaults to llama.cpp's default
-    for the pre-tokenizer (True for the Llama-3 family, else False).
+    for the pre-tokenizer (True for the Llama-3 family, else False). ``llama`` vocabularies (SentencePiece
+    BPE: Gemma, Llama-2, Mistral-v0.1) are built by :mod:`diffquant.io.gguf_spm`.
     """
     model = metadata(reader, "tokenizer.ggml.model")
     if model is None:
         raise DiffquantError(f"{source}: no tokenizer metadata (tokenizer.ggml.model is missing)")
+    if model == "llama":  # SentencePiece BPE with byte fallback (Gemma, Llama-2, Mistral-v0.1)
+        from diffquant.io.gguf_spm import sentencepiece_tokenizer  # noqa: PLC0415 (local, so this change stays inside the dispatch)
+
+        return sentencepiece_tokenizer(lambda key: metadata(reader, key), source)
     if model != "gpt2":
         raise DiffquantError(
-            f"{source}: tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', byte-level BPE)"
+            f"{source}: tokenizer.ggml.model = {model!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)"
         )
     pre = metadata(reader, "tokenizer.ggml.pre")
     pre = "default" if pre is None else pre  # llama.cpp's fallback for files written before the key existed
