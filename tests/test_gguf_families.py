@@ -185,3 +185,79 @@ def test_qwen2_gguf_without_biases_is_one_line(tmp_path, tok_files):  # noqa: F8
     with pytest.raises(DiffquantError, match=r"missing tensor blk\.0\.attn_q\.bias and 5 more") as excinfo:
         load_model(f"gguf:{path}")
     assert "\n" not in str(excinfo.value)
+
+
+def _gemma_model(seed: int, layers: int = 7):
+    """A tiny Gemma 3 as llama.cpp would run its GGUF: every 6th layer global, sliding layers at RoPE base
+    10000 (both fixed in llama.cpp, not in the file), a window of 4 keys over 24-token sequences."""
+    from test_gemma3 import _hf_model as gemma_hf_model
+
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    return gemma_hf_model(
+        {
+            "vocab_size": VOCAB,
+            "num_hidden_layers": layers,
+            "layer_types": types,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda t: t.name)
+def test_gemma3_gguf_matches_transformers(tmp_path, tok_files, qtype):  # noqa: F811
+    """Norm weights stored as w + 1 and shifted back in float32, GeGLU, sandwich norms, sqrt(d) embedding
+    scale, q/k norms, layer 5 global among sliding layers: logits equal the transformers model the file was
+    written from (Q8_0: that model with the same Q8_0 round trip of its matrices)."""
+    hf_model = _gemma_model(seed=9)
+    path = write_family_gguf(tmp_path / "g.gguf", hf_model, "gemma3", tok_files, qtype)
+    model = load_model(f"gguf:{path}")
+    c = model.config
+    assert c.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert (c.sliding_window, c.rope_theta, c.rope_local_theta, c.head_dim) == (4, 5000.0, 10000.0, 24)
+    assert c.norm_unit_offset and c.sandwich_norms and c.qk_norm and c.mlp_activation == "gelu_tanh"
+    if qtype != Q.F32:  # the reference gets the same rounding of every matrix the file holds
+        with torch.no_grad():
+            for name, p in hf_model.named_parameters():
+                if p.dim() == 2:
+                    q = gguf.quants.quantize(p.detach().float().numpy(), qtype)
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype)).reshape(p.shape))
+    ids = _ids(c.vocab_size)
+    with torch.no_grad():
+        rel = _rel(model(ids), hf_model(ids).logits)
+    print(f"\ngemma3 {qtype.name}: max rel logits diff vs the transformers model {rel:.2e}")
+    assert rel < RTOL, rel
+    # Stored w + 1, read back as (w + 1) - 1 in float32: w up to the rounding of 1 + w (2^-23 per unit).
+    norm = model.layers[0].attn_post_norm.weight
+    ref = hf_model.model.layers[0].post_attention_layernorm.weight.detach()
+    assert torch.equal(norm, (ref + 1) - 1) and (norm - ref).abs().max() <= 2**-23 * 2
+
+
+def test_gemma3_gguf_refusals(tmp_path, tok_files):  # noqa: F811
+    hf_model = _gemma_model(seed=10, layers=2)
+    path = write_family_gguf(tmp_path / "g.gguf", hf_model, "gemma3", tok_files)
+    reader_fields = gguf.GGUFReader(path).fields
+    assert "gemma3.attention.sliding_window" in reader_fields
+    capped = tmp_path / "capped.gguf"
+    w = gguf.GGUFWriter(str(capped), "gemma3")
+    for field in reader_fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(
+            field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+        )
+    w.add_float32("gemma3.final_logit_softcapping", 30.0)
+    for t in gguf.GGUFReader(path).tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(
+        DiffquantError, match=r"gemma3.final_logit_softcapping = 30.0: logit soft-capping"
+    ) as e:
+        load_model(f"gguf:{capped}")
+    assert "\n" not in str(e.value)

@@ -43,7 +43,14 @@ def gemma3_transformers(gemma3):
 def test_config_is_gemma3_270m(gemma3):
     _, model = gemma3
     c = model.config
-    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == (18, 640, 4, 1, 256, 2048)
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == (
+        18,
+        640,
+        4,
+        1,
+        256,
+        2048,
+    )
     assert c.vocab_size == 262_144 and c.tie_embeddings and c.sliding_window == 512
     assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == [5, 11, 17]
     assert (c.rope_theta, c.rope_local_theta) == (1e6, 1e4)
