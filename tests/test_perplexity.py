@@ -322,3 +322,34 @@ def test_half_precision_logits_are_scored_in_float32(tmp_path, dtype):
     want, naive = -ref[text].sum().item(), -low[text].sum().item()
     assert got["nll_bits"] * math.log(2) == pytest.approx(want, rel=1e-6)
     assert abs(naive - want) > 100 * abs(got["nll_bits"] * math.log(2) - want)  # the test can tell
+
+
+class _PassThrough(torch.nn.Module):
+    def forward(self, x, valid=None):
+        return x
+
+
+def test_large_vocabulary_batches_score_the_head_a_slice_at_a_time(monkeypatch):
+    """Above LOGITS_WHOLE_BYTES the LM head runs on slices of positions (a 262k vocabulary's 8 x 1,024
+    logits are never all held): the same log-probabilities as one whole forward, each slice within
+    LOGITS_SLICE_BYTES; a quantizer on the head's input keeps the whole forward (it may scale per tensor)."""
+    from diffquant.eval import perplexity
+
+    model = tiny_model("baseline")
+    ids = torch.randint(0, model.config.vocab_size, (3, 37), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = perplexity.target_logprobs(model, ids)
+        row = 3 * 4 * model.config.vocab_size
+        monkeypatch.setattr(perplexity, "LOGITS_WHOLE_BYTES", row * 36 - 1)
+        monkeypatch.setattr(perplexity, "LOGITS_SLICE_BYTES", row * 5)
+        widths = []
+        handle = model.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[1]))
+        sliced = perplexity.target_logprobs(model, ids)
+        handle.remove()
+        assert widths == [5] * 7 + [1] and sliced.shape == whole.shape == (3, 36)
+        torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-5)
+        model.lm_head.input.quantizer = _PassThrough()  # any rewrite of the head's input
+        widths.clear()
+        handle = model.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[1]))
+        assert torch.equal(perplexity.target_logprobs(model, ids), whole) and widths == [37]
+        handle.remove()

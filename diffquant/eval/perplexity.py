@@ -51,6 +51,7 @@ from diffquant.data.scoring import (  # noqa: F401 (the window schedule and scor
 )
 from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
+from diffquant.models.transformer import DecoderLM
 from diffquant.progress import progress as show_progress
 
 _check_settings = check_settings  # the old private names
@@ -65,10 +66,38 @@ def _model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
+# A forward whose float32 logits would exceed LOGITS_WHOLE_BYTES is scored from the final hidden states, the LM
+# head applied LOGITS_SLICE_BYTES' worth of positions at a time: Gemma 3's 262,144-token vocabulary makes
+# 8 x 1,024 tokens' logits 8.6 GB. Below it (SmolLM2's 8 x 1,024 x 49,152 logits are 1.6 GB) one forward, as
+# before, so earlier numbers stay bit for bit.
+LOGITS_WHOLE_BYTES = 2 << 30
+LOGITS_SLICE_BYTES = 256 << 20
+
+
+def _can_slice_head(model: Any) -> bool:
+    """True for a native DecoderLM whose forward is ``lm_head(hidden_states)`` with nothing observing the
+    model's own forward or rewriting the head's input (a quantizer there may scale per tensor, which a slice
+    of positions would change), so slicing the head's positions changes no value."""
+    if not isinstance(model, DecoderLM) or type(model).forward is not DecoderLM.forward:
+        return False
+    return not (model._forward_hooks or model._forward_pre_hooks or model.lm_head.input.active)
+
+
 def target_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[:, t] | ids[:, :t]) for t = 1..T-1 from one forward over ``ids``: (B, T-1) on the CPU."""
-    logits = model(ids.to(_model_device(model)))
-    return gather_logprobs(logits[:, :-1], ids[:, 1:])
+    """log p(ids[:, t] | ids[:, :t]) for t = 1..T-1 from one forward over ``ids``: (B, T-1) on the CPU.
+    Large-vocabulary batches apply the LM head a slice of positions at a time (see LOGITS_WHOLE_BYTES)."""
+    ids = ids.to(_model_device(model))
+    batch, length = ids.shape
+    row_bytes = batch * 4 * int(getattr(getattr(model, "config", None), "vocab_size", 0))
+    if row_bytes * length <= LOGITS_WHOLE_BYTES or not _can_slice_head(model):
+        return gather_logprobs(model(ids)[:, :-1], ids[:, 1:])
+    hidden = model.hidden_states(ids)
+    step = max(1, LOGITS_SLICE_BYTES // row_bytes)
+    parts = []
+    for a in range(0, length - 1, step):
+        b = min(a + step, length - 1)
+        parts.append(gather_logprobs(model.lm_head(hidden[:, a:b]), ids[:, a + 1 : b + 1]))
+    return torch.cat(parts, dim=1)
 
 
 def decode_logprobs(model: Any, ids: torch.Tensor, prefill: int) -> torch.Tensor:

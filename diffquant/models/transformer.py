@@ -145,6 +145,12 @@ class DecoderLM(nn.Module):
     # ---------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids (B, T); with ``cache``, continues from the cached tokens."""
+        return self.lm_head(self.hidden_states(input_ids, cache))
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final norm's output (B, T, d_model), what the LM head reads: ``forward`` is
+        ``lm_head(hidden_states(...))``, so a scorer can apply the head a slice of positions at a time and a
+        262k vocabulary's logits are never all held (:func:`diffquant.eval.perplexity.target_logprobs`)."""
         if input_ids.dim() != 2:
             raise DiffquantError(f"input_ids: expected shape (batch, seq), got {tuple(input_ids.shape)}")
         start = cache.length if cache is not None else 0
@@ -156,7 +162,7 @@ class DecoderLM(nn.Module):
         x = self.embed(input_ids)
         for i, block in enumerate(self.layers):
             x = block(x, cache.layers[i] if cache is not None else None)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     def new_cache(self) -> KVCache:
         """An empty cache for decoding; quantized when a plan's ``kv_cache`` set ``kv_cache_layer``."""
