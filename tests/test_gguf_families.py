@@ -221,7 +221,7 @@ def test_gemma3_gguf_matches_transformers(tmp_path, tok_files, qtype):  # noqa: 
     assert c.norm_unit_offset and c.sandwich_norms and c.qk_norm and c.mlp_activation == "gelu_tanh"
     if qtype != Q.F32:  # the reference gets the same rounding of every matrix the file holds
         with torch.no_grad():
-            for name, p in hf_model.named_parameters():
+            for p in hf_model.parameters():
                 if p.dim() == 2:
                     q = gguf.quants.quantize(p.detach().float().numpy(), qtype)
                     p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype)).reshape(p.shape))
