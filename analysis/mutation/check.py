@@ -2211,6 +2211,56 @@ MUTANTS = [
         '    if model == "sentencepiece":  # SentencePiece BPE',
         ("tests/test_gguf_spm.py::test_ids_equal_the_sentencepiece_reference[no-prefix]",),
     ),
+    # --- GGUF architectures: qwen2 / qwen3 / gemma3 (issue 29)
+    M(
+        "gguf-gemma-norm-shift-dropped",
+        "diffquant/io/convert_gguf.py",
+        "    if not config.norm_unit_offset:\n        return {}",
+        "    if True:\n        return {}",
+        ("tests/test_gguf_families.py::test_gemma3_gguf_matches_transformers",),
+    ),
+    M(
+        "gguf-neox-rows-permuted",
+        "diffquant/io/convert_gguf.py",
+        "    if not ARCHITECTURES[arch].permuted_qk:\n        return out",
+        "    if False:\n        return out",
+        ("tests/test_gguf_families.py::test_qwen_gguf_matches_transformers",),
+    ),
+    M(
+        "gguf-gemma-global-layer-off-by-one",
+        "diffquant/io/convert_gguf.py",
+        "    full = [(i + 1) % GEMMA3_SLIDING_PATTERN == 0 for i in range(n_layers)]",
+        "    full = [i % GEMMA3_SLIDING_PATTERN == 0 for i in range(n_layers)]",
+        ("tests/test_gguf_families.py::test_gemma3_gguf_matches_transformers",),
+    ),
+    M(
+        "gguf-gemma-local-rope-base-global",
+        "diffquant/io/convert_gguf.py",
+        '        "rope_local_theta": GEMMA3_LOCAL_ROPE_BASE,',
+        '        "rope_local_theta": None,',
+        ("tests/test_gguf_families.py::test_gemma3_gguf_matches_transformers",),
+    ),
+    M(
+        "gguf-qwen2-biases-off",
+        "diffquant/io/convert_gguf.py",
+        '        GGUFArchitecture("qwen2", attention_bias=True),',
+        '        GGUFArchitecture("qwen2"),',
+        ("tests/test_gguf_families.py::test_qwen_gguf_matches_transformers",),
+    ),
+    M(
+        "logits-slice-drops-last-position",
+        "diffquant/eval/perplexity.py",
+        "        b = min(a + step, length - 1)",
+        "        b = min(a + step, length - 2)",
+        ("tests/test_perplexity.py::test_large_vocabulary_batches_score_the_head_a_slice_at_a_time",),
+    ),
+    M(
+        "logits-slice-ignores-head-quantizer",
+        "diffquant/eval/perplexity.py",
+        " or model.lm_head.input.active)",
+        ")",
+        ("tests/test_perplexity.py::test_large_vocabulary_batches_score_the_head_a_slice_at_a_time",),
+    ),
 ]
 
 
