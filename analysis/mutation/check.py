@@ -2165,7 +2165,7 @@ MUTANTS = [
     M(
         "spm-user-defined-merges-not-first",
         "diffquant/io/gguf_spm.py",
-        "        group = 0 if kind == _USER_DEFINED else 1",
+        "        group = 0 if kind == TOKEN_USER_DEFINED else 1",
         "        group = 1",
         ("tests/test_gguf_spm.py::test_space_runs_are_respelled_and_merge_first",),
     ),

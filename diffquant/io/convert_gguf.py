@@ -46,6 +46,18 @@ import torch
 from diffquant.data.tokenizer import HFTokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.assemble import FLOAT_DTYPES, Transform, assemble, check_float_dtype, check_layer_count
+from diffquant.io.gguf_spm import sentencepiece_tokenizer
+from diffquant.io.gguf_vocab import (  # noqa: F401 (the token types stay importable from here)
+    TOKEN_BYTE,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_UNKNOWN,
+    TOKEN_UNUSED,
+    TOKEN_USER_DEFINED,
+    special_ids,
+    token_types,
+    vocabulary_tokens,
+)
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 
@@ -84,8 +96,6 @@ GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # The layer index in a GGUF tensor name (``blk.3.attn_q.weight``).
 GGUF_LAYER_PATTERN = r"blk\.(\d+)\."
-# Token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type).
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 # GPT-2's split pattern, as llama.cpp spells it (tokenizers' ByteLevel(use_regex=True) uses the same one,
 # plus a final `|\s+` that changes nothing: llama.cpp keeps unmatched text as pieces of its own anyway).
@@ -793,8 +803,6 @@ def gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:
     if model is None:
         raise DiffquantError(f"{source}: no tokenizer metadata (tokenizer.ggml.model is missing)")
     if model == "llama":  # SentencePiece BPE with byte fallback (Gemma, Llama-2, Mistral-v0.1)
-        from diffquant.io.gguf_spm import sentencepiece_tokenizer  # noqa: PLC0415 (local, so this change stays inside the dispatch)
-
         return sentencepiece_tokenizer(lambda key: metadata(reader, key), source)
     if model != "gpt2":
         raise DiffquantError(
@@ -807,24 +815,18 @@ def gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:
         raise DiffquantError(
             f"{source}: tokenizer.ggml.pre = {pre!r} is not supported (supported: {', '.join(_PRE_FAMILY)})"
         )
-    tokens = metadata(reader, "tokenizer.ggml.tokens")
-    merges = metadata(reader, "tokenizer.ggml.merges")
-    if not isinstance(tokens, list) or not tokens:
-        raise DiffquantError(f"{source}: tokenizer.ggml.tokens is missing or empty")
+
+    def read(key: str) -> Any:
+        return metadata(reader, key)
+
+    tokens = vocabulary_tokens(read, source)
+    merges = read("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         raise DiffquantError(f"{source}: tokenizer.ggml.merges is missing (byte-level BPE needs its merges)")
-    types = metadata(reader, "tokenizer.ggml.token_type")
-    if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
-        raise DiffquantError(
-            f"{source}: tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries, "
-            f"expected one per token ({len(tokens)})"
-        )
+    types = token_types(read, len(tokens), source)
     family = _PRE_FAMILY[pre]
     backend = _byte_level_bpe(tokens, merges, types or [], family, source)
-    ids = {}
-    for what, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
-        value = metadata(reader, "tokenizer.ggml." + key)
-        ids[what] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    ids = special_ids(read)
     add_bos = metadata(reader, "tokenizer.ggml.add_bos_token")
     if not isinstance(add_bos, bool):
         add_bos = family == "llama3"

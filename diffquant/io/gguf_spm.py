@@ -36,10 +36,16 @@ from typing import Any
 
 from diffquant.data.tokenizer import HFTokenizer
 from diffquant.errors import DiffquantError
+from diffquant.io.gguf_vocab import (
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    special_ids,
+    token_types,
+    vocabulary_tokens,
+)
 
 SPACE = "\u2581"  # SentencePiece's visible space
-# Token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type); absent means all normal.
-_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
 BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
 
 
@@ -51,34 +57,19 @@ def sentencepiece_tokenizer(read: Callable[[str], Any], source: str) -> HFTokeni
     tokenizer. A vocabulary with some but not all 256 byte tokens is refused (byte fallback would turn the
     missing bytes into ``<unk>`` silently); one with none encodes unknown characters as its unknown token.
     """
-    tokens = read("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise DiffquantError(f"{source}: tokenizer.ggml.tokens is missing or empty")
+    tokens = vocabulary_tokens(read, source)
     scores = read("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) != len(tokens):
         raise DiffquantError(
             f"{source}: tokenizer.ggml.scores has {len(scores) if isinstance(scores, list) else 'no'} entries, "
             f"expected one per token ({len(tokens)}): a SentencePiece vocabulary merges by score"
         )
-    types = read("tokenizer.ggml.token_type")
-    if types is None:
-        types = [_NORMAL] * len(tokens)
-    elif not isinstance(types, list) or len(types) != len(tokens):
-        raise DiffquantError(
-            f"{source}: tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries, "
-            f"expected one per token ({len(tokens)})"
-        )
+    types = token_types(read, len(tokens), source)
+    if types is None:  # absent: all normal
+        types = [TOKEN_NORMAL] * len(tokens)
     add_prefix = read("tokenizer.ggml.add_space_prefix")
     add_prefix = True if not isinstance(add_prefix, bool) else add_prefix  # llama.cpp's default for llama
-    ids = {}
-    for what, key in (
-        ("bos", "bos_token_id"),
-        ("eos", "eos_token_id"),
-        ("pad", "padding_token_id"),
-        ("unk", "unknown_token_id"),
-    ):
-        value = read("tokenizer.ggml." + key)
-        ids[what] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    ids = special_ids(read)
     unk = ids["unk"]
     if unk is not None and not 0 <= unk < len(tokens):
         raise DiffquantError(
@@ -120,7 +111,7 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     for position, (token, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
         if len(token) < 2:
             continue
-        group = 0 if kind == _USER_DEFINED else 1
+        group = 0 if kind == TOKEN_USER_DEFINED else 1
         for cut in range(len(token) - 1, 0, -1):  # longest left first
             left = token[:cut]
             if left in vocab:
@@ -173,10 +164,12 @@ def build_spm(
     if add_prefix:
         steps.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(steps)
-    control = [t for t, kind in zip(spelled, types, strict=True) if kind == _CONTROL]
+    control = [t for t, kind in zip(spelled, types, strict=True) if kind == TOKEN_CONTROL]
     # Respelled space runs stay in the BPE vocabulary (their merges rank first); the rest match whole.
     user = [
-        t for t, orig, kind in zip(spelled, tokens, types, strict=True) if kind == _USER_DEFINED and t == orig
+        t
+        for t, orig, kind in zip(spelled, tokens, types, strict=True)
+        if kind == TOKEN_USER_DEFINED and t == orig
     ]
     if control:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
