@@ -613,7 +613,7 @@ def test_tokenizer_add_bos_from_metadata(tmp_path, tok_files):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"pre": "qwen2"}, "tokenizer.ggml.pre = 'qwen2' is not supported"),
+        ({"pre": "jina-v2-code"}, "tokenizer.ggml.pre = 'jina-v2-code' is not supported"),
         (
             {"tokenizer_model": "t5"},
             r"tokenizer.ggml.model = 't5' is not supported \(supported: 'gpt2'.*'llama'",

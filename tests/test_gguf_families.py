@@ -52,8 +52,9 @@ GEMMA_NAMES = {
 }
 
 
-def write_family_gguf(path: Path, hf_model, arch: str, tok, qtype=Q.F32) -> Path:
-    """``hf_model`` as llama.cpp's converter writes an ``arch`` GGUF (metadata, names, norm shift)."""
+def write_family_gguf(path: Path, hf_model, arch: str, tok, qtype=Q.F32, pre: str = "default") -> Path:
+    """``hf_model`` as llama.cpp's converter writes an ``arch`` GGUF (metadata, names, norm shift), its
+    tokenizer the shared byte-level BPE under pre-tokenizer ``pre``."""
     c = hf_model.config
     gemma = arch == "gemma3"
     names = GEMMA_NAMES if gemma else LAYER_NAMES
@@ -77,7 +78,7 @@ def write_family_gguf(path: Path, hf_model, arch: str, tok, qtype=Q.F32) -> Path
     w.add_file_type(0)
     w.add_vocab_size(c.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tok.tokens + [f"<unused{i}>" for i in range(c.vocab_size - len(tok.tokens))])
     w.add_token_types(tok.types + [5] * (c.vocab_size - len(tok.tokens)))
     w.add_token_merges(tok.merges)
@@ -154,6 +155,42 @@ def test_qwen_gguf_matches_transformers(tmp_path, tok_files, name):  # noqa: F81
     rel = _rel(got, ref)
     print(f"\n{name}: max rel logits diff vs the transformers model {rel:.2e}")
     assert rel < RTOL, rel
+
+
+def test_qwen2_tokenizer_equals_transformers_gguf_loader(tmp_path, tok_files):  # noqa: F811
+    """tokenizer.ggml.pre = qwen2 (what llama.cpp writes for Qwen2 / Qwen2.5 / Qwen3): the Llama 3 regex
+    with single digits (\\p{N}, not \\p{N}{1,3}), merges applied (no whole-word lookup), no BOS. The
+    reference is transformers' own GGUF tokenizer for a qwen2 file; the shared fixture's merges join
+    digits only after a space, so two merges of bare digits are added ("1 2", "12 3"): under a Llama 3
+    split "123" would be one token."""
+    import dataclasses
+
+    from test_gguf import DIGIT_FREE, USER_TOKEN, WITH_DIGITS
+
+    from diffquant.io.convert_gguf import read_gguf_tokenizer
+
+    tf = _transformers()
+    model_type, overrides = QWEN["qwen2"]
+    hf_model = _hf_model(model_type, {**overrides, "num_hidden_layers": 1}, seed=6, vocab=VOCAB)
+    tok = dataclasses.replace(
+        tok_files,
+        tokens=tok_files.tokens + ["12", "123"],
+        types=tok_files.types + [1, 1],
+        merges=tok_files.merges + ["1 2", "12 3"],
+    )
+    path = write_family_gguf(tmp_path / "qwen2.gguf", hf_model, "qwen2", tok, pre="qwen2")
+    ours = read_gguf_tokenizer(path)
+    theirs = tf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    vocab = dict(enumerate(tok.tokens))
+    for text in DIGIT_FREE + WITH_DIGITS + ["Qwen2.5-7B: 131072 tokens, 3x faster\n\n  in 2025!", "a1234"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text, add_special_tokens=False).input_ids, text
+        assert all(sum(c.isdigit() for c in vocab[i]) <= 1 for i in ids), text  # one digit per token
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert not ours.add_bos and ours.encode(USER_TOKEN) == [len(tok_files.tokens) - 1]
+    llama3 = write_family_gguf(tmp_path / "llama3.gguf", hf_model, "qwen2", tok, pre="llama-bpe")
+    assert read_gguf_tokenizer(llama3).encode("a1234")[-2] == len(tok.tokens) - 1  # "123": the fixture tells
+    assert len(ours.encode("a1234")) == 5  # them apart
 
 
 def test_qwen2_quantized_gguf_matches_transformers_gguf_loader(tmp_path, tok_files):  # noqa: F811

@@ -196,7 +196,6 @@ def test_bad_interventions_are_one_line_errors():
     for call in (
         lambda: parse_task("ppl:intervene_layer=3"),
         lambda: parse_task("ppl:intervene=half"),
-        lambda: find_massive(plain, windows),
         lambda: find_massive(_planted(), windows, layer=10),
         lambda: find_massive(_planted(), windows, layer=PLANT_LAYER - 1),
         lambda: intervened(plain, find_massive(_planted(), windows), "half").__enter__(),
@@ -205,3 +204,22 @@ def test_bad_interventions_are_one_line_errors():
             call()
         assert "\n" not in str(info.value)
     assert not parse_task("ppl:intervene=zero").streams  # hooks need the whole model
+
+
+def test_a_model_without_massive_activations_reports_none_found():
+    """A random model has none at any layer: the task's perplexity is the plain one, bit for bit, with
+    nothing found or changed and no layer (a sweep over families keeps the row instead of failing)."""
+    torch.manual_seed(0)
+    plain = DecoderLM(CFG).eval()
+    base = "ppl:data=stdlib:validation,tokens=256,seq_len=64,windows=disjoint"
+    want = run_task(plain, parse_task(base), batch_size=2)
+    windows = token_windows("stdlib:validation", 256, 64)
+    sites = find_massive(plain, windows, batch_size=2)
+    assert sites.layer is None and sites.entries == 0 and sites.channels == []
+    for mode in ("zero", "mean"):
+        out = run_task(plain, parse_task(f"{base},intervene={mode}"), batch_size=2)
+        assert out["perplexity"] == want["perplexity"] and out["bits_per_byte"] == want["bits_per_byte"]
+        assert out["intervene_layer"] is None and out["intervene_found"] == 0
+        assert out["intervened"] == 0 and out["massive_outside"] == 0 and out["intervene_channels"] == ""
+    with pytest.raises(DiffquantError):  # a named layer without any stays an error: the user expected them
+        find_massive(plain, windows, layer=2)

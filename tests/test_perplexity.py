@@ -333,6 +333,7 @@ def test_large_vocabulary_batches_score_the_head_a_slice_at_a_time(monkeypatch):
     """Above LOGITS_WHOLE_BYTES the LM head runs on slices of positions (a 262k vocabulary's 8 x 1,024
     logits are never all held): the same log-probabilities as one whole forward, each slice within
     LOGITS_SLICE_BYTES; a quantizer on the head's input keeps the whole forward (it may scale per tensor)."""
+    from diffquant.data import scoring
     from diffquant.eval import perplexity
 
     model = tiny_model("baseline")
@@ -340,8 +341,8 @@ def test_large_vocabulary_batches_score_the_head_a_slice_at_a_time(monkeypatch):
     with torch.no_grad():
         whole = perplexity.target_logprobs(model, ids)
         row = 3 * 4 * model.config.vocab_size
-        monkeypatch.setattr(perplexity, "LOGITS_WHOLE_BYTES", row * 36 - 1)
-        monkeypatch.setattr(perplexity, "LOGITS_SLICE_BYTES", row * 5)
+        monkeypatch.setattr(scoring, "LOGITS_WHOLE_BYTES", row * 36 - 1)
+        monkeypatch.setattr(scoring, "LOGITS_SLICE_BYTES", row * 5)
         widths = []
         handle = model.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[1]))
         sliced = perplexity.target_logprobs(model, ids)

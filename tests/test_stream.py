@@ -114,3 +114,42 @@ def test_unstreamable_specs_and_plans_are_refused(folders):
         profile_streamed("init:baseline:tiny", windows)
     with pytest.raises(DiffquantError, match="not supported in a streamed run"):
         profile_streamed(str(folders["baseline"]), windows, plan="w8a8-smoothquant")
+
+
+def test_streamed_perplexity_slices_a_large_vocabularys_head_like_the_whole_model(folders, monkeypatch):
+    """Above LOGITS_WHOLE_BYTES the streamed head stage runs a slice of positions at a time (Gemma 3's 262k
+    vocabulary): the head sees only slices within LOGITS_SLICE_BYTES, and perplexity and bits per byte equal
+    the whole model's (which slices alike) and the unsliced run's; a quantizer on the head's input keeps
+    one call per batch (it may scale per tensor)."""
+    from diffquant.data import scoring
+    from diffquant.stream.executor import StreamedModel
+
+    spec = str(folders["diff_v1"])
+    model = load_model(spec)
+    stream = _windows(model.config.vocab_size, n=1, length=150, seed=3).flatten()
+    plain = evaluate_streamed(spec, stream, seq_len=32, batch_size=2)
+    row = 2 * 4 * model.config.vocab_size
+    monkeypatch.setattr(scoring, "LOGITS_WHOLE_BYTES", row * 31)  # a full (2, 32) batch slices, (1, 32) not
+    monkeypatch.setattr(scoring, "LOGITS_SLICE_BYTES", row * 7)
+    widths = []
+    real_slices = StreamedModel._head_slices
+
+    def watched(self, k, x, fn, profiler, on_slice):
+        return real_slices(
+            self, k, x, fn, profiler, lambda k, s, y: (widths.append(y.shape), on_slice(k, s, y))
+        )
+
+    monkeypatch.setattr(StreamedModel, "_head_slices", watched)
+    sliced = evaluate_streamed(spec, stream, seq_len=32, batch_size=2)
+    whole = evaluate_stream(model, stream, seq_len=32, batch_size=2)
+    assert all(w[1] <= 7 or w[0] * w[1] <= 2 * 31 for w in widths)  # a slice, or a batch that fits whole
+    assert any(w[:2] == (2, 4) for w in widths)  # a full batch: 7 + 7 + 7 + 7 + 4 = 32 positions
+    _close(sliced, plain, rel=1e-6)
+    _close(sliced, whole, rel=1e-6)
+    assert sliced["tokens"] == plain["tokens"] == whole["tokens"]
+    widths.clear()
+    head_quant = QuantPlan.from_dict({"rules": [{"sites": ["lm_head.input"], "scheme": "int8:tensor"}]})
+    quantized = evaluate_streamed(spec, stream, seq_len=32, batch_size=2, plan=head_quant)
+    assert widths and all(w[1] == 32 or w[0] == 1 for w in widths)  # whole batches: the scale is per tensor
+    monkeypatch.undo()
+    _close(quantized, evaluate_streamed(spec, stream, seq_len=32, batch_size=2, plan=head_quant), rel=0)

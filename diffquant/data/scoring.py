@@ -93,6 +93,25 @@ def window_batches(plan: Sequence[Window], batch_size: int) -> list[list[Window]
     return [group[i : i + batch_size] for group in by_len.values() for i in range(0, len(group), batch_size)]
 
 
+# A batch whose float32 logits would exceed LOGITS_WHOLE_BYTES is scored from the final hidden states, the LM
+# head applied LOGITS_SLICE_BYTES' worth of positions at a time: Gemma 3's 262,144-token vocabulary makes
+# 8 x 1,024 tokens' logits 8.6 GB. Below it (SmolLM2's 8 x 1,024 x 49,152 logits are 1.6 GB) one head call,
+# as before, so earlier numbers stay bit for bit. The whole-model scorer
+# (:func:`diffquant.eval.perplexity.target_logprobs`) and the layer-streamed one (:mod:`diffquant.stream`)
+# slice alike, so their numbers agree.
+LOGITS_WHOLE_BYTES = 2 << 30
+LOGITS_SLICE_BYTES = 256 << 20
+
+
+def head_slice(batch: int, length: int, vocab_size: int) -> int | None:
+    """Positions per LM-head call for a (batch, length) batch of a ``vocab_size`` model: None when its float32
+    logits fit LOGITS_WHOLE_BYTES (one call), else as many as fit LOGITS_SLICE_BYTES (at least one)."""
+    row_bytes = batch * 4 * vocab_size
+    if row_bytes * length <= LOGITS_WHOLE_BYTES:
+        return None
+    return max(1, LOGITS_SLICE_BYTES // row_bytes)
+
+
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log-softmax(logits)[..., target] on the CPU; ``logits`` (B, T, V), ``targets`` (B, T).
 

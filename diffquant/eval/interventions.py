@@ -10,7 +10,9 @@ Here, in the same set-up: a first pass over disjoint windows of the evaluation t
 output, the entries with |x| > max(100, 1000 x the median |x| of that sequence's layer output) (the profile's
 massive-activation criterion, ``diffquant.profile.accumulators.MASSIVE_FLOOR`` / ``MASSIVE_RATIO``); the
 first layer that has any is the intervention layer (or the one the task names), its channels holding them
-are the massive channels, and each channel's mean massive value is kept. During the evaluation a hook on that
+are the massive channels, and each channel's mean massive value is kept. A model with none at any layer (a small
+or a differential one may have none) is a result, not an error: the task reports its perplexity unchanged
+with ``intervene_found`` 0 and no layer, so a sweep over several families keeps its row for that one. During the evaluation a hook on that
 layer's output sets every entry of a massive channel that passes the same criterion on that forward to 0
 (``zero``) or to its channel's mean (``mean``), the mean of the first token's entries for the first token and
 of the later tokens' entries otherwise (Sun et al. set each massive activation to its own mean; the starting
@@ -59,7 +61,7 @@ class MassiveSites:
     mean massive value on the first token and on later tokens (Sun et al. find them on the starting token
     and on delimiters: two roles with different sizes, each set to its own mean)."""
 
-    layer: int
+    layer: int | None  # None: no layer output had any (nothing to intervene on)
     means: dict[tuple[int, str], float]  # (channel, "first" | "later") -> mean massive value
     entries: int  # massive entries found at that layer in the finding pass
 
@@ -86,7 +88,9 @@ def find_massive(
     model: torch.nn.Module, windows: torch.Tensor, *, batch_size: int = 8, layer: int | None = None
 ) -> MassiveSites:
     """The first pass: per layer output the massive entries of each forward; the intervention ``layer``
-    (None: the first layer with any) with its massive channels' mean values over all windows."""
+    (None: the first layer with any) with its massive channels' mean values over all windows. With no
+    layer named and none found anywhere, sites with no layer and no channels (the intervention is a no-op);
+    a named layer without any is an error (the user expected them there)."""
     blocks = list(model.layers)
     if layer is not None and not 0 <= layer < len(blocks):
         raise DiffquantError(f"intervene_layer {layer}: the model has layers 0..{len(blocks) - 1}")
@@ -120,10 +124,7 @@ def find_massive(
     if layer is None:
         layer = next((i for i, n in enumerate(counts) if n), None)
         if layer is None:
-            raise DiffquantError(
-                f"intervene: no layer output has massive activations (|x| > max({MASSIVE_FLOOR:g}, "
-                f"{MASSIVE_RATIO:g} x median)) on {windows.numel():,} tokens; nothing to intervene on"
-            )
+            return MassiveSites(None, {}, 0)
     elif not counts[layer]:
         raise DiffquantError(
             f"intervene_layer {layer}: its output has no massive activations on {windows.numel():,} tokens"
@@ -157,6 +158,9 @@ def intervened(model: torch.nn.Module, sites: MassiveSites, mode: str) -> Iterat
         per_row = torch.where(_first_rows(args, out)[:, None], value[0], value[1])  # (T, D)
         return torch.where(chosen, per_row, out)
 
+    if sites.layer is None:  # nothing found: the model runs as it is
+        yield counters
+        return
     handle = model.layers[sites.layer].register_forward_hook(hook)
     try:
         yield counters

@@ -45,6 +45,7 @@ from diffquant.data.scoring import (  # noqa: F401 (the window schedule and scor
     check_settings,
     default_windows,
     gather_logprobs,
+    head_slice,
     log,
     window_batches,
     window_plan,
@@ -66,14 +67,6 @@ def _model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-# A forward whose float32 logits would exceed LOGITS_WHOLE_BYTES is scored from the final hidden states, the LM
-# head applied LOGITS_SLICE_BYTES' worth of positions at a time: Gemma 3's 262,144-token vocabulary makes
-# 8 x 1,024 tokens' logits 8.6 GB. Below it (SmolLM2's 8 x 1,024 x 49,152 logits are 1.6 GB) one forward, as
-# before, so earlier numbers stay bit for bit.
-LOGITS_WHOLE_BYTES = 2 << 30
-LOGITS_SLICE_BYTES = 256 << 20
-
-
 def _can_slice_head(model: Any) -> bool:
     """True for a native DecoderLM whose forward is ``lm_head(hidden_states)`` with nothing observing the
     model's own forward or rewriting the head's input (a quantizer there may scale per tensor, which a slice
@@ -85,14 +78,13 @@ def _can_slice_head(model: Any) -> bool:
 
 def target_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """log p(ids[:, t] | ids[:, :t]) for t = 1..T-1 from one forward over ``ids``: (B, T-1) on the CPU.
-    Large-vocabulary batches apply the LM head a slice of positions at a time (see LOGITS_WHOLE_BYTES)."""
+    Large-vocabulary batches apply the LM head a slice of positions at a time (:func:`~diffquant.data.scoring.head_slice`)."""
     ids = ids.to(_model_device(model))
     batch, length = ids.shape
-    row_bytes = batch * 4 * int(getattr(getattr(model, "config", None), "vocab_size", 0))
-    if row_bytes * length <= LOGITS_WHOLE_BYTES or not _can_slice_head(model):
+    step = head_slice(batch, length, int(getattr(getattr(model, "config", None), "vocab_size", 0)))
+    if step is None or not _can_slice_head(model):
         return gather_logprobs(model(ids)[:, :-1], ids[:, 1:])
     hidden = model.hidden_states(ids)
-    step = max(1, LOGITS_SLICE_BYTES // row_bytes)
     parts = []
     for a in range(0, length - 1, step):
         b = min(a + step, length - 1)

@@ -104,6 +104,9 @@ _LLAMA3_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2; Qwen2's tokenizer.json spells the contractions (?i:...)):
+# Llama 3's pattern with each digit a piece of its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # tokenizer.ggml.pre -> llama.cpp's pre-tokenizer family (llama-vocab.cpp). Each family is a list of regexes
 # applied in turn, each splitting the pieces of the previous one (matches and the text between them).
 _PRE_FAMILY = {
@@ -116,6 +119,8 @@ _PRE_FAMILY = {
     "llama3": "llama3",
     "llama-v3": "llama3",
     "llama-bpe": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
     "default": "default",
 }
 
@@ -872,6 +877,8 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], fami
         steps = [byte_level]
     elif family == "llama3":
         steps = [split(_LLAMA3_SPLIT), byte_map]
+    elif family == "qwen2":
+        steps = [split(_QWEN2_SPLIT), byte_map]
     else:  # llama.cpp's default list for BPE vocabularies
         steps = [
             split(r"[\p{P}\$\+<=>\^~\|]+"),

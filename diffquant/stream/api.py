@@ -136,7 +136,8 @@ def evaluate_streamed(
     """:func:`~diffquant.eval.perplexity.evaluate_stream` of ``load_model(spec)``, one layer at a time:
     perplexity and bits per byte of a token stream (1-D), or of windows (N, L) scored as disjoint windows
     of L tokens. Same schedule, batches and tally (:class:`~diffquant.data.scoring.StreamScorer`); each
-    batch's logits become target log-probabilities as they leave the LM head, so no logits are kept."""
+    batch's logits become target log-probabilities as they leave the LM head, a slice of positions at a time
+    for a large vocabulary (as the whole model's scorer slices them), so no batch's logits are all held."""
     data = torch.as_tensor(stream_or_windows)
     if data.dim() == 2:
         if seq_len not in (None, data.shape[1]) or stride is not None or windows not in (None, "disjoint"):
@@ -162,13 +163,21 @@ def evaluate_streamed(
             )
         calib = _calibration_batches(plan, calibration, default, batch_size)
 
-        def score(k: int, logits: torch.Tensor) -> None:
+        parts: dict[int, list[torch.Tensor]] = {}
+
+        def score(k: int, start: int, logits: torch.Tensor) -> None:
+            # logits of positions start.. predict the tokens after them; the window's last position has none
             batch, ids = scorer.batches[k]
-            scorer.add(batch, ids, gather_logprobs(logits[:, :-1], ids[:, 1:]))
+            end = min(start + logits.shape[1], ids.shape[1] - 1)
+            piece = parts.setdefault(k, [])
+            if end > start:
+                piece.append(gather_logprobs(logits[:, : end - start], ids[:, start + 1 : end + 1]))
+            if start + logits.shape[1] >= ids.shape[1]:
+                scorer.add(batch, ids, torch.cat(parts.pop(k), dim=1))
 
         info = streamed.run(
             [ids for _, ids in scorer.batches],
-            on_logits=score,
+            on_logit_slice=score,
             calibration=calib,
             hidden_budget=hidden_budget,
         )

@@ -36,6 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from diffquant.data.scoring import head_slice
 from diffquant.errors import DiffquantError
 from diffquant.heap import release_freed_memory
 from diffquant.io.artifacts import read_json
@@ -54,6 +55,7 @@ from diffquant.io.quantized import is_quantized
 from diffquant.io.safetensors_source import TensorSource, checkpoint_folder, open_tensors
 from diffquant.models.config import ModelConfig
 from diffquant.models.hf_names import hf_key_map
+from diffquant.models.taps import Tap
 from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE
 from diffquant.profile.profiler import Profiler
@@ -600,6 +602,7 @@ class StreamedModel:
         profiler: Profiler | None = None,
         sample_offsets: Sequence[int] | None = None,
         on_logits: Callable[[int, torch.Tensor], None] | None = None,
+        on_logit_slice: Callable[[int, int, torch.Tensor], None] | None = None,
         calibration: Sequence[torch.Tensor] | None = None,
         hidden_budget: int | None = DEFAULT_HIDDEN_BUDGET,
         progress: bool = True,
@@ -609,6 +612,10 @@ class StreamedModel:
         ``profiler``: a Profiler on :attr:`model`; batch k is begun at global sample index
         ``sample_offsets[k]`` (default: the running count of windows). ``on_logits(k, logits)`` receives
         each batch's logits (the head stage runs only when it is given or the profiler watches a head site).
+        ``on_logit_slice(k, start, logits)`` instead receives them a slice of positions at a time, from
+        position ``start``, when they are large (:func:`~diffquant.data.scoring.head_slice`) and the head is
+        position-wise (:meth:`head_slices_exactly`), else in one call from 0: a 262k vocabulary's logits of a
+        whole batch are never held.
         ``calibration``: batches that calibrate the static quantizers of each stage before the stage runs
         (the whole-model :func:`~diffquant.quant.calibrate.calibrate` over them, stage by stage).
         Returns timings and memory numbers.
@@ -618,8 +625,12 @@ class StreamedModel:
             for ids in batches:
                 sample_offsets.append(seen)
                 seen += ids.shape[0]
-        need_head = on_logits is not None or (
-            profiler is not None and any(not n.startswith("layers.") for n in profiler.taps)
+        if on_logits is not None and on_logit_slice is not None:
+            raise ValueError("run: on_logits or on_logit_slice, not both")
+        need_head = (
+            on_logits is not None
+            or on_logit_slice is not None
+            or (profiler is not None and any(not n.startswith("layers.") for n in profiler.taps))
         )
         stages = self.stages()
         if not need_head:
@@ -642,6 +653,11 @@ class StreamedModel:
                     x = ids.to(self.device) if name == "embed" else hidden.get(k, self.device)
                     if profiler is not None:
                         profiler.begin_batch(ids.to(self.device), sample_offsets[k], count=name == "embed")
+                    if name == "head" and on_logit_slice is not None:
+                        self._head_slices(k, x, fn, profiler, on_logit_slice)
+                        hidden.drop(k)
+                        del x
+                        continue
                     y = fn(x)
                     if profiler is not None:
                         profiler.end_batch()
@@ -662,6 +678,30 @@ class StreamedModel:
                 self.gptq_store.close()
         info["peak_stage_bytes"] = self.peak_stage_bytes
         return info
+
+    def head_slices_exactly(self, profiler: Profiler | None) -> bool:
+        """Whether the head stage (final norm, then LM head: both position-wise) gives the same logits run
+        a slice of positions at a time: not when a quantizer or a hook acts on either (a quantizer may scale
+        per tensor, a profiler counts positions)."""
+        head = (self.model.norm, self.model.lm_head)
+        if profiler is not None and any(not n.startswith("layers.") for n in profiler.taps):
+            return False
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or (isinstance(m, Tap) and m.active)
+            for unit in head
+            for m in unit.modules()
+        )
+
+    def _head_slices(self, k: int, x: torch.Tensor, fn: Callable, profiler, on_slice: Callable) -> None:
+        """Batch k's head stage a slice of positions at a time (one call when its logits are small)."""
+        batch, length = x.shape[:2]
+        step = head_slice(batch, length, self.config.vocab_size)
+        if step is None or not self.head_slices_exactly(profiler):
+            step = length
+        for start in range(0, length, step):
+            on_slice(k, start, fn(x[:, start : start + step]))
+        if profiler is not None:
+            profiler.end_batch()
 
     def gptq_step(self, name: str, modules: Sequence[nn.Module], fn: Callable, calibration) -> None:
         """The stage's GPTQ codes (:func:`~diffquant.quant.weights.gptq_stage`, the step the whole-model
