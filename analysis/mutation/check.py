@@ -2261,6 +2261,40 @@ MUTANTS = [
         ")",
         ("tests/test_perplexity.py::test_large_vocabulary_batches_score_the_head_a_slice_at_a_time",),
     ),
+    M(
+        "intervene-none-found-picks-layer-0",
+        "diffquant/eval/interventions.py",
+        "            return MassiveSites(None, {}, 0)",
+        "            layer = 0",
+        ("tests/test_interventions.py::test_a_model_without_massive_activations_reports_none_found",),
+    ),
+    M(
+        "stream-slice-scores-last-position",
+        "diffquant/stream/api.py",
+        "            end = min(start + logits.shape[1], ids.shape[1] - 1)",
+        "            end = min(start + logits.shape[1], ids.shape[1])",
+        (
+            "tests/test_stream.py::"
+            "test_streamed_perplexity_slices_a_large_vocabularys_head_like_the_whole_model",
+        ),
+    ),
+    M(
+        "stream-slice-ignores-head-quantizer",
+        "diffquant/stream/executor.py",
+        " or (isinstance(m, Tap) and m.active)",
+        "",
+        (
+            "tests/test_stream.py::"
+            "test_streamed_perplexity_slices_a_large_vocabularys_head_like_the_whole_model",
+        ),
+    ),
+    M(
+        "gguf-qwen2-pre-is-llama3",
+        "diffquant/io/convert_gguf.py",
+        '    "qwen2": "qwen2",',
+        '    "qwen2": "llama3",',
+        ("tests/test_gguf_families.py::test_qwen2_tokenizer_equals_transformers_gguf_loader",),
+    ),
 ]
 
 
