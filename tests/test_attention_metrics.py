@@ -646,3 +646,38 @@ def test_sink_rate_lines_name_the_probe_once_or_per_model():
         "(eps 0.3, 100 x 32 tokens)"
     )
     assert format_sink_rates({"a": None}) == []
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_sink_probe_reads_text_as_the_model_does_bos_first_when_its_tokenizer_adds_one(add_bos):
+    """Gemma-3-270M: 79.9 % of heads sink on a leading BOS, 0.8 % on a leading text token, so the probe feeds
+    64-token sequences as the model reads text: BOS + 63 text tokens when the tokenizer adds a BOS (the byte
+    tokenizer, Gemma, Llama), 64 text tokens otherwise (SmolLM2); the rate is the definition's on exactly
+    those sequences, and the summary and the printed line say which."""
+    import dataclasses
+
+    from diffquant.data import token_windows
+    from diffquant.data.tokenizer import ByteTokenizer
+    from diffquant.profile.runner import sink_probe
+    from diffquant.profile.sinks import format_sink_rates, sink_rate_summary, sink_rates
+
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(**{**BASE.to_dict(), "vocab_size": 259, "n_layers": 10})).eval()
+    tok = dataclasses.replace(ByteTokenizer(), add_bos=add_bos)
+    fed = []
+    handle = model.embed.register_forward_pre_hook(lambda _m, a: fed.append(a[0].clone()))
+    summary = sink_probe(model, "stdlib:validation", tok, batch_size=16)
+    handle.remove()
+    ids = torch.cat(fed)
+    body = token_windows(
+        "stdlib:validation", 100 * (63 if add_bos else 64), 63 if add_bos else 64, tok, quiet=True
+    )
+    want = torch.cat([torch.full((100, 1), 256), body], 1) if add_bos else body
+    assert torch.equal(ids, want) and ids.shape == (100, 64)
+    assert bool((ids[:, 0] == 256).all()) == add_bos and (add_bos or bool((ids != 256).all()))
+    assert summary == {
+        **sink_rate_summary(sink_rates(model, want, batch_size=16)),
+        "first_token": summary["first_token"],
+    }
+    assert summary["first_token"] == ("bos" if add_bos else "text") and summary["seq_len"] == 64
+    assert format_sink_rates({"m": summary})[1].endswith(", BOS first") == add_bos

@@ -286,10 +286,19 @@ def profile_stage(
 
 def sink_probe(model: DecoderLM, data: str, tokenizer, batch_size: int = 8) -> dict | None:
     """Gu et al.'s attention-sink rate (:mod:`diffquant.profile.sinks`) on their probe: the first 100 disjoint
-    64-token windows of ``data`` (shorter when the model's context is), None when the text has none."""
+    64-token sequences of ``data`` (shorter when the model's context is) as the model reads text, a BOS first
+    when its tokenizer adds one; None when the text has none. The summary's ``first_token`` says which."""
     seq_len = min(SINK_PROBE_LEN, model.config.max_seq_len)
-    windows = token_windows(data, SINK_PROBE_SEQUENCES * seq_len, seq_len, tokenizer, quiet=True)
+    tok = tokenizer or model_tokenizer(model)
+    bos = tok.bos_id if getattr(tok, "add_bos", False) and seq_len > 1 else None
+    body = seq_len - (bos is not None)
+    windows = token_windows(data, SINK_PROBE_SEQUENCES * body, body, tokenizer, quiet=True)
+    if bos is not None:
+        windows = torch.cat([torch.full((windows.shape[0], 1), bos, dtype=windows.dtype), windows], dim=1)
     device = next(model.parameters()).device
     with _logits_skipped(model):
         stats = sink_rates(model, windows.to(device), batch_size=max(batch_size, 16))
-    return sink_rate_summary(stats)
+    summary = sink_rate_summary(stats)
+    if summary is not None:
+        summary["first_token"] = "text" if bos is None else "bos"
+    return summary

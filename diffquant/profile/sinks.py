@@ -4,9 +4,11 @@ their probe, so a model's number can be set beside the paper's.
 Sink_1^epsilon = (1 / L) sum_l (1 / H) sum_h 1[alpha_h^l > epsilon], averaged over probe sequences, where
 alpha_h^l = (1 / T) sum_i A_h^l[i, 0] is the mean attention head h of layer l pays to the first token of a
 T-token sequence. Their probe: epsilon = 0.3 and sequences of T = 64 tokens (100 of them) from the model's
-text; here the first 100 disjoint 64-token windows of the profile's text, each window's first token being
-whatever token the text has there (no BOS is inserted; a model that relies on a BOS shows it). The per-head
-accumulator is :class:`~diffquant.profile.attention_metrics.SinkRateStats`.
+text; here the first 100 disjoint windows of the profile's text, 64 tokens each as the model reads text: for a
+tokenizer that adds a BOS (``add_bos``: Gemma, Llama 2 / 3) the BOS and 63 text tokens, otherwise (SmolLM2,
+Qwen) 64 text tokens whose first is whatever token the text has there. The difference is large: Gemma-3-270M
+puts 79.9 % of its heads on a leading BOS and 0.8 % on a leading text token. The per-head accumulator is
+:class:`~diffquant.profile.attention_metrics.SinkRateStats`.
 
 For DIFF models the effective map is A1 - lambda A2 (``diff_map``: the map that weights the values), and the
 two component softmaxes are reported beside it; for the baseline it is the softmax map (``probs``).
@@ -123,6 +125,8 @@ def format_sink_rates(summaries: Mapping[str, dict[str, Any] | None]) -> list[st
     width = max(len(n) for n in rows)
     for name, s in rows.items():
         line = f"{name:<{width}}  {100 * s['rate']:.1f} % of {s['heads']} heads"
+        if s.get("first_token") == "bos":
+            line += ", BOS first"
         if s["components"]:
             parts = ", ".join(
                 f"A{kind[-1]} {100 * r:.1f} %" for kind, r in s["components"].items() if r is not None
