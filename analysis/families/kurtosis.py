@@ -24,7 +24,9 @@ GROUPS = {  # the Linear inputs of one block, by what they read
 
 
 def main(run: Path) -> None:
-    print(f"{'model':<9} {'activation':<18} {'rms-kurtosis median':>19} {'max (layer)':>16} {'kurtosis median':>15}")
+    print(
+        f"{'model':<9} {'activation':<18} {'rms-kurtosis median':>19} {'max (layer)':>16} {'kurtosis median':>15}"
+    )
     for path in sorted((run / "profile").glob("*.json")):
         profile = Profile.load(path)
         summaries = {name: s.summary() for name, s in profile.sites.items()}
