@@ -2295,6 +2295,26 @@ MUTANTS = [
         '    "qwen2": "llama3",',
         ("tests/test_gguf_families.py::test_qwen2_tokenizer_equals_transformers_gguf_loader",),
     ),
+    M(
+        "sink-probe-never-puts-bos-first",
+        "diffquant/profile/runner.py",
+        '    bos = tok.bos_id if getattr(tok, "add_bos", False) and seq_len > 1 else None',
+        "    bos = None",
+        (
+            "tests/test_attention_metrics.py::"
+            "test_sink_probe_reads_text_as_the_model_does_bos_first_when_its_tokenizer_adds_one",
+        ),
+    ),
+    M(
+        "sink-probe-bos-window-too-long",
+        "diffquant/profile/runner.py",
+        "    body = seq_len - (bos is not None)",
+        "    body = seq_len",
+        (
+            "tests/test_attention_metrics.py::"
+            "test_sink_probe_reads_text_as_the_model_does_bos_first_when_its_tokenizer_adds_one",
+        ),
+    ),
 ]
 
 
