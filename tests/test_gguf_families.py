@@ -298,3 +298,29 @@ def test_gemma3_gguf_refusals(tmp_path, tok_files):  # noqa: F811
     ) as e:
         load_model(f"gguf:{capped}")
     assert "\n" not in str(e.value)
+
+
+def test_gemma3_and_qwen2_ggufs_stream_like_the_whole_model(tmp_path, tok_files):  # noqa: F811
+    """`--stream on` reads a gemma3 / qwen2 GGUF stage by stage with the same per-architecture transforms
+    (norm shift, biases): logits and perplexity equal the whole model's, bit for bit."""
+    from diffquant.eval.perplexity import evaluate_stream
+    from diffquant.stream import evaluate_streamed, logits_streamed
+
+    model_type, overrides = QWEN["qwen2"]
+    files = {
+        "gemma3": write_family_gguf(tmp_path / "g.gguf", _gemma_model(seed=3), "gemma3", tok_files),
+        "qwen2": write_family_gguf(
+            tmp_path / "q.gguf", _hf_model(model_type, overrides, seed=4, vocab=VOCAB), "qwen2", tok_files
+        ),
+    }
+    for name, path in files.items():
+        spec = f"gguf:{path}"
+        whole = load_model(spec)
+        ids = _ids(whole.config.vocab_size, batch=3)
+        with torch.no_grad():
+            want = torch.cat([whole(ids[:2]), whole(ids[2:])])
+        assert torch.equal(logits_streamed(spec, ids, batch_size=2), want), name
+        stream = _ids(whole.config.vocab_size, length=100, batch=1, seed=2).flatten()
+        a = evaluate_stream(whole, stream, seq_len=24, batch_size=2)
+        b = evaluate_streamed(spec, stream, seq_len=24, batch_size=2)
+        assert a["perplexity"] == b["perplexity"] and a["tokens"] == b["tokens"], name
