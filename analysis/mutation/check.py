@@ -2315,6 +2315,124 @@ MUTANTS = [
             "test_sink_probe_reads_text_as_the_model_does_bos_first_when_its_tokenizer_adds_one",
         ),
     ),
+    # --- the native statistics pass (issue 27): C source recompiled per mutant (its cache key is the source)
+    M(
+        "native: histogram slot one bin low",
+        "diffquant/profile/_native_stats.c",
+        "int64_t slot = e ? 1 + (e - 1) * BINS_PER_OCTAVE + k_of_m[m] : 0;",
+        "int64_t slot = e ? (e - 1) * BINS_PER_OCTAVE + k_of_m[m] : 0;",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: negatives binned as positives",
+        "diffquant/profile/_native_stats.c",
+        "dense[slot + (neg && slot ? slots : 0)] += n;",
+        "dense[slot] += n;",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: row sum drops a lane",
+        "diffquant/profile/_native_stats.c",
+        "*sum = (s[0] + s[1]) + (s[2] + s[3]);\n    if (!am) return;",
+        "*sum = (s[0] + s[1]) + s[2];\n    if (!am) return;",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: |x| >= 100 counted from the 6 code",
+        "diffquant/profile/_native_stats.c",
+        "ge100 += mag >= CODE_100 ? n : 0;",
+        "ge100 += mag >= CODE_6 ? n : 0;",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: top-k candidates strictly above the bar",
+        "diffquant/profile/_native_stats.c",
+        "if (a >= bar && push(top, base + j)) return -1;",
+        "if (a > bar && push(top, base + j)) return -1;",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: map row candidates without the range offset",
+        "diffquant/profile/_native_stats.c",
+        "if (want && row_candidates(row, n, r * width + a, bar, want_massive, &tops[s], &mass[s]))\n                failed = 1;\n        }",
+        "if (want && row_candidates(row, n, r * width, bar, want_massive, &tops[s], &mass[s]))\n                failed = 1;\n        }",
+        ("tests/test_stats.py::test_native_pass_equals_the_torch_path",),
+    ),
+    M(
+        "native: kept head index ignores inner rows",
+        "diffquant/profile/_native_stats.c",
+        "int64_t g = (r / inner) % groups;",
+        "int64_t g = r % groups;",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: a NaN row's values all counted",
+        "diffquant/profile/_native_stats.c",
+        "        if (!isfinite(v)) continue;\n        mn8[0]",
+        "        mn8[0]",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: pass 2 mean over the row width",
+        "diffquant/profile/_native_stats.c",
+        "row_moments_finite(row, n, cnt > 0 ? row_sum[r] / cnt : 0.0,",
+        "row_moments_finite(row, n, cnt > 0 ? row_sum[r] / (double)n : 0.0,",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: channel sums of squares keep one segment",
+        "diffquant/profile/_native_stats.c",
+        "for (int s = 0; s < NSEG; s++) acc += part[(size_t)s * nkeep + i];",
+        "for (int s = 0; s < 1; s++) acc += part[(size_t)s * nkeep + i];",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
+    M(
+        "native: map ranges read from the row after",
+        "diffquant/profile/stats.py",
+        "    last = mask.shape[-1] - m.flip(-1).argmax(-1)",
+        "    last = mask.shape[-1] - m.flip(-1).argmax(-1) + 1",
+        (
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+            "tests/test_stats.py::test_exact_against_brute_force",
+        ),
+    ),
+    M(
+        "native: squares of non-finite rows counted per channel as whole",
+        "diffquant/profile/stats.py",
+        "                    count = (okv.sum(dim=reduce) if reduce else okv).reshape(-1)",
+        "                    count = torch.full_like(sumsq, float(okv.numel() // sumsq.numel()))",
+        (
+            "tests/test_stats.py::test_exact_against_brute_force",
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+        ),
+    ),
 ]
 
 

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from diffquant.profile import native
 from diffquant.profile.accumulators import (
     ACCUMULATORS,
     BINS_PER_OCTAVE,
@@ -145,6 +146,13 @@ def _fold_table() -> torch.Tensor:
 
 
 _FOLD = _fold_table()
+# The bin within its octave of each FINE_BITS-bit mantissa (the native pass computes a value's slot as
+# 1 + (exponent - 1) * BINS_PER_OCTAVE + _K_OF_M[mantissa], the slots _FOLD holds).
+_K_OF_M = (
+    torch.searchsorted(torch.tensor(_M[:BINS_PER_OCTAVE]), torch.arange(_FINE, 2 * _FINE), right=True)
+    .sub_(1)
+    .to(torch.int32)
+)
 _CODE_6 = int(torch.tensor(INT8_THRESHOLD, dtype=torch.float32).view(torch.int32)) >> _SHIFT32
 _CODE_100 = int(torch.tensor(MASSIVE_FLOOR, dtype=torch.float32).view(torch.int32)) >> _SHIFT32
 
@@ -160,6 +168,9 @@ FAST = True
 # DIFFQUANT_PROFILE_FUSED=0 selects the plain path.
 FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
 _SUM_BLOCK = 1 << 18  # elements per block of the fused float64 row sums (a 2 MiB float64 copy, cache-sized)
+# The native pass (diffquant/profile/native.py: two C traversals instead of the torch passes) for unmasked
+# finite float32 chunks, part of the fused path; DIFFQUANT_PROFILE_NATIVE=0 (or no C compiler) keeps torch.
+NATIVE = native.ENABLED
 
 
 def _fine_codes(vals: torch.Tensor) -> torch.Tensor:
@@ -385,6 +396,38 @@ def _select(
     return torch.cat([gt, eq])
 
 
+def _row_ranges(mask: torch.Tensor) -> torch.Tensor | None:
+    """(T, 2) int64 [first, last + 1) of each row's True entries of the (T, S) ``mask`` when every row's are
+    one run ([0, 0) for a row with none), else None: the columns the native pass reads in place."""
+    m = mask.to(torch.int8)
+    count = m.sum(-1, dtype=torch.int64)
+    first = m.argmax(-1)
+    last = mask.shape[-1] - m.flip(-1).argmax(-1)
+    if not bool(((last - first == count) | (count == 0)).all()):
+        return None
+    first = torch.where(count > 0, first, 0)
+    return torch.stack([first, first + count], -1).contiguous()
+
+
+def _native_keep(
+    layout: Layout, shape: tuple[int, ...]
+) -> tuple[tuple[int, int, int, int], tuple[int, ...]] | None:
+    """The native pass's kept index of ``layout`` / ``shape`` (the head / channel dims the abs-max and the
+    sums of squares keep, as :meth:`SiteStats._update_absmax` reduces): ((inner, groups, percol, n_keep), the
+    kept shape). Rows are every dim but the last; at most one kept dim among them (``groups`` its size,
+    ``inner`` the rows below it); ``percol``: the last dim is kept too. None for a layout with no dims."""
+    if not layout:
+        return None
+    kept = [i for i, d in enumerate(layout[:-1]) if d in ("head", "channel")]
+    assert len(kept) <= 1, f"layout {layout}: two kept dims before the last"
+    percol = int(layout[-1] in ("head", "channel"))
+    groups = shape[kept[0]] if kept else 1
+    inner = math.prod(shape[kept[0] + 1 : -1]) if kept else 1
+    keep_shape = tuple(shape[i] for i, d in enumerate(layout) if d in ("head", "channel"))
+    n_keep = groups * (shape[-1] if percol else 1)
+    return (max(inner, 1), groups, percol, n_keep), keep_shape
+
+
 # ------------------------------------------------------------------------------------------- SiteStats
 class SiteStats:
     """Streaming statistics of the activations seen at one site (see the module docstring for definitions).
@@ -536,6 +579,10 @@ class SiteStats:
         shape = tuple(x.shape)
         flat = x.reshape(-1)
         x = flat.view(shape)  # contiguous
+        if valid is None and self._native_ready(x, layout):
+            where = (flat, shape, layout, None, tokens, sample_offset, pos_offset)
+            if self._update_native(x.view(-1, shape[-1]), layout, _native_keep(layout, shape), where):
+                return
         vflat = None
         if valid is not None:
             vflat = valid.to(device=x.device, dtype=torch.bool).expand(shape).reshape(-1)
@@ -636,7 +683,16 @@ class SiteStats:
         t, s = x.shape[-2], x.shape[-1]
         if tuple(valid.shape[-2:]) != (t, s):
             return False
-        visible = valid.to(device=x.device, dtype=torch.bool).reshape(-1).nonzero().squeeze(1)
+        mask = valid.to(device=x.device, dtype=torch.bool).reshape(t, s)
+        if self._native_ready(x, layout) and x.is_contiguous():
+            ranges = _row_ranges(mask)
+            if ranges is not None and int((ranges[:, 1] - ranges[:, 0]).sum()) > 0:
+                qpos = query_positions(valid).tolist() if "key" in layout else None
+                where = (x.reshape(-1), tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
+                keep = _native_keep(layout, tuple(x.shape))
+                if self._update_native(x.view(-1, s), layout, keep, where, ranges=ranges):
+                    return True
+        visible = mask.reshape(-1).nonzero().squeeze(1)
         width = visible.numel()
         if width == 0:
             return False
@@ -649,8 +705,18 @@ class SiteStats:
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return False
         n_ok = vals.numel()
-        af = vals.abs()
         lead = tuple(x.shape[:-2])
+        qpos = query_positions(valid).tolist() if "key" in layout else None
+        where = (flat, tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
+
+        def to_flat(ci: torch.Tensor) -> torch.Tensor:  # gathered flat index -> the chunk's flat index
+            return torch.div(ci, width, rounding_mode="floor") * (t * s) + visible[ci % width]
+
+        if self._native_ready(vals, layout):
+            keep = _native_keep(layout[:-2] + ("key",), (*lead, width))
+            if self._update_native(vals, layout, keep, where, to_flat):
+                return True
+        af = vals.abs()
         reduce = [i for i, d in enumerate(layout[:-2]) if d != "head"] + [len(lead)]
         keep = tuple(n for n, d in zip(lead, layout, strict=False) if d == "head")
         amax = af.view(*lead, width).amax(dim=reduce) if reduce else af
@@ -662,13 +728,127 @@ class SiteStats:
         self._hist.add_dense(dense)
         self._thresholds.add(ge6)
         self._moments_acc.add_sums(_combine_rows(*_row_moments(vals, None)))
-
-        def to_flat(ci: torch.Tensor) -> torch.Tensor:  # gathered flat index -> the chunk's flat index
-            return torch.div(ci, width, rounding_mode="floor") * (t * s) + visible[ci % width]
-
-        qpos = query_positions(valid).tolist() if "key" in layout else None
-        where = (flat, tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
         self._add_largest(af.view(-1), n_ok, dense, ge100, where, to_flat)
+        return True
+
+    def _native_ready(self, x: torch.Tensor, layout: Layout) -> bool:
+        """Whether the native pass takes this chunk: fused path on, a C compiler found, a non-empty
+        float32 tensor with a last dim (0-d lambdas and float64 inputs keep the torch path)."""
+        return (
+            NATIVE
+            and FUSED
+            and x.dtype == torch.float32
+            and x.dim() >= 1
+            and x.numel() > 0
+            and x.shape[-1] > 0
+            and x.device.type == "cpu"
+            and native.available()
+        )
+
+    def _update_native(
+        self,
+        rows: torch.Tensor,
+        layout: Layout,
+        keep: tuple[tuple[int, int, int, int], tuple[int, ...]] | None,
+        where: tuple,
+        to_flat: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        ranges: torch.Tensor | None = None,
+    ) -> bool:
+        """Every statistic of the float32 ``rows`` (2-D, contiguous: the chunk's values row by row) from the
+        two native traversals (diffquant/profile/native.py); returns False, having added nothing, when it
+        cannot (the torch path then runs). ``keep``: the kept (head / channel) index of each value and the
+        abs-max shape, None for a layout with no dims; ``where`` / ``to_flat`` locate entries as in
+        :meth:`_add_largest`. Same state as the torch path: counts, extremes, histogram, abs-max, top-k,
+        massive and non-finite entries bit for bit; moments and channel sums of squares are float64 sums in
+        another order (see native.py).
+
+        ``ranges`` (T, 2): row r holds values only in columns ranges[r % T, 0] .. ranges[r % T, 1] - 1 (a
+        causal map chunk read in place, every row one query). Such a chunk declines a NaN / Inf among its
+        visible entries and a top-k the histogram's bar does not bound (the gathered path takes those)."""
+        width = rows.shape[1]
+        spec = keep[0] if keep is not None else None
+        k = self.topk
+        try:
+            dense, row_sum, n_r, absmax, lo, hi, ge6, ge100, nonfinite = native.pass1(
+                rows, width, spec, _K_OF_M, SLOTS, ranges
+            )
+        except native.NativeError:
+            return False
+        n_ok = int(n_r.sum())
+        if n_ok == 0 or (ranges is not None and (nonfinite or n_ok <= k)):
+            return False
+        squares = None
+        if layout[-1] == "channel" and ranges is None:
+            squares = "float32" if _SQUARE_LO <= max(abs(lo), abs(hi)) < _SQUARE_HI else "float64"
+        bar, n_bar = _histogram_bar(dense, k)
+        use_bar = bar is not None and k < n_ok and n_bar <= max(_SUBSET_MIN, 8 * k)
+        if ranges is not None and k > 0 and not use_bar:
+            return False
+        try:
+            m2, m3, m4, sumsq, cand, massive = native.pass2(
+                rows,
+                width,
+                spec,
+                row_sum,
+                n_r,
+                squares,
+                bar if use_bar else None,
+                n_bar,
+                ge100 or None,
+                ranges,
+            )
+        except native.NativeError:
+            return False
+        if ranges is not None and k > 0 and cand is None:
+            return False
+
+        vals = rows.view(-1)
+        finite = None
+        if nonfinite:  # counted and located as the torch path does (a broken model's profile says where)
+            finite = torch.isfinite(vals)
+            special = [torch.isnan(vals), vals == math.inf, vals == -math.inf]
+            self._nonfinite.add(*torch.stack([torch.count_nonzero(m) for m in special]).tolist())
+            flat, shape, _, _, tokens, sample_offset, pos_offset = where
+            x = flat.view(shape)
+            self._note_nonfinite(x, finite.view(shape), None, None, layout, tokens, sample_offset, pos_offset)
+        if keep is not None:
+            assert absmax is not None
+            self._absmax_acc.add(absmax.to(torch.float64), keep[1])
+            if sumsq is not None:
+                if finite is None:
+                    count = torch.full_like(sumsq, float(n_ok // max(math.prod(keep[1]), 1)))
+                else:
+                    shape = where[1]
+                    reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
+                    okv = finite.view(shape).to(torch.float64)
+                    count = (okv.sum(dim=reduce) if reduce else okv).reshape(-1)
+                self._squares.add(sumsq, count)
+        self._moments_acc.add_extremes(n_ok, lo, hi)
+        self._hist.add_dense(dense)
+        self._thresholds.add(ge6)
+        self._moments_acc.add_sums(_combine_rows(n_r, row_sum, m2, m3, m4))
+        if layout[-1] == "channel":
+            self._tk.add_rows(n_r, m2, m4, width)
+
+        to_flat = to_flat or (lambda idx: idx)
+        if k <= 0:
+            top = vals.new_zeros(0, dtype=torch.int64)
+        elif n_ok <= k:  # every counted value (flat order)
+            top = torch.arange(vals.numel()) if finite is None else finite.nonzero().squeeze(1)
+        elif cand is not None:
+            top = cand[_select(vals[cand].abs(), k, -0.5, cand.numel())]
+        else:
+            mags = vals.abs()
+            if finite is not None:
+                mags.masked_fill_(~finite, -1.0)
+            top = _select(mags, k, -0.5, n_ok)
+        self._top_acc.add(self._entries(to_flat(top), *where))
+        if ge100:  # |x| >= 100 seen: the candidates |x| > 100 were searched (exact count)
+            gt100 = massive.numel()
+            self._massive_acc.add_count(gt100)
+            if gt100:
+                pick = massive[_select(vals[massive].abs(), self.massive_cap, MASSIVE_FLOOR, gt100)]
+                self._massive_acc.add(self._entries(to_flat(pick), *where))
         return True
 
     def _note_nonfinite(self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset) -> None:
