@@ -937,6 +937,13 @@ def _native_cases() -> list[tuple[str, str, list[tuple[torch.Tensor, torch.Tenso
     late = torch.randn(2, 8, 40, 100, generator=gen) * 8.0
     late[1, 3, 39, 0] = 400.0  # massive, on key 0
     cases.append(("layers.2.attn.probs", "probs", [(torch.where(valid, late, math.nan), valid)]))
+    window = _valid_mask(40, 100, 60, "cpu", window=16)  # sliding window: rows start past key 0
+    local = torch.randn(2, 4, 40, 100, generator=gen) * 5.0
+    local[0, 2, 10, 60] = -300.0  # visible (query 70 sees keys 55 .. 70); a masked 900 must not count
+    local[1, 1, 5, 3] = 900.0
+    cases.append(
+        ("layers.3.attn.logits", "logits", [(torch.where(window, local, local * 0 + 900.0), window)])
+    )
     return cases
 
 
@@ -963,7 +970,7 @@ def test_native_pass_equals_the_torch_path(monkeypatch):
     cases = _native_cases()
     calls = _native_calls(monkeypatch)
     got = _states(cases, tokens)
-    assert sum(calls) >= 15  # every chunk but the NaN ones of the map (general path) went native
+    assert sum(calls) >= 16  # every chunk but the NaN ones of the map (general path) went native
     monkeypatch.setattr(stats_mod, "NATIVE", False)
     want = _states(cases, tokens)
     for (site, _, _), (g_direct, g_merged), (w_direct, w_merged) in zip(cases, got, want, strict=True):

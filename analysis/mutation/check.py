@@ -2414,10 +2414,10 @@ MUTANTS = [
         ),
     ),
     M(
-        "native: map ranges read from the row after",
+        "native: map ranges one key short",
         "diffquant/profile/stats.py",
-        "    last = mask.shape[-1] - m.flip(-1).argmax(-1)",
-        "    last = mask.shape[-1] - m.flip(-1).argmax(-1) + 1",
+        "    return torch.stack([first, first + count], -1).contiguous()",
+        "    return torch.stack([first, first + count - 1], -1).contiguous()",
         (
             "tests/test_stats.py::test_native_pass_equals_the_torch_path",
             "tests/test_stats.py::test_exact_against_brute_force",
