@@ -2347,24 +2347,25 @@ MUTANTS = [
         ),
     ),
     M(
-        "native: |x| >= 100 counted from the 6 code",
+        "native: |x| >= 100 misses 100's fine interval",
         "diffquant/profile/_native_stats.c",
         "ge100 += mag >= CODE_100 ? n : 0;",
-        "ge100 += mag >= CODE_6 ? n : 0;",
-        (
-            "tests/test_stats.py::test_exact_against_brute_force",
-            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
-        ),
+        "ge100 += mag > CODE_100 ? n : 0;",
+        ("tests/test_stats.py::test_thresholds_exact_at_6_and_100",),
+    ),
+    M(
+        "native: |x| >= 6 misses 6's fine interval",
+        "diffquant/profile/_native_stats.c",
+        "ge6 += mag >= CODE_6 ? n : 0;",
+        "ge6 += mag > CODE_6 ? n : 0;",
+        ("tests/test_stats.py::test_thresholds_exact_at_6_and_100",),
     ),
     M(
         "native: top-k candidates strictly above the bar",
         "diffquant/profile/_native_stats.c",
         "if (a >= bar && push(top, base + j)) return -1;",
         "if (a > bar && push(top, base + j)) return -1;",
-        (
-            "tests/test_stats.py::test_exact_against_brute_force",
-            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
-        ),
+        ("tests/test_stats.py::test_large_tied_input_uses_fast_paths_exactly",),
     ),
     M(
         "native: map row candidates without the range offset",
