@@ -309,6 +309,21 @@ def test_large_tied_input_uses_fast_paths_exactly():
     assert z.quantile(1.0) == 0.0 and z.summary()["token_kurtosis_mean"] is None
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_top_k_ties_at_a_bin_edge(monkeypatch, path):
+    """The k-th largest magnitude sits exactly on a bin's lower edge (2.0) among ties: the histogram bar is
+    that value, so the candidates must include entries equal to it (then the earliest of the ties win)."""
+    monkeypatch.setattr(stats_mod, "NATIVE", path == "native")
+    x = torch.ones(4, 50, 10)
+    x.view(-1)[torch.arange(7, 2000, 97)] = -2.0  # 21 ties at the bar
+    x.view(-1)[[300, 1300, 5, 1999, 640]] = 4.0
+    s = SiteStats("layers.0.resid", "resid", topk=10)
+    s.update(x, tokens=tokens_for(4, 50, seed=9))
+    ref = brute(x, "resid", "layers.0.resid", tokens=tokens_for(4, 50, seed=9), positions=np.arange(50))
+    assert s.summary()["top"] == ref["entries"][:10]
+    assert [e["abs"] for e in s.summary()["top"]] == [4.0] * 5 + [2.0] * 5
+
+
 def test_massive_activations_planted():
     x = torch.randn(2, 50, 64, generator=torch.Generator().manual_seed(8))
     planted = [(0, 0, 5, 1e4), (0, 17, 5, -1.2e4), (1, 0, 5, 1e4), (1, 30, 40, 2e4), (1, 31, 40, 1e4)]
