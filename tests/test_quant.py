@@ -937,3 +937,55 @@ def test_cached_weight_is_requantized_when_the_weight_changes():
     lin.weight.data = lin.weight.data.to(torch.bfloat16)
     assert fq.quantize_weight(lin.weight).dtype == torch.bfloat16
     assert torch.equal(fq.quantize_weight(lin.weight), _reference_fake_quant(lin.weight.detach(), spec, (1,)))
+
+
+def test_linears_reading_one_tensor_quantize_it_once(monkeypatch):
+    """w8a8 on a 10-layer model: q / k / v (and gate / up) read one tensor, so their dynamic input quantizers
+    compute it once; the logits are the uncached computation's bit for bit. The cache answers only for the
+    very same, unchanged tensor and the same scheme: an in-place edit, another scheme or a new tensor with
+    equal values are quantized afresh."""
+    from diffquant.models import DecoderLM, ModelConfig
+    from diffquant.quant import fake
+    from diffquant.quant.plan import QuantPlan, apply_plan
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        attention="baseline", vocab_size=64, d_model=32, n_layers=10, n_heads=4, n_kv_heads=2, ffn_dim=48
+    )
+    model = DecoderLM(cfg).eval()
+    apply_plan(model, QuantPlan.load("w8a8"))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    calls = []
+    original = fake.quantize_dynamic_finite
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[-1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fake, "quantize_dynamic_finite", spy)
+    with torch.no_grad():
+        got = model(ids)
+    per_layer = len(calls) // cfg.n_layers
+    assert len(calls) == 4 * cfg.n_layers and per_layer == 4  # qkv-in, o-in, gate/up-in, down-in
+    monkeypatch.setattr(fake, "_LAST", fake._LastDynamic())
+    monkeypatch.setattr(fake._LastDynamic, "get", lambda self, *a: None)
+    calls.clear()
+    with torch.no_grad():
+        want = model(ids)
+    assert len(calls) == 7 * cfg.n_layers
+    assert torch.equal(got, want)
+
+    monkeypatch.undo()
+    scheme = QuantPlan.load("w8a8").rules[1].scheme
+    a, b = FakeQuant(scheme, "a.input", "linear_in"), FakeQuant(scheme, "b.input", "linear_in")
+    x = torch.randn(2, 5, 16)
+    first = a(x)
+    assert b(x) is first  # same tensor, same scheme: shared
+    x.mul_(3.0)  # edited in place: recomputed
+    assert torch.equal(b(x), FakeQuant(scheme, "c.input", "linear_in").quantize(x))
+    other = Scheme(format="int4", granularity="token")
+    assert torch.equal(
+        FakeQuant(other, "d.input", "linear_in")(x), FakeQuant(other, "e.input", "linear_in").quantize(x)
+    )
+    y = x.clone()
+    assert b(y) is not b(x)

@@ -2434,6 +2434,29 @@ MUTANTS = [
             "tests/test_stats.py::test_native_pass_equals_the_torch_path",
         ),
     ),
+    # --- the shared dynamic input quantization (issue 27 item 4)
+    M(
+        "shared input quantization ignores in-place edits",
+        "diffquant/quant/fake.py",
+        "        version = None if x.is_inference() else x._version",
+        "        version = None",
+        ("tests/test_quant.py::test_linears_reading_one_tensor_quantize_it_once",),
+    ),
+    M(
+        "shared input quantization across schemes",
+        "diffquant/quant/fake.py",
+        "        return (version, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, scheme, layout)",
+        "        return (version, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, layout)",
+        ("tests/test_quant.py::test_linears_reading_one_tensor_quantize_it_once",),
+    ),
+    M(
+        "shared input quantization by address only",
+        "diffquant/quant/fake.py",
+        "if self.source is None or self.source() is not x or self.key != self._key(x, scheme, layout):",
+        "if self.source is None or self.key != self._key(x, scheme, layout):",
+        ("tests/test_quant.py::test_linears_reading_one_tensor_quantize_it_once",),
+    ),
+
 ]
 
 

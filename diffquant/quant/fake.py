@@ -8,6 +8,8 @@ calibration. NaN inputs propagate (and are counted in ``nan_count``) instead of 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -27,6 +29,36 @@ WEIGHT_LAYOUT = ("out", "in")
 # Fast path of dynamic symmetric schemes on CPU (quantize_dynamic_finite: same numbers); tests turn it off to
 # compare with the general path.
 FAST = True
+
+
+class _LastDynamic:
+    """The last fast-path result, for the Linears that read one tensor (q / k / v, gate / up): their input
+    quantizers share a dynamic scheme, whose output depends on the tensor alone, so the second and third
+    compute nothing. A hit needs the very same tensor object (held weakly, so the cache never keeps an
+    input alive), unchanged since (its version counter; inference tensors have none and are rebuilt every
+    forward), the same scheme and layout. It holds one quantized activation until the next one replaces it.
+    """
+
+    def __init__(self) -> None:
+        self.source: weakref.ref | None = None
+        self.key: tuple | None = None
+        self.value: torch.Tensor | None = None
+
+    @staticmethod
+    def _key(x: torch.Tensor, scheme: Scheme, layout: tuple[str, ...]) -> tuple:
+        version = None if x.is_inference() else x._version
+        return (version, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, scheme, layout)
+
+    def get(self, x: torch.Tensor, scheme: Scheme, layout: tuple[str, ...]) -> torch.Tensor | None:
+        if self.source is None or self.source() is not x or self.key != self._key(x, scheme, layout):
+            return None
+        return self.value
+
+    def put(self, x: torch.Tensor, scheme: Scheme, layout: tuple[str, ...], y: torch.Tensor) -> None:
+        self.source, self.key, self.value = weakref.ref(x), self._key(x, scheme, layout), y
+
+
+_LAST = _LastDynamic()
 
 
 class FakeQuant(nn.Module):
@@ -83,10 +115,17 @@ class FakeQuant(nn.Module):
             y = None
             if FAST and valid is None and not self.calibrating:
                 # all-finite CPU tensors with a symmetric dynamic scale: fewer passes, same numbers, 0 NaNs
-                y = quantize_dynamic_finite(x, self.scheme, self._layout(x), weight=self.kind == "weight")
-            if y is not None:
-                y = y.to(x.dtype)
-            else:
+                layout = self._layout(x)
+                shared = self.kind == "linear_in" and not x.requires_grad
+                y = _LAST.get(x, self.scheme, layout) if shared else None
+                if y is not None:
+                    return y
+                y = quantize_dynamic_finite(x, self.scheme, layout, weight=self.kind == "weight")
+                if y is not None:
+                    y = y.to(x.dtype)
+                    if shared:
+                        _LAST.put(x, self.scheme, layout, y)
+            if y is None:
                 if x.is_floating_point():
                     self._count_nans(x)
                 if self.calibrating:
