@@ -989,3 +989,13 @@ def test_linears_reading_one_tensor_quantize_it_once(monkeypatch):
     )
     y = x.clone()
     assert b(y) is not b(x)
+    # a new tensor at a freed tensor's address (the allocator reuses the block): not the cached one
+    for _ in range(20):
+        old = torch.randn(3, 7, 16)
+        a(old)
+        address = old.data_ptr()
+        del old
+        new = torch.randn(3, 7, 16)
+        if new.data_ptr() == address:
+            break
+    assert torch.equal(b(new), FakeQuant(scheme, "f.input", "linear_in").quantize(new))
