@@ -456,6 +456,7 @@ def test_finite_fast_path_matches_general_path(cls, monkeypatch):
     bad[0, 1, 2, 0], bad[1, 2, 4, 1] = math.nan, math.inf
     maps.append(bad)
     maps.append(torch.full((2, 3, 5, 7), 3e38))  # finite, but p log p overflows: the general path
+    monkeypatch.setattr(attention_metrics, "NATIVE", False)  # the torch paths (the native one: below)
     out = []
     for fast in (True, False):
         monkeypatch.setattr(attention_metrics, "FAST", fast)
@@ -484,6 +485,7 @@ def test_fused_metrics_equal_the_plain_ones_bit_for_bit(cls, dtype, monkeypatch)
     bad = maps[0].clone()
     bad[1, 3, 100, 2] = math.nan
     maps.insert(1, bad)
+    monkeypatch.setattr(attention_metrics, "NATIVE", False)  # the torch paths (the native one: below)
     out = []
     for fused in (True, False):
         monkeypatch.setattr(attention_metrics, "FUSED", fused)
@@ -492,6 +494,43 @@ def test_fused_metrics_equal_the_plain_ones_bit_for_bit(cls, dtype, monkeypatch)
             acc.update(m.to(dtype), valid)
         out.append(json.dumps(acc.to_dict()))
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats])
+def test_native_metrics_equal_the_torch_path(cls, monkeypatch):
+    """The native pass (each row's entropy / sums in float64, the map read in place) gives the torch path's
+    per-head sums within its float32 rounding on real-shaped causal maps with a sliding window (rows that do
+    not start at key 0: no sink value there), a map with a NaN (both take the general path: equal bit for
+    bit) and DIFF maps with negatives; counts are equal. It must really run on the float32 maps."""
+    from diffquant.models.attention import _valid_mask
+    from diffquant.profile import attention_metrics, native
+
+    gen = torch.Generator().manual_seed(4)
+    maps = []
+    for window in (None, 40):
+        valid = _valid_mask(96, 160, 64, "cpu", window=window)
+        logits = 3.0 * torch.randn(2, 8, 96, 160, generator=gen)
+        p = torch.softmax(logits.masked_fill(~valid, -math.inf), -1)
+        d = p - 0.6 * torch.softmax((logits.flip(-1)).masked_fill(~valid, -math.inf), -1)
+        m = p if cls is MapStats else d
+        maps.append((torch.where(valid, m, 0.25), valid))  # garbage where masked: must not be read
+    bad = maps[0][0].clone()
+    bad[1, 3, 10, 2] = math.nan
+    maps.insert(1, (bad, maps[0][1]))
+    calls = []
+    monkeypatch.setattr(native, "map_rows", lambda *a, _f=native.map_rows: calls.append(1) or _f(*a))
+    out = []
+    for on in (True, False):
+        monkeypatch.setattr(attention_metrics, "NATIVE", on)
+        acc = cls(8)
+        for m, valid in maps:
+            acc.update(m, valid)
+        out.append(acc.to_dict())
+    assert len(calls) == 3  # the two finite maps natively; the NaN one tried, then the general path
+    for name in cls.COUNTS:
+        assert out[0][name] == out[1][name], name
+    for name in cls.SUMS:
+        assert out[0][name] == pytest.approx(out[1][name], rel=2e-6, abs=1e-6), name
 
 
 # ------------------------------------------------------------------ the attention-sink rate (Gu et al.)

@@ -2456,7 +2456,46 @@ MUTANTS = [
         "if self.source is None or self.key != self._key(x, scheme, layout):",
         ("tests/test_quant.py::test_linears_reading_one_tensor_quantize_it_once",),
     ),
-
+    M(
+        "native map rows: key 0 read when the window hides it",
+        "diffquant/profile/_native_stats.c",
+        "o[1] = (a == 0 && n > 0) ? (double)row[0] : 0.0;",
+        "o[1] = n > 0 ? (double)(row - a)[0] : 0.0;",
+        (
+            "tests/test_attention_metrics.py::test_native_metrics_equal_the_torch_path",
+            "tests/test_attention_metrics.py::test_map_stats_match_brute_force",
+        ),
+    ),
+    M(
+        "native map rows: signed sum for |D|",
+        "diffquant/profile/_native_stats.c",
+        "s1[j & 3] += fabs((double)d);",
+        "s1[j & 3] += (double)d;",
+        (
+            "tests/test_attention_metrics.py::test_native_metrics_equal_the_torch_path",
+            "tests/test_attention_metrics.py::test_map_stats_match_brute_force",
+        ),
+    ),
+    M(
+        "native map rows: entropy sign",
+        "diffquant/profile/_native_stats.c",
+        "if (p > 0.0f) s0[j & 3] -= (double)p * (double)logf(p);",
+        "if (p > 0.0f) s0[j & 3] += (double)p * (double)logf(p);",
+        (
+            "tests/test_attention_metrics.py::test_native_metrics_equal_the_torch_path",
+            "tests/test_attention_metrics.py::test_map_stats_match_brute_force",
+        ),
+    ),
+    M(
+        "native map rows: the whole row, not its visible keys",
+        "diffquant/profile/attention_metrics.py",
+        "    return None if ranges is None else native.map_rows(x, ranges, differential)",
+        "    return None if ranges is None else native.map_rows(x, torch.stack([ranges[:, 0] * 0, ranges[:, 1] * 0 + x.shape[-1]], -1), differential)",
+        (
+            "tests/test_attention_metrics.py::test_native_metrics_equal_the_torch_path",
+            "tests/test_attention_metrics.py::test_map_stats_match_brute_force",
+        ),
+    ),
 ]
 
 

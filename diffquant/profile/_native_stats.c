@@ -372,3 +372,48 @@ int dq_pass2(const float *x, int64_t rows, int64_t width, const int64_t *ranges,
     }
     return failed ? -1 : 0;
 }
+
+/* Per-row sums of an attention map for the per-head metrics (diffquant/profile/attention_metrics.py), read in
+ * place like dq_pass1 (row r's visible keys: columns ranges[2 q] .. ranges[2 q + 1] - 1, q = r % period).
+ * mode 0 (a softmax map): out[4 r] = entropy sum_j -p_j log p_j (a zero p adds 0), out[4 r + 1] = the value
+ * at key 0 when visible (else 0). mode 1 (a differential map D): out[4 r] = sum_j D_j, out[4 r + 1] = the
+ * value at key 0 when visible, out[4 r + 2] = sum_j |D_j|, out[4 r + 3] = sum_j min(D_j, 0). Every term is
+ * taken in float64 and summed over 4 lanes (j % 4), as the statistics pass sums. Returns 1 (outputs
+ * incomplete) when a visible value is NaN / Inf, or negative in a softmax map (its entropy term is not a
+ * number): the torch path then counts those rows. */
+int dq_map_rows(const float *x, int64_t rows, int64_t width, const int64_t *ranges, int64_t period, int mode,
+                double *out, int threads) {
+    int nt = n_threads(threads);
+    int bad = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(|| : bad)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t a = ranges ? ranges[2 * (r % period)] : 0, n = ranges ? ranges[2 * (r % period) + 1] - a : width;
+        const float *row = x + r * width + a;
+        double s0[4] = {0, 0, 0, 0}, s1[4] = {0, 0, 0, 0}, s2[4] = {0, 0, 0, 0};
+        int row_bad = 0;
+        if (mode == 0) {
+            for (int64_t j = 0; j < n; j++) {
+                float p = row[j];
+                if (!(p >= 0.0f) || isinf(p)) { row_bad = 1; break; }
+                if (p > 0.0f) s0[j & 3] -= (double)p * (double)logf(p);
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                float d = row[j];
+                if (!isfinite(d)) { row_bad = 1; break; }
+                s0[j & 3] += (double)d;
+                s1[j & 3] += fabs((double)d);
+                s2[j & 3] += d < 0 ? (double)d : 0.0;
+            }
+        }
+        bad = bad || row_bad;
+        double *o = out + 4 * r;
+        o[0] = (s0[0] + s0[1]) + (s0[2] + s0[3]);
+        o[1] = (a == 0 && n > 0) ? (double)row[0] : 0.0;
+        o[2] = (s1[0] + s1[1]) + (s1[2] + s1[3]);
+        o[3] = (s2[0] + s2[1]) + (s2[2] + s2[3]);
+    }
+    return bad ? 1 : 0;
+}

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from diffquant.errors import DiffquantError
+from diffquant.profile import native
 from diffquant.profile.sites import query_positions
 
 __all__ = [
@@ -45,11 +46,35 @@ FAST = True
 # -xlogy(x, x)) and the negative mass as -sum(min(d, 0)) (negation is exact, sums of negated values are the
 # negated sums).
 FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
+# The native pass (diffquant/profile/native.py) for float32 CPU maps: each row's entropy / sums in float64 in
+# one traversal read in place (the torch paths' float32 sums agree to ~1e-6 relative).
+NATIVE = native.ENABLED
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for half-precision maps (so entropy sums do not round at 3 digits), float64 kept as is."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def _native_rows(x: torch.Tensor, valid: torch.Tensor, differential: bool) -> torch.Tensor | None:
+    """Per-row sums of a finite float32 CPU map from the native pass (native.map_rows), or None: fused
+    path off (DIFFQUANT_PROFILE_FUSED=0 or DIFFQUANT_PROFILE_NATIVE=0), no C compiler, another dtype or
+    device, a mask that differs per (batch, head) slice or is not one run of keys per row, or a visible
+    NaN / Inf (the torch paths count those rows)."""
+    if not (
+        NATIVE
+        and FUSED
+        and FAST
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and x.numel() > 0
+        and all(n == 1 for n in valid.shape[:-2])
+        and native.available()
+    ):
+        return None
+    ranges = native.row_ranges(valid.reshape(valid.shape[-2:]).expand(x.shape[-2:]))
+    return None if ranges is None else native.map_rows(x, ranges, differential)
 
 
 def _check_map(x: torch.Tensor, what: str) -> None:
@@ -205,6 +230,10 @@ class MapStats(_HeadSums):
         _check_map(probs, "MapStats")
         self._ensure_heads(probs.shape[1])
         valid = _valid_or_all(probs, valid)
+        rows = _native_rows(probs, valid, differential=False)
+        if rows is not None:  # entropy and key-0 value per row in one native pass (finite, p >= 0)
+            self._add_finite_rows(rows[..., 0], rows[..., 1], valid)
+            return
         p = torch.where(valid, probs.to(_work_dtype(probs)), 0.0)
         if FAST:
             # (B, H, Tq); entr(p) = -p log p for p > 0, 0 at 0, -inf below 0 (non-finite: the general path)
@@ -232,14 +261,18 @@ class MapStats(_HeadSums):
     def _add_finite(self, p: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor) -> None:
         """update() for a map with only finite visible entries: the same sums, with the per-row key counts
         read off the (1, 1, Tq, S) mask instead of the broadcast (B, H, Tq, S) one."""
-        n_visible = torch.broadcast_to(valid.sum(-1), p.shape[:-1])  # (B, H, Tq)
-        self._add("nonfinite_rows", torch.zeros(p.shape[1], dtype=torch.int64, device=p.device))
+        self._add_finite_rows(entropy, p[..., 0], valid)
+
+    def _add_finite_rows(self, entropy: torch.Tensor, first: torch.Tensor, valid: torch.Tensor) -> None:
+        """The sums of a finite map from its per-row entropy and key-0 value (B, H, Tq)."""
+        n_visible = torch.broadcast_to(valid.sum(-1), entropy.shape)  # (B, H, Tq)
+        self._add("nonfinite_rows", torch.zeros(entropy.shape[1], dtype=torch.int64, device=entropy.device))
         rows = n_visible > 0
         multi = n_visible > 1
-        log_n = torch.log(n_visible.clamp(min=2).to(p.dtype))
+        log_n = torch.log(n_visible.clamp(min=2).to(entropy.dtype))
         self._add("entropy_sum", torch.where(rows, entropy, 0.0).sum((0, 2)))
         self._add("norm_entropy_sum", torch.where(multi, entropy / log_n, 0.0).sum((0, 2)))
-        self._add("sink_sum", torch.where(rows, p[..., 0], 0.0).sum((0, 2)))
+        self._add("sink_sum", torch.where(rows, first, 0.0).sum((0, 2)))
         self._add("rows", rows.sum((0, 2)))
         self._add("multi_key_rows", multi.sum((0, 2)))
         self._add("single_key_rows", (n_visible == 1).sum((0, 2)))
@@ -278,6 +311,16 @@ class DiffMapStats(_HeadSums):
         _check_map(diff_map, "DiffMapStats")
         self._ensure_heads(diff_map.shape[1])
         valid = _valid_or_all(diff_map, valid)
+        rows = _native_rows(diff_map, valid, differential=True)
+        if rows is not None:  # the four row sums in one native pass (finite)
+            any_visible = torch.broadcast_to(valid.any(-1), rows.shape[:-1])
+            self._add("nonfinite_rows", torch.zeros(rows.shape[1], dtype=torch.int64))
+            self._add("neg_sum", rows[..., 3].sum((0, 2)).neg_())
+            self._add("abs_sum", rows[..., 2].sum((0, 2)))
+            self._add("row_sum", rows[..., 0].sum((0, 2)))
+            self._add("sink_sum", rows[..., 1].sum((0, 2)))
+            self._add("rows", any_visible.sum((0, 2)))
+            return
         d = torch.where(valid, diff_map.to(_work_dtype(diff_map)), 0.0)
         if FAST:
             row_sum = d.sum(-1)  # (B, H, Tq); NaN / Inf in a row (or an overflowing sum) shows here

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "pass1", "pass2"]
+__all__ = ["available", "map_rows", "pass1", "pass2", "row_ranges"]
 
 _SOURCE = Path(__file__).with_name("_native_stats.c")
 _FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
@@ -91,6 +91,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dq_pass2.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _int, _i64, _ptr, _ptr, _ptr, _ptr]
     lib.dq_pass2.argtypes += [_ptr, _ptr, _int]
     lib.dq_pass2.argtypes += [_f32, _ptr, _i64, _int, _ptr, _i64, _ptr, _int]
+    lib.dq_map_rows.restype = _int
+    lib.dq_map_rows.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _int]
     return lib
 
 
@@ -108,6 +110,20 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def row_ranges(mask: torch.Tensor) -> torch.Tensor | None:
+    """(T, 2) int64 [first, last + 1) of each row's True entries of the (T, S) ``mask`` when every row's are
+    one run ([0, 0) for a row with none), else None: the columns a map chunk's rows are read in place from
+    (a causal mask, with or without a sliding window, is one run per query)."""
+    m = mask.to(torch.int8)
+    count = m.sum(-1, dtype=torch.int64)
+    first = m.argmax(-1)
+    last = mask.shape[-1] - m.flip(-1).argmax(-1)
+    if not bool(((last - first == count) | (count == 0)).all()):
+        return None
+    first = torch.where(count > 0, first, 0)
+    return torch.stack([first, first + count], -1).contiguous()
 
 
 def _p(t: torch.Tensor | None) -> int | None:
@@ -195,3 +211,20 @@ def pass2(
         raise NativeError(f"{n_massive} entries > 100 for {massive.numel()} slots")  # cannot happen
     top_idx = top[:n_top] if bar is not None and n_top <= top_cap else None
     return m2, m3, m4, sumsq, top_idx, massive[:n_massive]
+
+
+def map_rows(x: torch.Tensor, ranges: torch.Tensor, differential: bool) -> torch.Tensor | None:
+    """Per-row float64 sums of a float32 attention map (..., T, S) read in place, its rows' visible keys from
+    ``ranges`` (T, 2): columns (sum or entropy, value at key 0, sum |D|, sum min(D, 0)); the entropy
+    -sum p log p for a softmax map, the signed sum for a ``differential`` one. None when a visible value is
+    NaN / Inf (or negative in a softmax map)."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+    width = x.shape[-1]
+    rows = x.numel() // width
+    out = torch.empty(rows, 4, dtype=torch.float64)
+    rc = lib.dq_map_rows(
+        x.data_ptr(), rows, width, ranges.data_ptr(), ranges.shape[0], int(differential), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc else out.view(*x.shape[:-1], 4)

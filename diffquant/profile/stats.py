@@ -396,19 +396,6 @@ def _select(
     return torch.cat([gt, eq])
 
 
-def _row_ranges(mask: torch.Tensor) -> torch.Tensor | None:
-    """(T, 2) int64 [first, last + 1) of each row's True entries of the (T, S) ``mask`` when every row's are
-    one run ([0, 0) for a row with none), else None: the columns the native pass reads in place."""
-    m = mask.to(torch.int8)
-    count = m.sum(-1, dtype=torch.int64)
-    first = m.argmax(-1)
-    last = mask.shape[-1] - m.flip(-1).argmax(-1)
-    if not bool(((last - first == count) | (count == 0)).all()):
-        return None
-    first = torch.where(count > 0, first, 0)
-    return torch.stack([first, first + count], -1).contiguous()
-
-
 def _native_keep(
     layout: Layout, shape: tuple[int, ...]
 ) -> tuple[tuple[int, int, int, int], tuple[int, ...]] | None:
@@ -685,7 +672,7 @@ class SiteStats:
             return False
         mask = valid.to(device=x.device, dtype=torch.bool).reshape(t, s)
         if self._native_ready(x, layout) and x.is_contiguous():
-            ranges = _row_ranges(mask)
+            ranges = native.row_ranges(mask)
             if ranges is not None and int((ranges[:, 1] - ranges[:, 0]).sum()) > 0:
                 qpos = query_positions(valid).tolist() if "key" in layout else None
                 where = (x.reshape(-1), tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
