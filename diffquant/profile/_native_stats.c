@@ -61,61 +61,84 @@ static inline int64_t keep_index(int64_t r, int64_t inner, int64_t groups, int64
     return percol ? g * width : g;
 }
 
-/* One row of pass 1 besides the histogram: min / max over 8 lanes, the float64 sum over 4, the abs-max. */
-static void row_stats(const float *row, int64_t width, float *mn8, float *mx8, double *sum, float *am,
-                      int percol) {
-    double s[4] = {0, 0, 0, 0};
-    float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= width; j += 8) {
-        for (int u = 0; u < 8; u++) {
-            float v = row[j + u];
-            mn8[u] = v < mn8[u] ? v : mn8[u];
-            mx8[u] = v > mx8[u] ? v : mx8[u];
-            float a = fabsf(v);
-            a8[u] = a > a8[u] ? a : a8[u];
-        }
-        for (int u = 0; u < 8; u++) s[u & 3] += (double)row[j + u];
-    }
-    for (; j < width; j++) {
-        float v = row[j];
-        mn8[0] = v < mn8[0] ? v : mn8[0];
-        mx8[0] = v > mx8[0] ? v : mx8[0];
-        float a = fabsf(v);
-        a8[0] = a > a8[0] ? a : a8[0];
-        s[j & 3] += (double)v;
-    }
-    *sum = (s[0] + s[1]) + (s[2] + s[3]);
-    if (!am) return;
-    if (percol) {
-        for (int64_t c = 0; c < width; c++) {
-            float a = fabsf(row[c]);
-            am[c] = a > am[c] ? a : am[c];
-        }
-    } else {
-        float a = a8[0];
-        for (int u = 1; u < 8; u++) a = a8[u] > a ? a8[u] : a;
-        *am = a > *am ? a : *am;
-    }
+/* Float order as integer order: the key of a float's bits (sign-magnitude) is monotonic in its value for
+ * every non-NaN float, and a magnitude's bits (sign cleared) are monotonic in |x|; integer minima and maxima
+ * vectorise, float ones (NaN rules) do not. */
+static inline int32_t order_key(uint32_t b) { return (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7FFFFFFFu)); }
+
+static inline float key_value(int32_t k) {
+    uint32_t b = (uint32_t)k ^ ((uint32_t)(k >> 31) & 0x7FFFFFFFu);
+    float v;
+    memcpy(&v, &b, sizeof v);
+    return v;
 }
 
-/* row_stats for a row holding NaN / Inf: the same lanes, non-finite values left out. */
-static void row_stats_finite(const float *row, int64_t width, float *mn8, float *mx8, double *sum, float *am,
-                             int percol) {
+/* The float64 sum of a row over 4 lanes (element j to lane j % 4, the lanes added as (0 + 1) + (2 + 3)). */
+static double row_sum4(const float *row, int64_t n) {
     double s[4] = {0, 0, 0, 0};
-    float top = 0;
-    for (int64_t j = 0; j < width; j++) {
-        float v = row[j];
-        if (!isfinite(v)) continue;
-        mn8[0] = v < mn8[0] ? v : mn8[0];
-        mx8[0] = v > mx8[0] ? v : mx8[0];
-        float a = fabsf(v);
-        top = a > top ? a : top;
-        if (am && percol) am[j] = a > am[j] ? a : am[j];
-        s[j & 3] += (double)v;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4)
+        for (int u = 0; u < 4; u++) s[u] += (double)row[j + u];
+    for (; j < n; j++) s[j & 3] += (double)row[j];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/* One finite row of pass 1 besides the histogram and the sum: the extremes (as order keys) and the abs-max
+ * (as magnitude bits, per column when percol). */
+static void row_stats(const float *row, int64_t n, int32_t *kmin, int32_t *kmax, uint32_t *mmin, uint32_t *mmax,
+                      uint32_t *am, int percol) {
+    const uint32_t *bits = (const uint32_t *)row;
+    int32_t lo = *kmin, hi = *kmax;
+    uint32_t bot = *mmin, top = *mmax;
+    for (int64_t j = 0; j < n; j++) {
+        int32_t k = order_key(bits[j]);
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+        uint32_t m = bits[j] & 0x7FFFFFFFu;
+        bot = m < bot ? m : bot;
+        top = m > top ? m : top;
+    }
+    *kmin = lo;
+    *kmax = hi;
+    *mmin = bot;
+    if (am && percol) {
+        for (int64_t c = 0; c < n; c++) {
+            uint32_t m = bits[c] & 0x7FFFFFFFu;
+            am[c] = m > am[c] ? m : am[c];
+        }
+    } else if (am) {
+        uint32_t row_top = 0;
+        for (int64_t j = 0; j < n; j++) {
+            uint32_t m = bits[j] & 0x7FFFFFFFu;
+            row_top = m > row_top ? m : row_top;
+        }
+        *am = row_top > *am ? row_top : *am;
+    }
+    *mmax = top;
+}
+
+/* row_stats and the sum of a row holding NaN / Inf, those left out; returns how many there were. */
+static int64_t row_stats_finite(const float *row, int64_t n, int32_t *kmin, int32_t *kmax, uint32_t *mmin,
+                                uint32_t *mmax, double *sum, uint32_t *am, int percol) {
+    const uint32_t *bits = (const uint32_t *)row;
+    double s[4] = {0, 0, 0, 0};
+    uint32_t top = 0;
+    int64_t bad = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t m = bits[j] & 0x7FFFFFFFu;
+        if (m >= 0x7F800000u) { bad++; continue; }
+        int32_t k = order_key(bits[j]);
+        *kmin = k < *kmin ? k : *kmin;
+        *kmax = k > *kmax ? k : *kmax;
+        *mmin = m < *mmin ? m : *mmin;
+        *mmax = m > *mmax ? m : *mmax;
+        top = m > top ? m : top;
+        if (am && percol) am[j] = m > am[j] ? m : am[j];
+        s[j & 3] += (double)row[j];
     }
     *sum = (s[0] + s[1]) + (s[2] + s[3]);
     if (am && !percol) *am = top > *am ? top : *am;
+    return bad;
 }
 
 /* x: rows x width float32, of which row r holds values only in columns ranges[2 q] .. ranges[2 q + 1] - 1,
@@ -133,78 +156,73 @@ int dq_pass1(const float *x, int64_t rows, int64_t width, const int64_t *ranges,
     int nt = n_threads(threads);
     if (rows < nt) nt = rows > 0 ? (int)rows : 1;
     uint32_t *fine = calloc((size_t)nt * N_CODES, sizeof(uint32_t));
-    uint8_t *touched = calloc((size_t)nt * N_BLOCKS, 1);
-    float *amax = absmax ? calloc((size_t)nt * (size_t)nkeep, sizeof(float)) : NULL;
-    float *lo = malloc((size_t)nt * 8 * sizeof(float)), *hi = malloc((size_t)nt * 8 * sizeof(float));
-    if (!fine || !touched || !lo || !hi || (absmax && !amax)) {
-        free(fine); free(touched); free(amax); free(lo); free(hi);
+    uint32_t *amax = absmax ? calloc((size_t)nt * (size_t)nkeep, sizeof(uint32_t)) : NULL;
+    int32_t *lo = malloc((size_t)nt * sizeof(int32_t)), *hi = malloc((size_t)nt * sizeof(int32_t));
+    uint32_t *mlo = malloc((size_t)nt * sizeof(uint32_t)), *mhi = malloc((size_t)nt * sizeof(uint32_t));
+    int64_t *nbad = calloc((size_t)nt, sizeof(int64_t));
+    if (!fine || !lo || !hi || !mlo || !mhi || !nbad || (absmax && !amax)) {
+        free(fine); free(amax); free(lo); free(hi); free(mlo); free(mhi); free(nbad);
         return -1;
     }
-    for (int i = 0; i < nt * 8; i++) { lo[i] = INFINITY; hi[i] = -INFINITY; }
+    for (int t = 0; t < nt; t++) { lo[t] = INT32_MAX; hi[t] = INT32_MIN; mlo[t] = 0x7F800000u; mhi[t] = 0; }
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
     for (int64_t r = 0; r < rows; r++) {
         int t = thread_id();
         uint32_t *h = fine + (size_t)t * N_CODES;
-        uint8_t *seen = touched + (size_t)t * N_BLOCKS;
         int64_t a = ranges ? ranges[2 * (r % period)] : 0, n = ranges ? ranges[2 * (r % period) + 1] - a : width;
         const float *row = x + r * width + a;
         const uint32_t *bits = (const uint32_t *)row;
-        int64_t bad = 0;
-        for (int64_t j = 0; j < n; j++) {
-            uint32_t b = bits[j];
-            h[b >> CODE_SHIFT]++;
-            seen[b >> 23] = 1;
-            bad += (b & 0x7F800000u) == 0x7F800000u;
-        }
-        float *am = amax ? amax + (size_t)t * nkeep + keep_index(r, inner, groups, width, percol) : NULL;
+        for (int64_t j = 0; j < n; j++) h[bits[j] >> CODE_SHIFT]++;
+        uint32_t *am = amax ? amax + (size_t)t * nkeep + keep_index(r, inner, groups, width, percol) : NULL;
         if (am && percol) am += a;
-        if (bad)
-            row_stats_finite(row, n, lo + 8 * t, hi + 8 * t, row_sum + r, am, percol);
+        /* a float64 sum of floats cannot overflow: it is finite exactly when every value is */
+        double sum = row_sum4(row, n);
+        int64_t bad = 0;
+        if (isfinite(sum))
+            row_stats(row, n, lo + t, hi + t, mlo + t, mhi + t, am, percol);
         else
-            row_stats(row, n, lo + 8 * t, hi + 8 * t, row_sum + r, am, percol);
+            nbad[t] += bad = row_stats_finite(row, n, lo + t, hi + t, mlo + t, mhi + t, &sum, am, percol);
+        row_sum[r] = sum;
         row_count[r] = (double)(n - bad);
     }
-    {
-        float mn = INFINITY, mx = -INFINITY;
-        int64_t ge6 = 0, ge100 = 0;
-        for (int t = 0; t < nt; t++) {
-            for (int u = 0; u < 8; u++) {
-                mn = lo[8 * t + u] < mn ? lo[8 * t + u] : mn;
-                mx = hi[8 * t + u] > mx ? hi[8 * t + u] : mx;
+    int32_t kmin = INT32_MAX, kmax = INT32_MIN;
+    int64_t ge6 = 0, ge100 = 0;
+    for (int t = 0; t < nt; t++) {
+        kmin = lo[t] < kmin ? lo[t] : kmin;
+        kmax = hi[t] > kmax ? hi[t] : kmax;
+        const uint32_t *h = fine + (size_t)t * N_CODES;
+        counts[2] += nbad[t];  /* NaN / Inf: their codes (exponent 255) are binned nowhere */
+        if (mlo[t] > mhi[t]) continue;  /* no finite value in this thread's rows */
+        /* the exponents this thread's finite magnitudes span, for both signs: only those codes can be set */
+        int e0 = (int)(mlo[t] >> 23), e1 = (int)(mhi[t] >> 23);
+        for (int blk = 0; blk < N_BLOCKS; blk++) {
+            int64_t e = blk & 0xFF, neg = blk >> 8;
+            if (e < e0 || e > e1) continue;
+            for (int m = 0; m < 512; m++) {
+                uint32_t c = h[(blk << 9) | m];
+                if (!c) continue;
+                int64_t slot = e ? 1 + (e - 1) * BINS_PER_OCTAVE + k_of_m[m] : 0;
+                dense[slot + (neg && slot ? slots : 0)] += c;
+                uint32_t mag = (uint32_t)((e << 9) | m);
+                ge6 += mag >= CODE_6 ? c : 0;
+                ge100 += mag >= CODE_100 ? c : 0;
             }
-            const uint32_t *h = fine + (size_t)t * N_CODES;
-            const uint8_t *seen = touched + (size_t)t * N_BLOCKS;
-            for (int blk = 0; blk < N_BLOCKS; blk++) {
-                if (!seen[blk]) continue;
-                if ((blk & 0xFF) == 0xFF) {  /* NaN / Inf: counted here, binned nowhere */
-                    for (int m = 0; m < 512; m++) counts[2] += h[(blk << 9) | m];
-                    continue;
-                }
-                int64_t e = blk & 0xFF, neg = blk >> 8;
-                for (int m = 0; m < 512; m++) {
-                    uint32_t n = h[(blk << 9) | m];
-                    if (!n) continue;
-                    int64_t slot = e ? 1 + (e - 1) * BINS_PER_OCTAVE + k_of_m[m] : 0;
-                    dense[slot + (neg && slot ? slots : 0)] += n;
-                    uint32_t mag = (uint32_t)((e << 9) | m);
-                    ge6 += mag >= CODE_6 ? n : 0;
-                    ge100 += mag >= CODE_100 ? n : 0;
-                }
-            }
-            if (absmax)
-                for (int64_t i = 0; i < nkeep; i++) {
-                    float a = amax[(size_t)t * nkeep + i];
-                    absmax[i] = a > absmax[i] ? a : absmax[i];
-                }
         }
-        ext[0] = mn;
-        ext[1] = mx;
-        counts[0] = ge6;
-        counts[1] = ge100;
+        if (absmax)
+            for (int64_t i = 0; i < nkeep; i++) {
+                uint32_t m = amax[(size_t)t * nkeep + i];
+                float v;
+                memcpy(&v, &m, sizeof v);
+                absmax[i] = v > absmax[i] ? v : absmax[i];
+            }
     }
-    free(fine); free(touched); free(amax); free(lo); free(hi);
+    ext[0] = kmin <= kmax ? key_value(kmin) : INFINITY;
+    ext[1] = kmin <= kmax ? key_value(kmax) : -INFINITY;
+    counts[0] = ge6;
+    counts[1] = ge100;
+    free(fine); free(amax); free(lo); free(hi); free(mlo); free(mhi); free(nbad);
     return 0;
 }
 
