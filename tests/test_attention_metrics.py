@@ -502,8 +502,9 @@ def test_native_metrics_equal_the_torch_path(cls, monkeypatch):
     per-head sums within its float32 rounding on real-shaped causal maps with a sliding window (rows that do
     not start at key 0: no sink value there), a map with a NaN (both take the general path: equal bit for
     bit) and DIFF maps with negatives; counts are equal. It must really run on the float32 maps."""
+    from diffquant.kernels import native
     from diffquant.models.attention import _valid_mask
-    from diffquant.profile import attention_metrics, native
+    from diffquant.profile import attention_metrics
 
     gen = torch.Generator().manual_seed(4)
     maps = []

@@ -999,3 +999,41 @@ def test_linears_reading_one_tensor_quantize_it_once(monkeypatch):
         if new.data_ptr() == address:
             break
     assert torch.equal(b(new), FakeQuant(scheme, "f.input", "linear_in").quantize(new))
+
+
+def test_native_per_token_int_fake_quant_is_the_torch_one(monkeypatch):
+    """w8a8's per-token int8 (and int4) fake quantization runs natively (two traversals per row) on float32
+    inputs and gives the torch fast path's and the general path's numbers bit for bit: ties at x / s = k + 0.5
+    (round half to even), rows of zeros and of subnormals (scale 1), a row with one huge value, a NaN
+    (falls back and is counted)."""
+    from diffquant.kernels import native
+    from diffquant.quant import fake, schemes
+
+    calls = []
+    monkeypatch.setattr(
+        native, "fake_int_rows", lambda *a, _f=native.fake_int_rows: calls.append(1) or _f(*a)
+    )
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 40, 96, generator=g) * torch.logspace(-3, 3, 96)
+    x[0] = torch.round(torch.randn(40, 96, generator=g) * 40) / 2  # halves: ties after the division
+    x[0, :, 0] = 127.0 / 2 * torch.arange(40)[:, None].squeeze(1) / 20  # scales that make exact ties
+    x[1, 3] = 0.0
+    x[1, 4] = 1e-41
+    x[2, 7, 5] = 3e30
+    for fmt in ("int8", "int4"):
+        scheme = Scheme(format=fmt, granularity="token")
+        calls.clear()
+        got = FakeQuant(scheme, "s.input", "resid")(x)
+        assert len(calls) == 1
+        monkeypatch.setattr(schemes, "NATIVE", False)
+        torch_fast = FakeQuant(scheme, "t.input", "resid")(x)
+        monkeypatch.setattr(fake, "FAST", False)
+        general = FakeQuant(scheme, "u.input", "resid")(x)
+        monkeypatch.setattr(fake, "FAST", True)
+        monkeypatch.setattr(schemes, "NATIVE", True)
+        assert torch.equal(got, torch_fast) and torch.equal(got, general), fmt
+    bad = x.clone()
+    bad[2, 1, 1] = math.nan
+    fq = FakeQuant(Scheme(format="int8", granularity="token"), "v.input", "resid")
+    y = fq(bad)
+    assert fq.nan_count == 1 and torch.isnan(y[2, 1, 1])

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diffquant.kernels import native
 from diffquant.models.attention import _valid_mask
-from diffquant.profile import native
 from diffquant.profile import stats as stats_mod
 from diffquant.profile.sites import layer_of, layout_of
 from diffquant.profile.stats import N_BINS, QUANTILE_REL_ERROR, SiteStats

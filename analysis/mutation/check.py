@@ -2318,7 +2318,7 @@ MUTANTS = [
     # --- the native statistics pass (issue 27): C source recompiled per mutant (its cache key is the source)
     M(
         "native: histogram slot one bin low",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "int64_t slot = e ? 1 + (e - 1) * BINS_PER_OCTAVE + k_of_m[m] : 0;",
         "int64_t slot = e ? (e - 1) * BINS_PER_OCTAVE + k_of_m[m] : 0;",
         (
@@ -2328,7 +2328,7 @@ MUTANTS = [
     ),
     M(
         "native: negatives binned as positives",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "dense[slot + (neg && slot ? slots : 0)] += n;",
         "dense[slot] += n;",
         (
@@ -2338,7 +2338,7 @@ MUTANTS = [
     ),
     M(
         "native: row sum drops a lane",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "*sum = (s[0] + s[1]) + (s[2] + s[3]);\n    if (!am) return;",
         "*sum = (s[0] + s[1]) + s[2];\n    if (!am) return;",
         (
@@ -2348,35 +2348,35 @@ MUTANTS = [
     ),
     M(
         "native: |x| >= 100 misses 100's fine interval",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "ge100 += mag >= CODE_100 ? n : 0;",
         "ge100 += mag > CODE_100 ? n : 0;",
         ("tests/test_stats.py::test_thresholds_exact_at_6_and_100",),
     ),
     M(
         "native: |x| >= 6 misses 6's fine interval",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "ge6 += mag >= CODE_6 ? n : 0;",
         "ge6 += mag > CODE_6 ? n : 0;",
         ("tests/test_stats.py::test_thresholds_exact_at_6_and_100",),
     ),
     M(
         "native: top-k candidates strictly above the bar",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "if (a >= bar && push(top, base + j)) return -1;",
         "if (a > bar && push(top, base + j)) return -1;",
         ("tests/test_stats.py::test_top_k_ties_at_a_bin_edge",),
     ),
     M(
         "native: map row candidates without the range offset",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "if (want && row_candidates(row, n, r * width + a, bar, want_massive, &tops[s], &mass[s]))\n                failed = 1;\n        }",
         "if (want && row_candidates(row, n, r * width, bar, want_massive, &tops[s], &mass[s]))\n                failed = 1;\n        }",
         ("tests/test_stats.py::test_native_pass_equals_the_torch_path",),
     ),
     M(
         "native: kept head index ignores inner rows",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "int64_t g = (r / inner) % groups;",
         "int64_t g = r % groups;",
         (
@@ -2386,7 +2386,7 @@ MUTANTS = [
     ),
     M(
         "native: a NaN row's values all counted",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "        if (!isfinite(v)) continue;\n        mn8[0]",
         "        mn8[0]",
         (
@@ -2396,7 +2396,7 @@ MUTANTS = [
     ),
     M(
         "native: pass 2 mean over the row width",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "row_moments_finite(row, n, cnt > 0 ? row_sum[r] / cnt : 0.0,",
         "row_moments_finite(row, n, cnt > 0 ? row_sum[r] / (double)n : 0.0,",
         (
@@ -2406,7 +2406,7 @@ MUTANTS = [
     ),
     M(
         "native: channel sums of squares keep one segment",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "for (int s = 0; s < NSEG; s++) acc += part[(size_t)s * nkeep + i];",
         "for (int s = 0; s < 1; s++) acc += part[(size_t)s * nkeep + i];",
         (
@@ -2458,7 +2458,7 @@ MUTANTS = [
     ),
     M(
         "native map rows: key 0 read when the window hides it",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "o[1] = (a == 0 && n > 0) ? (double)row[0] : 0.0;",
         "o[1] = n > 0 ? (double)(row - a)[0] : 0.0;",
         (
@@ -2468,7 +2468,7 @@ MUTANTS = [
     ),
     M(
         "native map rows: signed sum for |D|",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "s1[j & 3] += fabs((double)d);",
         "s1[j & 3] += (double)d;",
         (
@@ -2478,7 +2478,7 @@ MUTANTS = [
     ),
     M(
         "native map rows: entropy sign",
-        "diffquant/profile/_native_stats.c",
+        "diffquant/kernels/_native.c",
         "if (p > 0.0f) s0[j & 3] -= (double)p * (double)logf(p);",
         "if (p > 0.0f) s0[j & 3] += (double)p * (double)logf(p);",
         (
@@ -2495,6 +2495,27 @@ MUTANTS = [
             "tests/test_attention_metrics.py::test_native_metrics_equal_the_torch_path",
             "tests/test_attention_metrics.py::test_map_stats_match_brute_force",
         ),
+    ),
+    M(
+        "native fake quant: round half away from zero",
+        "diffquant/kernels/_native.c",
+        "for (int64_t j = 0; j < width; j++) o[j] = rintf(row[j] / s) * s;",
+        "for (int64_t j = 0; j < width; j++) o[j] = roundf(row[j] / s) * s;",
+        ("tests/test_quant.py::test_native_per_token_int_fake_quant_is_the_torch_one",),
+    ),
+    M(
+        "native fake quant: multiply by the reciprocal scale",
+        "diffquant/kernels/_native.c",
+        "for (int64_t j = 0; j < width; j++) o[j] = rintf(row[j] / s) * s;",
+        "for (int64_t j = 0; j < width; j++) o[j] = rintf(row[j] * (1.0f / s)) * s;",
+        ("tests/test_quant.py::test_native_per_token_int_fake_quant_is_the_torch_one",),
+    ),
+    M(
+        "native fake quant: zero rows keep a zero scale",
+        "diffquant/kernels/_native.c",
+        "        if (!(s > 0.0f)) s = 1.0f;\n        float *o = out + r * width;",
+        "        float *o = out + r * width;",
+        ("tests/test_quant.py::test_native_per_token_int_fake_quant_is_the_torch_one",),
     ),
 ]
 

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.profile import native
+from diffquant.kernels import native
 from diffquant.profile.sites import query_positions
 
 __all__ = [
@@ -46,7 +46,7 @@ FAST = True
 # -xlogy(x, x)) and the negative mass as -sum(min(d, 0)) (negation is exact, sums of negated values are the
 # negated sums).
 FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
-# The native pass (diffquant/profile/native.py) for float32 CPU maps: each row's entropy / sums in float64 in
+# The native pass (diffquant/kernels/native.py) for float32 CPU maps: each row's entropy / sums in float64 in
 # one traversal read in place (the torch paths' float32 sums agree to ~1e-6 relative).
 NATIVE = native.ENABLED
 
@@ -58,7 +58,7 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _native_rows(x: torch.Tensor, valid: torch.Tensor, differential: bool) -> torch.Tensor | None:
     """Per-row sums of a finite float32 CPU map from the native pass (native.map_rows), or None: fused
-    path off (DIFFQUANT_PROFILE_FUSED=0 or DIFFQUANT_PROFILE_NATIVE=0), no C compiler, another dtype or
+    path off (DIFFQUANT_PROFILE_FUSED=0 or DIFFQUANT_NATIVE=0), no C compiler, another dtype or
     device, a mask that differs per (batch, head) slice or is not one run of keys per row, or a visible
     NaN / Inf (the torch paths count those rows)."""
     if not (

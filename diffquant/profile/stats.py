@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from diffquant.profile import native
+from diffquant.kernels import native
 from diffquant.profile.accumulators import (
     ACCUMULATORS,
     BINS_PER_OCTAVE,
@@ -168,8 +168,8 @@ FAST = True
 # DIFFQUANT_PROFILE_FUSED=0 selects the plain path.
 FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
 _SUM_BLOCK = 1 << 18  # elements per block of the fused float64 row sums (a 2 MiB float64 copy, cache-sized)
-# The native pass (diffquant/profile/native.py: two C traversals instead of the torch passes) for unmasked
-# finite float32 chunks, part of the fused path; DIFFQUANT_PROFILE_NATIVE=0 (or no C compiler) keeps torch.
+# The native pass (diffquant/kernels/native.py: two C traversals instead of the torch passes) for unmasked
+# finite float32 chunks, part of the fused path; DIFFQUANT_NATIVE=0 (or no C compiler) keeps torch.
 NATIVE = native.ENABLED
 
 
@@ -742,7 +742,7 @@ class SiteStats:
         ranges: torch.Tensor | None = None,
     ) -> bool:
         """Every statistic of the float32 ``rows`` (2-D, contiguous: the chunk's values row by row) from the
-        two native traversals (diffquant/profile/native.py); returns False, having added nothing, when it
+        two native traversals (diffquant/kernels/native.py); returns False, having added nothing, when it
         cannot (the torch path then runs). ``keep``: the kept (head / channel) index of each value and the
         abs-max shape, None for a layout with no dims; ``where`` / ``to_flat`` locate entries as in
         :meth:`_add_largest`. Same state as the torch path: counts, extremes, histogram, abs-max, top-k,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from diffquant.errors import DiffquantError
+from diffquant.kernels import native
 from diffquant.quant.formats import (
     BLOCK_FORMATS,
     ELEMENT_FORMATS,
@@ -361,6 +362,11 @@ def quantize_dynamic(
     return _quantize_view(x, dims, element, scheme, valid)
 
 
+# The native per-row integer fake quantization (diffquant/kernels/native.py) inside the fast path, bit for bit
+# the torch one; DIFFQUANT_NATIVE=0 (or no C compiler) keeps torch.
+NATIVE = native.ENABLED
+
+
 def quantize_dynamic_finite(
     x: torch.Tensor, scheme: Scheme, layout: tuple[str, ...], weight: bool = False
 ) -> torch.Tensor | None:
@@ -389,6 +395,18 @@ def quantize_dynamic_finite(
         return None
     xf = x.detach().float()
     dims = reduce_dims(layout, scheme.granularity, weight=weight)
+    element = scheme.element
+    if (
+        NATIVE
+        and dims == (xf.dim() - 1,)
+        and xf.is_contiguous()
+        and element.kind == "int"
+        and element.step == 1.0
+        and scheme.scale_format == "fp32"
+        and native.available()
+    ):
+        # per-row scales (w8a8's tokens): the same float32 steps in two traversals of each row (native.py)
+        return native.fake_int_rows(xf, element.max_value)
     if len(dims) == xf.dim():
         lo, hi = torch.aminmax(xf)
         shape = (1,) * xf.dim()

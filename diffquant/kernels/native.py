@@ -1,4 +1,4 @@
-"""The native statistics pass: `_native_stats.c`, compiled on first use and called through ctypes.
+"""The native CPU passes: `_native.c`, compiled on first use and called through ctypes.
 
 Every-site profiling spends most of its time in SiteStats.update, whose torch path makes a dozen
 tensor-sized passes per update (extremes, magnitudes, bit codes, bincount, float64 row sums, centred powers,
@@ -8,7 +8,7 @@ on the thread count). It is compiled once per machine into the diffquant cache
 (``$DIFFQUANT_CACHE/native/<hash>/``, ``~/.cache/diffquant`` by default) with the C compiler found as ``$CC``
 or ``cc`` (OpenMP when the compiler has it) and loaded with ctypes: no build step at install time, no Python
 headers, no torch headers. Where no compiler works the profiler keeps its torch path, which stays the
-reference (``DIFFQUANT_PROFILE_NATIVE=0`` selects it). Counts, extremes, the histogram, abs-max and the
+reference (``DIFFQUANT_NATIVE=0`` selects it). Counts, extremes, the histogram, abs-max and the
 located entries are the torch path's bit for bit; moments are float64 sums in another order (tested to
 1e-12 against a float64 reference, and within the torch path's documented 1e-6).
 """
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "map_rows", "pass1", "pass2", "row_ranges"]
+__all__ = ["available", "fake_int_rows", "map_rows", "pass1", "pass2", "row_ranges"]
 
-_SOURCE = Path(__file__).with_name("_native_stats.c")
+_SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 # Tried in order: this CPU's vector instructions and OpenMP threads, then without each. The results do not
 # depend on which one compiled (no fast-math, no contraction: vector code computes the written lanes).
@@ -38,7 +38,7 @@ _VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), (
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
-ENABLED = os.environ.get("DIFFQUANT_PROFILE_NATIVE", "1") != "0"
+ENABLED = os.environ.get("DIFFQUANT_NATIVE", "1") != "0"
 
 _i64, _int, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ptr = ctypes.c_void_p
@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dq_pass2.argtypes += [_f32, _ptr, _i64, _int, _ptr, _i64, _ptr, _int]
     lib.dq_map_rows.restype = _int
     lib.dq_map_rows.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _int]
+    lib.dq_fake_int_rows.restype = _int
+    lib.dq_fake_int_rows.argtypes = [_ptr, _i64, _i64, _f32, _ptr, _int]
     return lib
 
 
@@ -244,3 +246,17 @@ def map_rows(x: torch.Tensor, ranges: torch.Tensor, differential: bool) -> torch
         torch.get_num_threads(),
     )  # fmt: skip
     return None if rc else out.view(*x.shape[:-1], 4)
+
+
+def fake_int_rows(x: torch.Tensor, qmax: float) -> torch.Tensor | None:
+    """Symmetric dynamic int fake quantization of contiguous float32 ``x`` with one fp32 scale per row of
+    its last dim (amax / qmax, 1 where 0), as the torch fast path computes it bit for bit; None when ``x``
+    holds a NaN / Inf."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+    width = x.shape[-1]
+    out = torch.empty_like(x)
+    rc = lib.dq_fake_int_rows(
+        x.data_ptr(), x.numel() // width, width, qmax, out.data_ptr(), torch.get_num_threads()
+    )
+    return None if rc else out

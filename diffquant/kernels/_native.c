@@ -1,6 +1,6 @@
 /* The native statistics pass of diffquant's profiler (issue 27): two traversals of a contiguous float32
  * tensor seen as `rows` rows of `width` values, in place of the dozen tensor-sized torch passes of
- * SiteStats.update. Compiled on first use by diffquant/profile/native.py and called through ctypes; with no
+ * SiteStats.update. Compiled on first use by diffquant/kernels/native.py and called through ctypes; with no
  * C compiler the profiler keeps its torch path, the reference this file is tested against.
  *
  * Pass 1 (dq_pass1): extremes, each row's float64 sum, the abs-max per kept (head / channel) index, and the
@@ -432,6 +432,37 @@ int dq_map_rows(const float *x, int64_t rows, int64_t width, const int64_t *rang
         o[1] = (a == 0 && n > 0) ? (double)row[0] : 0.0;
         o[2] = (s1[0] + s1[1]) + (s1[2] + s1[3]);
         o[3] = (s2[0] + s2[1]) + (s2[2] + s2[3]);
+    }
+    return bad ? 1 : 0;
+}
+
+/* Symmetric dynamic fake quantization to integers with one fp32 scale per row (per token / row
+ * granularity: w8a8's Linear inputs): s = amax / qmax (1 where that is 0), y = rint(x / s) * s, each step one
+ * float32 operation as torch's fast path takes it (schemes.quantize_dynamic_finite: the division, round half
+ * to even, the product; no clamp, since |x| <= amax keeps |x / s| below qmax + 0.5), in two traversals of a
+ * row instead of five tensor passes. Returns 1 (out incomplete) when a value is NaN / Inf: the torch path
+ * then counts and scrubs them. */
+int dq_fake_int_rows(const float *x, int64_t rows, int64_t width, float qmax, float *out, int threads) {
+    int nt = n_threads(threads);
+    int bad = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(|| : bad)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * width;
+        const uint32_t *bits = (const uint32_t *)row;
+        uint32_t top = 0;
+        for (int64_t j = 0; j < width; j++) {
+            uint32_t m = bits[j] & 0x7FFFFFFFu;
+            top = m > top ? m : top;
+        }
+        if (top >= 0x7F800000u) { bad = 1; continue; }
+        float amax;
+        memcpy(&amax, &top, sizeof amax);
+        float s = amax / qmax;
+        if (!(s > 0.0f)) s = 1.0f;
+        float *o = out + r * width;
+        for (int64_t j = 0; j < width; j++) o[j] = rintf(row[j] / s) * s;
     }
     return bad ? 1 : 0;
 }
