@@ -2329,8 +2329,8 @@ MUTANTS = [
     M(
         "native: negatives binned as positives",
         "diffquant/kernels/_native.c",
-        "dense[slot + (neg && slot ? slots : 0)] += n;",
-        "dense[slot] += n;",
+        "dense[slot + (neg && slot ? slots : 0)] += c;",
+        "dense[slot] += c;",
         (
             "tests/test_stats.py::test_exact_against_brute_force",
             "tests/test_stats.py::test_native_pass_equals_the_torch_path",
@@ -2339,8 +2339,8 @@ MUTANTS = [
     M(
         "native: row sum drops a lane",
         "diffquant/kernels/_native.c",
-        "*sum = (s[0] + s[1]) + (s[2] + s[3]);\n    if (!am) return;",
-        "*sum = (s[0] + s[1]) + s[2];\n    if (!am) return;",
+        "    return (s[0] + s[1]) + (s[2] + s[3]);\n}",
+        "    return (s[0] + s[1]) + s[2];\n}",
         (
             "tests/test_stats.py::test_exact_against_brute_force",
             "tests/test_stats.py::test_native_pass_equals_the_torch_path",
@@ -2349,15 +2349,15 @@ MUTANTS = [
     M(
         "native: |x| >= 100 misses 100's fine interval",
         "diffquant/kernels/_native.c",
-        "ge100 += mag >= CODE_100 ? n : 0;",
-        "ge100 += mag > CODE_100 ? n : 0;",
+        "ge100 += mag >= CODE_100 ? c : 0;",
+        "ge100 += mag > CODE_100 ? c : 0;",
         ("tests/test_stats.py::test_thresholds_exact_at_6_and_100",),
     ),
     M(
         "native: |x| >= 6 misses 6's fine interval",
         "diffquant/kernels/_native.c",
-        "ge6 += mag >= CODE_6 ? n : 0;",
-        "ge6 += mag > CODE_6 ? n : 0;",
+        "ge6 += mag >= CODE_6 ? c : 0;",
+        "ge6 += mag > CODE_6 ? c : 0;",
         ("tests/test_stats.py::test_thresholds_exact_at_6_and_100",),
     ),
     M(
@@ -2387,8 +2387,8 @@ MUTANTS = [
     M(
         "native: a NaN row's values all counted",
         "diffquant/kernels/_native.c",
-        "        if (!isfinite(v)) continue;\n        mn8[0]",
-        "        mn8[0]",
+        "        if (m >= 0x7F800000u) { bad++; continue; }",
+        "        if (m >= 0x7F800000u) { bad++; }",
         (
             "tests/test_stats.py::test_exact_against_brute_force",
             "tests/test_stats.py::test_native_pass_equals_the_torch_path",
@@ -2416,7 +2416,7 @@ MUTANTS = [
     ),
     M(
         "native: map ranges one key short",
-        "diffquant/profile/stats.py",
+        "diffquant/kernels/native.py",
         "    return torch.stack([first, first + count], -1).contiguous()",
         "    return torch.stack([first, first + count - 1], -1).contiguous()",
         (
