@@ -617,5 +617,23 @@ def test_init_specifier_and_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["init", "--help"])
     assert "gated,sink,clipped" in capsys.readouterr().out.replace(" ", "")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "diff_v2, gated, sink, clipped" in " ".join(capsys.readouterr().out.split())
     info = dataclasses.asdict(load_model("init:sink:tiny").config)
     assert info["sink"] == "learned"
+
+
+def test_a_skipped_r2_needs_no_matrix_of_its_size():
+    """R2 is skipped for element-wise gates, so a head width with no Hadamard matrix is no reason to refuse;
+    with head-wise gates R2 runs and the size is refused in one line, before any weight changes."""
+    from diffquant.quant.rotate import RotateSpec, rotate_model
+
+    spec = RotateSpec(residual="none", heads="hadamard", ffn="none")
+    elementwise = tiny_model("gated", head_dim=22)
+    assert dict(rotate_model(elementwise, spec))["heads (R2)"].startswith("skipped")
+    headwise = tiny_model("gated", head_dim=22, gate="headwise")
+    state = {k: v.clone() for k, v in headwise.state_dict().items()}
+    with pytest.raises(DiffquantError, match="rotate.heads: size 22 has no Hadamard matrix"):
+        rotate_model(headwise, spec)
+    assert all(torch.equal(v, headwise.state_dict()[k]) for k, v in state.items())

@@ -215,6 +215,8 @@ def _check_sizes(model: nn.Module, spec: RotateSpec) -> None:
         "ffn": model.layers[0].mlp.down.in_features,
         "qk": attn.head_dim,
     }
+    if not _heads_commute(attn):
+        del sizes["heads"]  # R2 is skipped for this model: its size needs no matrix
     for place, n in sizes.items():
         if getattr(spec, place) == "hadamard" and not had.has_hadamard(n):
             hadamard_orthogonal(n, spec.block, f"rotate.{place}")  # raises unless the block form exists
