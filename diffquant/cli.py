@@ -651,7 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a model from a training recipe (e.g. zoo-diff_v2)",
         description="Train a model from a training recipe (its keys: diffquant.train.TrainConfig, documented "
-        "in docs/recipes.md), checkpointing into a run folder that --resume continues. Shipped training "
+        "in docs/recipes.md), checkpointing into a run folder that --resume continues. Its kind: one of "
+        f"{', '.join(ATTENTION_KINDS)} (a variant through its model mapping, e.g. --set kind=gated --set "
+        "model.gate=headwise). Shipped training "
         f"recipes (by name): {', '.join(shipped_names('train'))}.",
     )
     tr.add_argument("recipe", help="a training recipe file, or a shipped one's name (e.g. zoo-diff_v2)")

@@ -17,11 +17,22 @@ BASE = ModelConfig(
 )
 
 
+# The rival kinds' variants (issue 30) by test id: (kind, variant fields). A bare kind name is its default.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "gated-headwise": ("gated", {"gate": "headwise"}),
+    "sink-zero": ("sink", {"sink": "zero"}),
+    "clipped-wide": ("clipped", {"clip_gamma": -0.1, "clip_zeta": 1.1}),
+}
+ALL_KINDS = ("baseline", "diff_v1", "diff_v2", "gated", "sink", "clipped")
+
+
 def tiny_model(kind: str, seed: int = 0, **overrides) -> DecoderLM:
-    """A small random model of ``kind`` (parameter-matched to BASE), in eval mode, fp32."""
+    """A small random model of ``kind`` (parameter-matched to BASE), in eval mode, fp32. ``kind`` may name a
+    variant of :data:`VARIANTS` (``gated-headwise``), matched in that variant."""
     import dataclasses
 
-    config = dataclasses.replace(matched_config(BASE, kind), **overrides)
+    name, variant = VARIANTS.get(kind, (kind, {}))
+    config = dataclasses.replace(matched_config(BASE, name, **variant), **overrides)
     torch.manual_seed(seed)
     return DecoderLM(config).eval()
 
@@ -209,6 +220,13 @@ def demo_run(tmp_path_factory):
 
 @pytest.fixture(params=["baseline", "diff_v1", "diff_v2"])
 def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=ALL_KINDS)
+def any_kind(request) -> str:
+    """Every attention kind, the rivals (gated, sink, clipped) too: for the checks that every stage works
+    on every kind (paths, decoding, checkpoints, rotation, streaming, presets)."""
     return request.param
 
 

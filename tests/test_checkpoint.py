@@ -13,8 +13,8 @@ from diffquant.cli import main
 from diffquant.io import load_model, save_checkpoint
 
 
-def test_save_load_is_bit_identical(tmp_path, kind):
-    model = tiny_model(kind, seed=3)
+def test_save_load_is_bit_identical(tmp_path, any_kind):
+    model = tiny_model(any_kind, seed=3)
     ids = torch.randint(0, 61, (2, 13))
     save_checkpoint(model, tmp_path / "ckpt")
     loaded = load_model(tmp_path / "ckpt")

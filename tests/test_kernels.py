@@ -51,19 +51,24 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from conftest import ALL_KINDS
+from conftest import VARIANTS as KIND_VARIANTS
 
 from diffquant.kernels.reference import (
     CoreQuant,
     attention_probs,
     baseline_core,
+    clipped_core,
     diff_v1_core,
     diff_v2_core,
+    gated_core,
     kv_heads_v1,
     kv_heads_v2,
     logits_scales,
     quantize_qk,
     quantize_tokens,
     quantize_values,
+    sink_core,
 )
 from diffquant.quant.formats import get_format
 
@@ -545,12 +550,15 @@ def _model(kind: str, head_dim: int = 8):
         vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=64,
         max_seq_len=96,
     )  # fmt: skip
-    model = DecoderLM(matched_config(base, kind)).eval()
+    name, variant = KIND_VARIANTS.get(kind, (kind, {}))
+    model = DecoderLM(matched_config(base, name, **variant)).eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, module.in_features**-0.5)
         attn = model.layers[0].attn
+        if getattr(attn, "sinks", None) is not None:
+            attn.sinks.normal_(0.0, 1.0)
         if kind == "diff_v1":
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 getattr(attn, name).normal_(0.0, 0.3)
@@ -569,9 +577,10 @@ def _capture(model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     hooks.append(
         attn.head_out.register_forward_hook(lambda m, i, o: got.__setitem__("head_out", o.detach().clone()))
     )
-    if attn.kind != "baseline":
+    extra = {"diff_v1": "lambda", "diff_v2": "lambda", "gated": "gate", "sink": "sink_logit"}.get(attn.kind)
+    if extra is not None:  # lambda (DIFF), the gates (gated), the sink logits (sink)
         hooks.append(
-            getattr(attn, "lambda").register_forward_hook(lambda m, i, o: got.__setitem__("lam", o.detach()))
+            getattr(attn, extra).register_forward_hook(lambda m, i, o: got.__setitem__("lam", o.detach()))
         )
     with torch.no_grad():
         model(tokens)
@@ -587,6 +596,13 @@ def _core(kind: str, model, got: dict, quant: CoreQuant) -> torch.Tensor:
     if kind == "diff_v1":
         weight = attn.norm.weight.detach() if attn.norm.weight is not None else None
         return diff_v1_core(got["q"], got["k"], got["v"], got["lam"], attn.lambda_init, weight, quant=quant)
+    if attn.kind == "gated":  # gates (B, T, H, 1 | d) -> (B, H, T, 1 | d)
+        return gated_core(got["q"], got["k"], got["v"], got["lam"].transpose(1, 2), quant=quant)
+    if attn.kind == "sink":
+        return sink_core(got["q"], got["k"], got["v"], got["lam"], quant=quant)
+    if attn.kind == "clipped":
+        gamma, zeta = attn.clip_gamma, attn.clip_zeta
+        return clipped_core(got["q"], got["k"], got["v"], gamma=gamma, zeta=zeta, quant=quant)
     return baseline_core(got["q"], got["k"], got["v"], quant=quant)
 
 
@@ -609,7 +625,7 @@ MODEL_TOL = 1e-5  # same arithmetic as the model up to fp32 summation order (SDP
 
 
 @pytest.mark.parametrize("plan", ["none", "sage-64", "sage-8", "logits-int8", "logits-int4"])
-@pytest.mark.parametrize("kind", ["baseline", "diff_v1", "diff_v2"])
+@pytest.mark.parametrize("kind", [*ALL_KINDS, *KIND_VARIANTS])
 def test_reference_matches_model(kind, plan, seed):
     """The reference with a CoreQuant equals the model's head_out under the matching fake-quant plan."""
     from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
@@ -631,7 +647,7 @@ def test_reference_matches_model(kind, plan, seed):
         )
         calibrate(model, torch.randint(0, 61, (4, 21)))
         attn = model.layers[0].attn
-        if kind == "baseline":
+        if attn.kind not in ("diff_v1", "diff_v2"):  # one map per head
             scale = attn.logits.quantizer.scale.reshape(-1)
         else:  # query head 2i is the logits1 map of head i, 2i + 1 the logits2 map
             s1, s2 = attn.logits1.quantizer.scale.reshape(-1), attn.logits2.quantizer.scale.reshape(-1)

@@ -2,7 +2,7 @@
 
 References: transformers' ``QuantizedCache`` (quanto backend) on a tiny random HF Llama, for the setting both
 implement; a float64 brute force of the cache's definition written here (asymmetric min-max per group,
-sinks / body / window) for all three attention kinds; the full forward for an unquantized cache.
+sinks / body / window) for every attention kind; the full forward for an unquantized cache.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def test_fp8_groups_are_torch_float8_casts_of_absmax_scaled_values():
 
 
 # ------------------------------------------------------------------------------------------ decode
-def test_unquantized_cache_decode_equals_the_full_forward(kind):
-    model = tiny_model(kind)
+def test_unquantized_cache_decode_equals_the_full_forward(any_kind):
+    model = tiny_model(any_kind)
     ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(ids)
@@ -233,8 +233,8 @@ SPECS = [
 @pytest.mark.parametrize(
     "spec", SPECS, ids=["fp8", "kivi4", "kv2-sinks", "kv8-prerope", "kivi4-f16-scales", "fp8-bf16-scales"]
 )
-def test_quantized_decode_equals_a_float64_brute_force(kind, spec):
-    model = tiny_model(kind).double()
+def test_quantized_decode_equals_a_float64_brute_force(any_kind, spec):
+    model = tiny_model(any_kind).double()
     ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(3))
     reference = _brute_decode(model, ids, 9, KVCacheSpec(**spec))
     apply_plan(model, _plan(**spec))

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import ALL_KINDS, tiny_model
 
 from diffquant import DiffquantError
 
@@ -11,10 +11,15 @@ def _ids(batch: int, t: int, vocab: int = 61, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, t), generator=torch.Generator().manual_seed(seed))
 
 
+# Kinds with a fused (SDPA) form: all but clipped, whose clipped softmax only the explicit path computes.
+FUSED_KINDS = [k for k in ALL_KINDS if k != "clipped"]
+
+
 @pytest.mark.parametrize("n_kv_heads", ["gqa", "mha"])
 @pytest.mark.parametrize("t", [1, 7, 64])
+@pytest.mark.parametrize("kind", FUSED_KINDS)
 def test_fused_and_explicit_paths_agree(kind, n_kv_heads, t):
-    heads = {"baseline": 4, "diff_v1": 2, "diff_v2": 4}[kind]
+    heads = 2 if kind == "diff_v1" else 4
     kv = heads // 2 if n_kv_heads == "gqa" else heads
     model = tiny_model(kind, n_heads=heads, n_kv_heads=kv)
     ids = _ids(2, t)
@@ -27,8 +32,8 @@ def test_fused_and_explicit_paths_agree(kind, n_kv_heads, t):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 64, 1000])
-def test_explicit_chunking_is_exact(kind, chunk):
-    model = tiny_model(kind)
+def test_explicit_chunking_is_exact(any_kind, chunk):
+    model = tiny_model(any_kind)
     ids = _ids(2, 64)
     with torch.no_grad():
         model.set_attention_path("explicit", chunk_size=64)
@@ -85,8 +90,8 @@ def test_diff_map_equals_a1_minus_lambda_a2(diff_kind):
     torch.testing.assert_close(got["diff_map"], got["probs1"] - lam * got["probs2"])
 
 
-def test_incremental_decoding_matches_full_forward(kind):
-    model = tiny_model(kind)
+def test_incremental_decoding_matches_full_forward(any_kind):
+    model = tiny_model(any_kind)
     ids = _ids(2, 20)
     with torch.no_grad():
         full = model(ids)
@@ -99,8 +104,8 @@ def test_incremental_decoding_matches_full_forward(kind):
     assert cache.length == 20
 
 
-def test_incremental_decoding_explicit_path(kind):
-    model = tiny_model(kind)
+def test_incremental_decoding_explicit_path(any_kind):
+    model = tiny_model(any_kind)
     model.set_attention_path("explicit", chunk_size=3)
     ids = _ids(1, 12)
     with torch.no_grad():
@@ -110,8 +115,8 @@ def test_incremental_decoding_explicit_path(kind):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
-def test_generate_is_greedy(kind):
-    model = tiny_model(kind)
+def test_generate_is_greedy(any_kind):
+    model = tiny_model(any_kind)
     prompt = _ids(2, 5)
     out = model.generate(prompt, max_new_tokens=6)
     # Brute force: re-run the whole sequence for every new token, take the argmax.
@@ -128,13 +133,16 @@ def test_sequence_longer_than_max_is_an_error():
         model(_ids(1, 97))
 
 
-def test_sites_have_stable_names_and_kinds(kind):
-    sites = tiny_model(kind).sites()
+def test_sites_have_stable_names_and_kinds(any_kind):
+    sites = tiny_model(any_kind).sites()
     expected = {
         "baseline": ["logits", "probs"],
         "diff_v1": ["logits1", "logits2", "probs1", "probs2", "lambda", "diff_map"],
         "diff_v2": ["logits1", "logits2", "probs1", "probs2", "lambda", "diff_map"],
-    }[kind]
+        "gated": ["logits", "probs", "gate"],
+        "sink": ["logits", "probs", "sink_logit"],
+        "clipped": ["logits", "probs"],
+    }[any_kind]
     for layer in range(2):
         for name in ["q", "k", "v", "head_out", "out", *expected]:
             assert f"layers.{layer}.attn.{name}" in sites
@@ -156,6 +164,7 @@ def test_tied_embeddings_share_storage():
     assert model.parameter_groups()["lm_head"] == 0
 
 
+@pytest.mark.parametrize("kind", FUSED_KINDS)
 def test_fused_path_gives_sdpa_one_head_width(kind, monkeypatch):
     """DIFF V1's 2d-wide value heads must not send SDPA to its slow math kernel: every call the fused path
     makes has Q, K and V of one width (zero-padded Q/K), in prefill and with a KV cache (explicit mask)."""
@@ -177,6 +186,7 @@ def test_fused_path_gives_sdpa_one_head_width(kind, monkeypatch):
     assert calls and all(len(set(widths)) == 1 for widths in calls), calls
 
 
+@pytest.mark.parametrize("kind", FUSED_KINDS)
 def test_fused_and_explicit_gradients_agree(kind):
     """Training runs the fused path: its gradients (through the zero padding) equal the explicit path's."""
     grads = {}

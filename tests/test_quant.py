@@ -183,13 +183,13 @@ def test_per_tensor_int4_zeroes_small_logits_per_row_keeps_them():
 
 
 # ----------------------------------------------------------------------------------------- plans
-def test_every_preset_applies_to_every_kind(kind):
+def test_every_preset_applies_to_every_kind(any_kind):
     for name in PRESETS:
         if name.startswith(("quanto", "bnb")):
             continue
         # every width a multiple of 128 (the weights presets' groups of 128 divide every Linear), heads of 64
         # (kv4-compact's channel groups of 64 tile them)
-        model = tiny_model(kind, d_model=128, head_dim=64, ffn_dim=256)
+        model = tiny_model(any_kind, d_model=128, head_dim=64, ffn_dim=256)
         plan = preset(name)
         applied = apply_plan(model, plan)
         assert applied

@@ -34,7 +34,7 @@ from diffquant.quant.smoothquant import (
     smoothing_groups,
 )
 
-SMOOTHED = ("q_proj", "k_proj", "v_proj", "lambda_proj", "gate", "up")
+SMOOTHED = ("q_proj", "k_proj", "v_proj", "lambda_proj", "gate_proj", "gate", "up")
 
 
 def _windows(n=4, t=24, vocab=61, seed=0):
@@ -162,7 +162,9 @@ def test_hf_names(hf_llama):
 
 
 # -------------------------------------------------------------------------------------------- smoothing
-@pytest.mark.parametrize("which", ["baseline", "diff_v1", "diff_v2", "hf-llama"])
+@pytest.mark.parametrize(
+    "which", ["baseline", "diff_v1", "diff_v2", "gated", "gated-headwise", "sink", "clipped", "hf-llama"]
+)
 def test_smoothing_keeps_logits_and_migrates_outliers(which, hf_llama):
     model = load_model(f"hf:{hf_llama}") if which == "hf-llama" else _plant(tiny_model(which))
     windows = _windows(vocab=model.config.vocab_size)
@@ -183,9 +185,8 @@ def test_smoothing_keeps_logits_and_migrates_outliers(which, hf_llama):
     groups = {n: lins for n, _, lins in smoothing_groups(model)}
     assert set(factors) == set(groups) and len(groups) == 2 * model.config.n_layers
     smoothed = {lin for lins in groups.values() for lin in lins}
-    assert {n.rsplit(".", 1)[1] for n in smoothed} == set(SMOOTHED) - (
-        set() if model.config.attention == "diff_v2" else {"lambda_proj"}
-    )
+    own = {"diff_v2": {"lambda_proj"}, "gated": {"gate_proj"}}.get(model.config.attention, set())
+    assert {n.rsplit(".", 1)[1] for n in smoothed} == set(SMOOTHED) - {"lambda_proj", "gate_proj"} | own
     new_scales = collect_act_scales(model, windows, batch_size=2)
     for norm_name, lins in groups.items():
         s = factors[norm_name].double()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import shard_safetensors
+from conftest import ALL_KINDS, shard_safetensors
 
 from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import evaluate_stream
@@ -21,7 +21,7 @@ from diffquant.stream import (
     would_stream,
 )
 
-KINDS = ("baseline", "diff_v1", "diff_v2")
+KINDS = ALL_KINDS  # the rivals (gated, sink, clipped) stream like the three DIFF-paper kinds
 
 
 def _windows(vocab: int, n: int = 5, length: int = 24, seed: int = 1) -> torch.Tensor:
@@ -95,7 +95,7 @@ def test_sharded_hf_folder_streams_like_whole_and_a_missing_shard_fails_first(tm
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("kind", ["baseline", "diff_v2"])
+@pytest.mark.parametrize("kind", ["baseline", "diff_v2", "gated"])
 def test_static_plan_streamed_equals_whole(folders, kind):
     plan = QuantPlan.load("w8a8-tensor")
     model = load_model(str(folders[kind]))

@@ -49,7 +49,7 @@ from diffquant.io.assemble import (  # noqa: F401 (FLOAT_DTYPES: public here too
 )
 from diffquant.io.safetensors_source import TensorSource, open_tensors  # noqa: F401 (public here too)
 from diffquant.io.safetensors_source import checkpoint_folder as _folder
-from diffquant.models.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_problem
+from diffquant.models.config import HF_KINDS, ROPE_SCALING_KEYS, ModelConfig, rope_scaling_problem
 from diffquant.models.hf_names import hf_key_map
 from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE  # noqa: F401 (INDEX_FILE: public here too)
@@ -525,18 +525,14 @@ def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) ->
     baseline -> ``llama``, or the family its fields name (:func:`hf_model_type`: ``gemma3_text`` for the
     Gemma fields, ``qwen3`` for qk-norm, ``qwen2`` for q/k/v biases, ``mistral`` for a window alone); DIFF V1
     -> ``diffllama`` (a per-head norm
-    weight is folded into o_proj); DIFF V2 has no HF format. Tensors keep the model's dtype.
+    weight is folded into o_proj); DIFF V2 and the rival kinds (gated, sink, clipped) have no HF format.
+    Tensors keep the model's dtype.
     """
     config = model.config
     hf_model_type(config)  # refuses a combination no HF family holds, before anything is written
     if getattr(model, "quant_plan", None) is not None:
         raise DiffquantError(
             "export: model is quantized; HF llama/diffllama folders hold unquantized weights only"
-        )
-    if config.attention == "diff_v2":
-        raise DiffquantError(
-            "export: attention 'diff_v2' has no Hugging Face format (supported: baseline -> llama, "
-            "diff_v1 -> diffllama)"
         )
     if config.attention == "diff_v1":
         if config.v1_lambda_init is not None:
@@ -641,6 +637,11 @@ _GEMMA3_REQUIRED = {
 def hf_model_type(config: ModelConfig) -> str:
     """The HF ``model_type`` that holds ``config``: the smallest family with its fields, or a one-line refusal
     (Qwen3's ``attention_bias`` biases o_proj too, so qk-norm with q/k/v-only biases has no HF family)."""
+    if config.attention not in HF_KINDS:
+        raise DiffquantError(
+            f"export: attention {config.attention!r} has no Hugging Face format (supported: baseline -> llama, "
+            "diff_v1 -> diffllama)"
+        )
     gemma = {
         "layer_types": config.layer_types is not None,
         "rope_local_theta": config.rope_local_theta is not None,

@@ -1,4 +1,4 @@
-"""Attention-core kernels: an fp32 torch reference and fused Triton kernels for DIFF V1 / V2.
+"""Attention-core kernels: an fp32 torch reference (every kind) and fused Triton kernels for DIFF V1 / V2.
 
 The reference (:mod:`diffquant.kernels.reference`) is plain torch and imported eagerly; the Triton kernels
 (:mod:`diffquant.kernels.triton_diff`) are imported on first use, because importing Triton is slow, needs the
@@ -10,15 +10,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from diffquant.kernels.reference import CoreQuant, baseline_core, diff_v1_core, diff_v2_core
+from diffquant.kernels.reference import (
+    CoreQuant,
+    baseline_core,
+    clipped_core,
+    diff_v1_core,
+    diff_v2_core,
+    gated_core,
+    sink_core,
+)
 
 __all__ = [
     "CoreQuant",
     "baseline_core",
+    "clipped_core",
     "diff_v1_attention",
     "diff_v1_core",
     "diff_v2_attention",
     "diff_v2_core",
+    "gated_core",
+    "sink_core",
     "triton_available",
 ]
 

@@ -18,6 +18,9 @@ from diffquant.kernels.flash import flash_available
 from diffquant.kernels.reference import CoreQuant
 
 PATHS = ("sdpa", "explicit", "triton", "flash")
+# The kinds the Triton kernel and the flash-attn wrappers implement (models.config.DIFF_KINDS; kernels sit
+# below models, so the names are spelled here). Every other kind takes the torch paths.
+_KERNEL_KINDS = ("diff_v1", "diff_v2")
 KERNEL_MODES = ("auto", "triton", "off")
 
 
@@ -29,10 +32,11 @@ def _scheme(tap) -> Any | None:
 def kernel_core(attn) -> CoreQuant | None:
     """The CoreQuant the Triton kernel implements for this layer's quantizers, or None if it cannot.
 
-    Returns None for the baseline (no kernel: SDPA serves it), for any quantizer the kernel does not
+    Returns None for the baseline and the rival kinds (no kernel: SDPA or the explicit path serves them; the
+    kernel knows no gate, sink or clip, so it must never see them), for any quantizer the kernel does not
     implement, and for layers with no quantizer at all (the fused torch / flash paths are faster there).
     """
-    if attn.kind not in ("diff_v1", "diff_v2") or attn.head_dim not in (16, 32, 64, 128):
+    if attn.kind not in _KERNEL_KINDS or attn.head_dim not in (16, 32, 64, 128):
         return None
     if getattr(attn, "window", None) is not None:
         return None  # the kernel attends causally over every key: no sliding window
@@ -75,7 +79,7 @@ def kernel_core(attn) -> CoreQuant | None:
 
 def flash_ready(attn, x: torch.Tensor) -> bool:
     """An unquantized DIFF layer on CUDA with flash-attn installed and no map observed."""
-    if not x.is_cuda or attn.kind not in ("diff_v1", "diff_v2") or attn._maps_observed():
+    if not x.is_cuda or attn.kind not in _KERNEL_KINDS or attn._maps_observed():
         return False
     if getattr(attn, "window", None) is not None:
         return False  # diff_v*_flash call flash-attn without a window

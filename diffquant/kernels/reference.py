@@ -1,4 +1,4 @@
-"""fp32 torch reference of the (quantized) attention core of the baseline, DIFF V1 and DIFF V2.
+"""fp32 torch reference of the (quantized) attention core of the baseline, DIFF V1, DIFF V2 and the rivals.
 
 The inputs are already projected and rotated (RoPE), in the layout the model's ``q``/``k``/``v`` taps see:
 (batch, heads, positions, channels). Everything is computed in fp32 except the casts a :class:`CoreQuant`
@@ -11,6 +11,11 @@ Semantics followed (formulas only, written from the papers):
   head_i = (1 - lambda_init) * RMSNorm_2d(A1 V - lambda A2 V) * weight, A_c = softmax(Q_c K_c^T / sqrt(d)).
 * DIFF V2 (the DIFF V2 post, unilm ``multihead_flashdiffv2``): out_i = A[2i] V - lambda_{i,t} A[2i+1] V, the two
   query heads of a pair interleaved and sharing one kv head.
+* The rivals (issue 30) on the baseline's GQA core: gated (Qiu et al. 2025, arXiv 2505.06708, Sec. 2.2, G1):
+  out = (A V) ⊙ g with g = sigmoid(x W_theta) given; sink (Miller 2023; gpt-oss): p_j = exp(l_j) /
+  (exp(s_h) + sum_k exp(l_k)); clipped (Bondarenko et al. 2023, arXiv 2306.12929, Sec. 4.1):
+  p = clip((zeta - gamma) softmax(l) + gamma, 0, 1). No Triton kernel implements them (``dispatch`` sends
+  them to the torch paths); these cores are the oracle of the model's paths under the same CoreQuant casts.
 * SageAttention (Zhang et al. 2024, arXiv 2410.02367): int8 Q/K per block of tokens, K "smoothed" by its mean
   over tokens (softmax-invariant: it shifts every logit of a query row by the same q . mean(K)), and fp8 P*V
   with P scaled by 448 (the e4m3 maximum) before the cast.
@@ -24,6 +29,8 @@ same numbers:
   rounding (``get_format(...).round``: round-half-even for int8, RNE + saturation for e4m3).
 * K smoothing subtracts the mean over *all* positions (per batch, head, channel) before quantizing and adds it
   back after (``smooth: true``), so the dequantized K includes the mean, as in the model.
+* The sink logit is not quantized with the logits (the model's ``logits`` tap holds the key logits only);
+  P's cast applies to the probabilities after the sink / clip, what the model's ``probs`` tap sees.
 * P in fp8: each softmax map is quantized on its own (the model has separate ``probs1``/``probs2`` taps for
   the two maps of a DIFF head), normalized probabilities, static scale s = float32(1/448): round(P / s) * s.
   Note P / float32(1/448) is not bitwise P * 448; the model's arithmetic is kept.
@@ -51,8 +58,10 @@ __all__ = [
     "TokenQuant",
     "attention_probs",
     "baseline_core",
+    "clipped_core",
     "diff_v1_core",
     "diff_v2_core",
+    "gated_core",
     "kv_heads_baseline",
     "kv_heads_v1",
     "kv_heads_v2",
@@ -61,6 +70,7 @@ __all__ = [
     "quantize_qk",
     "quantize_tokens",
     "quantize_values",
+    "sink_core",
 ]
 
 QK_FORMATS = (None, "int8", "fp8_e4m3")
@@ -246,12 +256,16 @@ def attention_probs(
     causal: bool = True,
     quant: CoreQuant = CoreQuant(),
     logits_scale: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    clip: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Softmax maps (B, nq, T, S) of (already quantized) q (B, nq, T, d) against k (B, nk, S, d).
 
     Query head j reads k head ``kv_head[j]``. Logits = q k^T / sqrt(d) in fp32 (as the model: matmul, then the
     scale), logit quantization with ``logits_scale`` (nq,), causal mask aligned bottom-right (query t of T sees
     keys <= S - T + t, the model's rule for prefill and cached decoding), fp32 softmax, then P's own cast.
+    ``sink`` (nq,): one more logit per head in each row's denominator (its probability dropped); ``clip``
+    (gamma, zeta): the clipped softmax clip((zeta - gamma) p + gamma, 0, 1).
     """
     kx = k.index_select(1, kv_head.to(k.device))
     logits = torch.matmul(q, kx.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
@@ -264,7 +278,15 @@ def attention_probs(
         q_pos = torch.arange(s_len - t, s_len, device=q.device)[:, None]
         valid = torch.arange(s_len, device=q.device)[None, :] <= q_pos
         logits = logits.masked_fill(~valid, float("-inf"))
-    return quantize_probs(torch.softmax(logits, dim=-1), quant.pv)
+    if sink is None:
+        p = torch.softmax(logits, dim=-1)
+    else:
+        column = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        p = torch.softmax(torch.cat([column, logits], dim=-1), dim=-1)[..., 1:]
+    if clip is not None:
+        gamma, zeta = clip
+        p = ((zeta - gamma) * p + gamma).clamp(0.0, 1.0)
+    return quantize_probs(p, quant.pv)
 
 
 def _check4(name: str, x: torch.Tensor) -> None:
@@ -356,16 +378,78 @@ def diff_v1_core(
 
 
 def baseline_core(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, quant: CoreQuant = CoreQuant()
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    quant: CoreQuant = CoreQuant(),
+    sink: torch.Tensor | None = None,
+    clip: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """Baseline GQA core: q (B, H, T, d), k/v (B, Hkv, S, d) -> (B, H, T, d) fp32."""
+    """Baseline GQA core: q (B, H, T, d), k/v (B, Hkv, S, d) -> (B, H, T, d) fp32. ``sink`` / ``clip``: the
+    rivals' softmax (see :func:`attention_probs`; :func:`sink_core`, :func:`clipped_core`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check4(name, x)
     kv_head = kv_heads_baseline(q.shape[1], k.shape[1])
     qf, kf, _, _ = quantize_qk(q, k, quant)
     vq, vs = quantize_values(v, quant.pv)
     vf = (vq * vs).index_select(1, kv_head.to(v.device))
+    if sink is not None and sink.shape != (q.shape[1],):
+        raise DiffquantError(
+            f"sink: expected one logit per head, shape ({q.shape[1]},), got {tuple(sink.shape)}"
+        )
     p = attention_probs(
-        qf, kf, kv_head, causal=causal, quant=quant, logits_scale=logits_scales(quant, q.shape[1], q.device)
-    )
+        qf, kf, kv_head, causal=causal, quant=quant, logits_scale=logits_scales(quant, q.shape[1], q.device),
+        sink=sink, clip=clip,
+    )  # fmt: skip
     return torch.matmul(p, vf)
+
+
+def gated_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    causal: bool = True,
+    quant: CoreQuant = CoreQuant(),
+) -> torch.Tensor:
+    """Gated attention core (Qiu et al. 2025, G1): the baseline core times ``gate`` (B, H, T, 1 | d), the
+    sigmoid gates (head-wise or element-wise) -> (B, H, T, d) fp32."""
+    _check4("gate", gate)
+    out = baseline_core(q, k, v, causal=causal, quant=quant)
+    if gate.shape[:3] != out.shape[:3] or gate.shape[-1] not in (1, out.shape[-1]):
+        raise DiffquantError(
+            f"gate: expected (B, H, T, 1 or {out.shape[-1]}) = {tuple(out.shape[:3])}, got {tuple(gate.shape)}"
+        )
+    return out * gate.float()
+
+
+def sink_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor,
+    *,
+    causal: bool = True,
+    quant: CoreQuant = CoreQuant(),
+) -> torch.Tensor:
+    """Sink attention core: the baseline core with one sink logit per head (``sink`` (H,); zeros = softmax-
+    off-by-one) in every softmax denominator -> (B, H, T, d) fp32."""
+    return baseline_core(q, k, v, causal=causal, quant=quant, sink=sink)
+
+
+def clipped_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    gamma: float = -0.025,
+    zeta: float = 1.0,
+    causal: bool = True,
+    quant: CoreQuant = CoreQuant(),
+) -> torch.Tensor:
+    """Clipped-softmax core (Bondarenko et al. 2023): the baseline core with P = clip((zeta - gamma) softmax +
+    gamma, 0, 1) -> (B, H, T, d) fp32."""
+    return baseline_core(q, k, v, causal=causal, quant=quant, clip=(gamma, zeta))

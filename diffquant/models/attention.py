@@ -1,8 +1,11 @@
-"""Baseline, DIFF V1 and DIFF V2 causal self-attention with taps at every probe point.
+"""Baseline, DIFF V1, DIFF V2 and the rival kinds' causal self-attention, with taps at every probe point.
 
 Semantics follow the DIFF paper (arXiv 2410.05258), with the unilm flash variants as reference, and the
-DIFF V2 post of 2026-01-20. All three kinds reduce to one core: one or two
+DIFF V2 post of 2026-01-20. All kinds reduce to one core: one or two
 softmax maps per output head, combined as ``A1 - lambda * A2`` for DIFF, applied to a value head.
+The rivals (issue 30) change one step of that core each: ``gated`` multiplies each head's output by a
+sigmoid gate of the layer input (Qiu et al. 2025), ``sink`` adds one logit per head to every softmax
+denominator (Miller 2023; gpt-oss), ``clipped`` stretches and clips the softmax (Bondarenko et al. 2023).
 
 Two execution paths compute that core:
 - fused: torch SDPA, used when nobody observes the maps (the common case, and what GPU kernels replace);
@@ -17,7 +20,9 @@ once into ``Attention.window`` / ``rope_theta`` / ``rope_scaling``), so every pa
 
 A hook on a map tap only observes: the maps are computed for it, but the layer's output still comes from
 the fused path, so profiling never changes a model's logits. A quantizer on a map tap rewrites the maps,
-so then the explicit path's output is used.
+so then the explicit path's output is used. A kind with no fused form (``clipped``: SDPA cannot clip its
+probabilities) always takes the explicit path; ``sink`` runs on SDPA with the sink as one extra key
+(:meth:`Attention._fused`).
 """
 
 from __future__ import annotations
@@ -205,13 +210,20 @@ class LayerKV:
 
 
 class Attention(nn.Module):
-    """Shared machinery of the three kinds: projections, RoPE, cache, taps and both execution paths.
+    """Shared machinery of every kind: projections, RoPE, cache, taps and both execution paths.
 
     Subclasses say how Q/K/V heads form the one or two maps per output head and what happens to the
-    per-head output (``_components``, ``_lambda``, ``_finish_heads``).
+    per-head output (``_components``, ``_lambda``, ``_finish_heads``), and the rivals what changes in the
+    softmax or after it (``_sink_logits``, ``_normalise``, ``_gate``).
     """
 
     kind = ""
+    # False: no SDPA form (the explicit path always computes the output, whatever ``path`` says).
+    fused = True
+    # The Linears that read the layer input x (the attention norm's output). R1 rotation rotates every
+    # reader of the residual stream and SmoothQuant smooths them as one group, so a kind's own reader of x
+    # must be named here (:meth:`input_linears`).
+    input_readers: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, config: ModelConfig, depth: int) -> None:
         super().__init__()
@@ -221,7 +233,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.value_dim = c.value_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        k_heads = 2 * c.n_kv_heads if self.kind == "diff_v1" else c.n_kv_heads
+        k_heads = 2 * c.n_kv_heads if self.kind == "diff_v1" else c.n_kv_heads  # DIFF V1: two K components
         bias = c.attention_bias  # Qwen2: q, k, v only; o never
         self.q_proj = Linear(c.d_model, c.n_q_heads * c.head_dim, bias=bias)
         self.k_proj = Linear(c.d_model, k_heads * c.head_dim, bias=bias)
@@ -255,6 +267,10 @@ class Attention(nn.Module):
             self._rope_cache = (key, rope_inv_freq(self.head_dim, theta, rope_scaling, device))
         return self._rope_cache[1]
 
+    def input_linears(self) -> dict[str, Linear]:
+        """The Linears reading the layer input, by attribute name (see ``input_readers``)."""
+        return {name: getattr(self, name) for name in self.input_readers}
+
     # ------------------------------------------------------------------------------ kind-specific
     def _components(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -269,6 +285,18 @@ class Attention(nn.Module):
     def _finish_heads(self, out: torch.Tensor) -> torch.Tensor:
         """Post-processing of the per-head output (B, H, T, dv)."""
         return out
+
+    def _sink_logits(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Per-head sink logits (H,) joining every softmax denominator, or None (no sink)."""
+        return None
+
+    def _normalise(self, logits: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+        """Attention probabilities from masked logits (-inf where invalid), in the logits' dtype."""
+        return torch.softmax(logits, dim=-1)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Gate (B, T, H, 1 | dv) multiplying the per-head output, from the layer input x, or None."""
+        return None
 
     def _map_taps(self) -> list[Tap]:
         return [m for m in self.children() if isinstance(m, Tap) and m.kind in MAP_KINDS]
@@ -297,7 +325,7 @@ class Attention(nn.Module):
             # the q/k/v and map taps are not called on this path.
             out = dispatch.run_kernel(self, q, k, v, self._lambda(x), core)
             self.last_path = "triton"
-            return self._output(out, bsz, t)
+            return self._output(out, x)
         q, k, v = self.q(q), self.k(k), self.v(v)
         if cache is not None and cache.pre_rope:
             # KVQuant's pre-RoPE keys: the cache stores keys before RoPE; every key it returns is rotated
@@ -317,22 +345,29 @@ class Attention(nn.Module):
         if cache is None and x.is_cuda and _flash_ready(self, x):
             out = (flash.diff_v2_flash if self.kind == "diff_v2" else flash.diff_v1_flash)(q, k, v, lam)
             self.last_path = "flash"
-            return self._output(self._finish_heads(out), bsz, t)
+            return self._output(self._finish_heads(out), x)
+        sink = self._sink_logits(q)
         components, v = self._components(q, k, v)
         if self._use_explicit():
-            out = self._explicit(components, v, lam, pos0)
+            out = self._explicit(components, v, lam, pos0, sink=sink)
             self.last_path = "explicit"
         else:
             if self._maps_observed():
                 # Observers see the maps, but the output stays the fused one, bit for bit.
-                self._explicit(components, v, lam, pos0, need_output=False)
-            out = self._fused(components, v, lam, pos0)
+                self._explicit(components, v, lam, pos0, need_output=False, sink=sink)
+            out = self._fused(components, v, lam, pos0, sink=sink)
             self.last_path = "sdpa"
-        return self._output(self._finish_heads(out), bsz, t)
+        return self._output(self._finish_heads(out), x)
 
-    def _output(self, out: torch.Tensor, bsz: int, t: int) -> torch.Tensor:
-        """Per-head output (B, H, T, dv) -> head_out tap -> o_proj -> attn_out tap."""
-        out = self.head_out(out.transpose(1, 2))  # (B, T, H, dv)
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-head output (B, H, T, dv) -> the gate, if the kind has one -> head_out tap -> o_proj -> attn_out
+        tap. ``x`` is the layer input (B, T, d_model), which the gate reads."""
+        bsz, t, _ = x.shape
+        out = out.transpose(1, 2)  # (B, T, H, dv)
+        gate = self._gate(x)
+        if gate is not None:
+            out = (out.to(gate.dtype) * gate).to(out.dtype)
+        out = self.head_out(out)
         return self.out(self.o_proj(out.reshape(bsz, t, -1)))
 
     def _kernel_core(self, x: torch.Tensor, cache: LayerKV | None):
@@ -345,7 +380,10 @@ class Attention(nn.Module):
         return dispatch.kernel_core(self)
 
     def _use_explicit(self) -> bool:
-        """Explicit output when forced, or when a quantizer rewrites a map (hooks alone only observe)."""
+        """Explicit output when forced, when a quantizer rewrites a map (hooks alone only observe), or when
+        the kind has no fused form."""
+        if not self.fused:
+            return True
         if self.path == "auto":
             return any(tap.quantizer is not None for tap in self._map_taps())
         return self.path == "explicit"
@@ -353,11 +391,13 @@ class Attention(nn.Module):
     def _maps_observed(self) -> bool:
         return self.path != "fused" and any(tap.active for tap in self._map_taps())
 
-    def _fused(self, components, v, lam, pos0: int) -> torch.Tensor:
+    def _fused(self, components, v, lam, pos0: int, sink: torch.Tensor | None = None) -> torch.Tensor:
         t, s = components[0][0].shape[2], components[0][1].shape[2]
         mask = None
         causal = False
-        if self.window is not None and s > self.window:
+        if sink is not None:
+            components, v, mask = self._sink_as_key(components, v, sink, pos0)
+        elif self.window is not None and s > self.window:
             # The last query's window starts after key 0 (a prefill longer than the window, or a decode step
             # past it): SDPA's is_causal cannot express that, so the window goes in as a boolean mask.
             mask = _valid_mask(t, s, pos0, v.device, self.window)[0, 0]
@@ -390,7 +430,29 @@ class Attention(nn.Module):
         dtype = compute_dtype(v.dtype)
         return (outs[0].to(dtype) - lam.to(dtype) * outs[1].to(dtype)).to(v.dtype)
 
-    def _explicit(self, components, v, lam, pos0: int, need_output: bool = True) -> torch.Tensor | None:
+    def _sink_as_key(self, components, v, sink: torch.Tensor, pos0: int):
+        """SDPA has no sink, but a sink is exactly one more key whose logit is s and whose value is 0: it joins
+        the softmax denominator and adds nothing to the output (gpt-oss appends the sink logit as a column
+        and drops its probability; same thing). The logit s comes out of the dot product through one extra
+        channel: queries get a 1 there, real keys a 0 (their logits are unchanged), the sink key s / scale
+        (SDPA multiplies by scale), so no (H, T, S) float bias is ever built. The sink key goes first and is
+        visible to every query (windowed or not, as in gpt-oss); the rest of the mask is the layer's causal /
+        windowed one, as a (T, 1 + S) boolean. Returns (components, v, mask) for SDPA."""
+        ((qc, kc),) = components
+        bsz, heads, t, d = qc.shape
+        s = kc.shape[2]
+        q1 = torch.cat([qc, qc.new_ones(bsz, heads, t, 1)], dim=-1)
+        sink_key = kc.new_zeros(bsz, heads, 1, d + 1)
+        sink_key[..., -1] = (sink.to(compute_dtype(kc.dtype)) / self.scale).to(kc.dtype).view(1, heads, 1)
+        k1 = torch.cat([sink_key, F.pad(kc, (0, 1))], dim=2)
+        v1 = torch.cat([v.new_zeros(bsz, heads, 1, v.shape[-1]), v], dim=2)
+        valid = _valid_mask(t, s, pos0, v.device, self.window)[0, 0]
+        mask = torch.cat([valid.new_ones(t, 1), valid], dim=1)
+        return [(q1, k1)], v1, mask
+
+    def _explicit(
+        self, components, v, lam, pos0: int, need_output: bool = True, sink: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         bsz, heads, t, _ = components[0][0].shape
         s = components[0][1].shape[2]
         chunk = self.chunk_size or max(1, DEFAULT_MAP_BUDGET // max(1, bsz * heads * s))
@@ -414,7 +476,7 @@ class Attention(nn.Module):
                 logits = torch.matmul(qc[:, :, t0:t1].to(dtype), kc.to(dtype).transpose(-1, -2)) * self.scale
                 logits = getattr(self, "logits" + suffix)(logits, valid)
                 if need_probs:
-                    p = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+                    p = self._normalise(logits.masked_fill(~valid, float("-inf")), sink)
                     probs.append(getattr(self, "probs" + suffix)(p, valid))
             if not need_probs:
                 continue
@@ -528,6 +590,7 @@ class DiffV2Attention(Attention):
     """
 
     kind = "diff_v2"
+    input_readers = (*Attention.input_readers, "lambda_proj")  # lambda = sigmoid(lambda_proj(x))
 
     def __init__(self, config: ModelConfig, depth: int) -> None:
         super().__init__(config, depth)
@@ -550,8 +613,108 @@ class DiffV2Attention(Attention):
         return [(q[:, 0::2], k), (q[:, 1::2], k)], v
 
 
+class GatedAttention(BaselineAttention):
+    """Gated attention (Qiu et al. 2025, "Gated Attention for Large Language Models", arXiv 2505.06708,
+    Sec. 2.2, the G1 position): the baseline's heads, each head's SDPA output Y multiplied by a sigmoid gate
+    of the layer input X (the pre-normed hidden state q/k/v read), before the heads are concatenated for
+    o_proj:
+
+        Y' = Y ⊙ sigmoid(X W_theta)
+
+    ``config.gate`` = "elementwise": W_theta is d_model x (n_heads * head_dim), one gate per output channel
+    (the paper's best variant, Qwen3-Next's); "headwise": d_model x n_heads, one scalar per head broadcast
+    over its channels. W_theta is ``gate_proj``, a Linear like q/k/v (so plans quantize it and R1 rotates it);
+    the sigmoid runs in the compute dtype (fp32 for half-precision models). Taps: ``gate`` (kind
+    ``attn_gate``, the sigmoid values, (B, T, H, dv | 1)); ``head_out`` sees the gated output o_proj reads.
+    """
+
+    kind = "gated"
+    input_readers = (*Attention.input_readers, "gate_proj")
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__(config, depth)
+        self.gate_width = config.value_dim if config.gate == "elementwise" else 1
+        self.gate_proj = Linear(config.d_model, config.n_heads * self.gate_width)
+        self.gate = Tap("attn_gate")
+
+    def _gate(self, x):
+        z = self.gate_proj(x)
+        g = torch.sigmoid(z.to(compute_dtype(z.dtype)))
+        return self.gate(g.view(*x.shape[:2], self.n_heads, self.gate_width))  # (B, T, H, dv | 1)
+
+
+class SinkAttention(BaselineAttention):
+    """Softmax with an attention sink: one extra logit s_h per head in every row's softmax denominator,
+    whose probability is dropped, so a head can put less than all of its attention on the keys:
+
+        p_j = exp(l_j) / (exp(s_h) + sum_k exp(l_k))
+
+    ``config.sink`` = "zero": s_h = 0, softmax-off-by-one (Miller 2023, "Attention Is Off By One": softmax_1);
+    "learned": s_h a trained parameter per head (``sinks``, zero at init; OpenAI 2025, gpt-oss: "a learned
+    bias in the denominator of the softmax"). The sink is always visible (a sliding window does not hide it).
+    Taps: ``sink_logit`` (kind ``sink_logit``, the (H,) logits; quantizing it quantizes the sink, the
+    ``logits`` tap holds the key logits only); ``probs`` are the key probabilities, whose rows sum to
+    1 - the sink's share. The fused path runs SDPA with the sink as one extra key
+    (:meth:`Attention._sink_as_key`).
+    """
+
+    kind = "sink"
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__(config, depth)
+        self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.sink == "learned" else None
+        self.sink_logit = Tap("sink_logit")
+
+    def reset_sinks(self) -> None:
+        """The initial sinks: zero (the model starts as softmax-off-by-one)."""
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
+
+    def _sink_logits(self, like):
+        s = self.sinks if self.sinks is not None else like.new_zeros(self.n_heads)
+        return self.sink_logit(s)
+
+    def _normalise(self, logits, sink):
+        # gpt-oss's form: the sink logit as one more column of the row, its probability dropped.
+        column = sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([column, logits], dim=-1), dim=-1)[..., 1:]
+
+
+class ClippedAttention(BaselineAttention):
+    """Clipped softmax (Bondarenko et al. 2023, "Quantizable Transformers: Removing Outliers by Helping
+    Attention Heads Do Nothing", arXiv 2306.12929, Sec. 4.1):
+
+        clipped_softmax(x; zeta, gamma) = clip((zeta - gamma) * softmax(x) + gamma, 0, 1)
+
+    gamma = ``config.clip_gamma`` (default -0.025) <= 0 and zeta = ``config.clip_zeta`` (default 1) >= 1 let
+    a head reach exact 0 (and 1) with finite logits, so it need not grow outliers to do nothing. Rows no
+    longer sum to 1 (that is the paper's). Masked keys stay 0: gamma clips to 0. SDPA cannot clip, so this
+    kind always takes the explicit path (in query chunks: the clip is per entry, so chunking is exact);
+    ``probs`` sees the clipped probabilities that multiply V.
+    """
+
+    kind = "clipped"
+    fused = False
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__(config, depth)
+        self.clip_gamma, self.clip_zeta = float(config.clip_gamma), float(config.clip_zeta)
+
+    def _normalise(self, logits, sink):
+        p = torch.softmax(logits, dim=-1)
+        return ((self.clip_zeta - self.clip_gamma) * p + self.clip_gamma).clamp(0.0, 1.0)
+
+
 # Keyed by each class's ``kind`` (a name of config.ATTENTION_KINDS), in that table's order.
 ATTENTION_CLASSES: dict[str, type[Attention]] = {
-    cls.kind: cls for cls in (BaselineAttention, DiffV1Attention, DiffV2Attention)
+    cls.kind: cls
+    for cls in (
+        BaselineAttention,
+        DiffV1Attention,
+        DiffV2Attention,
+        GatedAttention,
+        SinkAttention,
+        ClippedAttention,
+    )
 }
 assert tuple(ATTENTION_CLASSES) == ATTENTION_KINDS, "one attention class per kind of models.config"

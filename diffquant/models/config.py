@@ -1,4 +1,4 @@
-"""Model configuration: one dataclass for all three attention kinds, and the parameter-matched trio.
+"""Model configuration: one dataclass for every attention kind, and the parameter-matched set of kinds.
 
 Head counting follows what each kind computes, so that one field means one thing everywhere:
 
@@ -10,13 +10,27 @@ Head counting follows what each kind computes, so that one field means one thing
 RoPE: ``rope_theta`` is the base; ``rope_scaling`` (None = plain RoPE) rescales its frequencies for long
 context, in the two forms the Llama family uses (see :data:`ROPE_SCALING_KEYS`).
 
-Other decoder families, each one field whose default is the Llama behaviour (baseline attention only):
+Other decoder families, each one field whose default is the Llama behaviour (not for the DIFF kinds):
 ``attention_bias`` (Qwen2: biases on q/k/v, none on o), ``qk_norm`` (Qwen3: per-head RMSNorm on q and k before
 RoPE), ``sliding_window`` (Mistral, windowed Qwen2/3: a query at i sees keys j with i - window < j <= i, in every
 layer); Gemma 3's ``layer_types`` / ``rope_local_theta`` (which layers are windowed, and their RoPE base),
 ``norm_unit_offset`` ((1 + w) RMSNorms), ``sandwich_norms`` (post-attention / post-MLP norms),
 ``embed_scale`` and ``mlp_activation`` (GeGLU). The last four sit outside attention, so DIFF kinds take them
 too; the attention-side ones are refused for DIFF (no DIFF model has them and the DIFF kernels cannot window).
+
+Rival kinds, the single-softmax fixes of attention outliers the DIFF paper competes with (issue 30), each one
+kind with its variant in a field only that kind reads (other kinds must leave it at its default, so a typo'd
+kind is one line, not a silently ignored field):
+
+- ``gated`` (Qiu et al. 2025): a sigmoid gate from the layer input on each head's SDPA output; ``gate`` =
+  "elementwise" (one gate per output channel, the paper's best and Qwen3-Next's) or "headwise" (one per head).
+- ``sink`` (Miller 2023, "Attention Is Off By One"; OpenAI's gpt-oss 2025): one extra logit per head in each
+  softmax denominator; ``sink`` = "learned" (a trained logit per head, gpt-oss) or "zero" (softmax-off-by-one).
+- ``clipped`` (Bondarenko et al. 2023, "Quantizable Transformers"): clip((zeta - gamma) softmax + gamma, 0, 1);
+  ``clip_gamma`` / ``clip_zeta`` default to -0.025 / 1.
+
+They are single-map kinds built like the baseline (same heads and projections), so the family fields
+(``attention_bias``, ``qk_norm``, ``sliding_window``, Gemma's layer types) apply to them too.
 """
 
 from __future__ import annotations
@@ -36,22 +50,42 @@ from diffquant.schema import AssignStyle, check, key
 class AttentionKind:
     """One attention kind: ``name`` is the value of ``ModelConfig.attention`` (and of ``--kind``, ``init:KIND``,
     a zoo card's ``kind``); ``label`` is what figures and reports call it; ``differential``: two softmax maps
-    subtracted (DIFF V1, DIFF V2) rather than one."""
+    subtracted (DIFF V1, DIFF V2) rather than one; ``hf_format``: a transformers architecture holds it (so
+    ``diffquant export`` and Hugging Face module names exist for it: baseline -> llama and its families,
+    DIFF V1 -> diffllama)."""
 
     name: str
     label: str
     differential: bool
+    hf_format: bool
 
 
 # The one table of attention kinds; ATTENTION_KINDS and the labels derive from it.
 ATTENTION_KIND_TABLE: tuple[AttentionKind, ...] = (
-    AttentionKind("baseline", "Transformer", differential=False),
-    AttentionKind("diff_v1", "DIFF V1", differential=True),
-    AttentionKind("diff_v2", "DIFF V2", differential=True),
+    AttentionKind("baseline", "Transformer", differential=False, hf_format=True),
+    AttentionKind("diff_v1", "DIFF V1", differential=True, hf_format=True),
+    AttentionKind("diff_v2", "DIFF V2", differential=True, hf_format=False),
+    # The rivals (issue 30). transformers has gpt-oss (sinks) and Qwen3-Next (gates), but inside MoE models
+    # with other differences, so none has a Hugging Face format here.
+    AttentionKind("gated", "Gated attention", differential=False, hf_format=False),
+    AttentionKind("sink", "Softmax + sink", differential=False, hf_format=False),
+    AttentionKind("clipped", "Clipped softmax", differential=False, hf_format=False),
 )
 ATTENTION_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE)
 ATTENTION_LABELS: dict[str, str] = {k.name: k.label for k in ATTENTION_KIND_TABLE}
 DIFF_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE if k.differential)
+HF_KINDS: tuple[str, ...] = tuple(k.name for k in ATTENTION_KIND_TABLE if k.hf_format)
+
+# The variants of the rival kinds: ModelConfig.gate (kind gated) and ModelConfig.sink (kind sink) values.
+GATES: tuple[str, ...] = ("elementwise", "headwise")
+SINKS: tuple[str, ...] = ("learned", "zero")
+# Each variant field, the kind that reads it and its default; another kind must leave it at the default.
+VARIANT_FIELDS: dict[str, tuple[str, Any]] = {
+    "gate": ("gated", "elementwise"),
+    "sink": ("sink", "learned"),
+    "clip_gamma": ("clipped", -0.025),
+    "clip_zeta": ("clipped", 1.0),
+}
 
 # ModelConfig.mlp_activation values; LAYER_TYPES: the entries of ModelConfig.layer_types.
 MLP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
@@ -120,6 +154,16 @@ class ModelConfig:
     # The gated MLP's activation: "silu" (SwiGLU, Llama) or "gelu_tanh" (GeGLU with the tanh approximation
     # of GELU, Gemma's gelu_pytorch_tanh).
     mlp_activation: str = key("silu", check=lambda v: _one_of(v, MLP_ACTIVATIONS))
+    # Gated attention only (Qiu et al. 2025, G1): "elementwise" = one sigmoid gate per channel of each head's
+    # output (gate_proj d_model -> n_heads * head_dim), "headwise" = one per head (d_model -> n_heads).
+    gate: str = key("elementwise", check=lambda v: _one_of(v, GATES))
+    # Sink attention only: "learned" = one trained logit per head in every softmax denominator (gpt-oss's
+    # ``sinks``), "zero" = the constant logit 0 (softmax-off-by-one, Miller 2023); no parameter then.
+    sink: str = key("learned", check=lambda v: _one_of(v, SINKS))
+    # Clipped softmax only (Bondarenko et al. 2023): p = clip((zeta - gamma) softmax + gamma, 0, 1). gamma <= 0
+    # lets a probability reach exact 0, zeta >= 1 exact 1; (0, 1) is the plain softmax.
+    clip_gamma: float = key(-0.025, check=lambda v: _at_most(v, 0.0))
+    clip_zeta: float = key(1.0, check=lambda v: _at_least(v, 1.0))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,7 +185,14 @@ class ModelConfig:
             "n_kv_heads",
             f"a divisor of n_heads={self.n_heads}",
         )
-        if self.attention != "baseline":
+        for field, (reader, default) in VARIANT_FIELDS.items():
+            need(
+                self.attention == reader or getattr(self, field) == default,
+                field,
+                f"{json.dumps(default)} (the default) for attention {self.attention!r} "
+                f"(only attention {reader!r} reads it)",
+            )
+        if self.attention in DIFF_KINDS:
             # DIFF models with these exist nowhere to compare against, and the DIFF kernels cannot do a window.
             for field, off in (
                 ("attention_bias", False),
@@ -153,7 +204,7 @@ class ModelConfig:
                 need(
                     getattr(self, field) == off,
                     field,
-                    f"{json.dumps(off)} for attention {self.attention!r} (only baseline models support it)",
+                    f"{json.dumps(off)} for attention {self.attention!r} (DIFF models do not support it)",
                 )
 
         if self.layer_types is not None:
@@ -190,7 +241,7 @@ class ModelConfig:
     @property
     def n_q_heads(self) -> int:
         """Query heads of width d that the Q projection produces (two per head for DIFF)."""
-        return self.n_heads if self.attention == "baseline" else 2 * self.n_heads
+        return 2 * self.n_heads if self.attention in DIFF_KINDS else self.n_heads
 
     @property
     def value_dim(self) -> int:
@@ -266,6 +317,7 @@ OPTIONAL_FIELDS = {
     "sandwich_norms": False,
     "embed_scale": 1.0,
     "mlp_activation": "silu",
+    **{field: default for field, (_, default) in VARIANT_FIELDS.items()},
 }
 
 
@@ -281,6 +333,14 @@ def _number(value: Any, low: float, high: float | None, expected: str) -> str | 
     """None when ``value`` is a finite number in the open interval (low, high), else ``expected``."""
     ok = _is_number(value) and value > low and (high is None or value < high)
     return None if ok else expected
+
+
+def _at_most(value: Any, high: float) -> str | None:
+    return None if _is_number(value) and value <= high else f"a number <= {high:g}"
+
+
+def _at_least(value: Any, low: float) -> str | None:
+    return None if _is_number(value) and value >= low else f"a number >= {low:g}"
 
 
 def _scaling_problem(value: Any) -> str | None:
@@ -343,18 +403,31 @@ def rope_scaling_problem(scaling: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- matched trio
-def matched_config(base: ModelConfig, kind: str) -> ModelConfig:
-    """The ``kind`` model that is parameter-matched to the baseline config ``base``.
+def matched_config(base: ModelConfig, kind: str, **variant: Any) -> ModelConfig:
+    """The ``kind`` model that is parameter-matched to the baseline config ``base``; ``variant`` sets the
+    kind's variant fields (``gate="headwise"`` for gated, ``sink="zero"`` for sink, ``clip_gamma`` /
+    ``clip_zeta`` for clipped; :data:`VARIANT_FIELDS`), which the match depends on.
 
     diff_v1 (DIFF paper, Sec. 3): half the heads, each with two d-wide Q/K components and a 2d value head;
     under GQA the kv heads halve too. The projections then have exactly the baseline's shapes, so the only
     extra parameters are 4d (lambda vectors) + 2d (norm weight) per layer.
     diff_v2 (DIFF V2 post): 2h query heads of width d and a lambda projection add E*h*d + E*h per layer;
     the SwiGLU width shrinks by that amount / (3E), rounded, so the totals stay within 1 %.
+    gated / sink / clipped keep the baseline's heads and projections. gated adds gate_proj (E*h*d per layer
+    element-wise, E*h head-wise), sink h logits per layer (learned; none for zero), clipped nothing; the
+    SwiGLU width absorbs the extra as for diff_v2, within 0.5 % (tests/test_rival_kinds.py checks every
+    preset).
     """
     if base.attention != "baseline":
         raise DiffquantError(
             f"matched_config: base config must be a baseline, got attention={base.attention!r}"
+        )
+    wrong = sorted(f for f in variant if VARIANT_FIELDS.get(f, ("",))[0] != kind)
+    if wrong:
+        own = [f for f, (reader, _) in VARIANT_FIELDS.items() if reader == kind]
+        raise DiffquantError(
+            f"matched_config: attention {kind!r} takes variant field(s) {', '.join(own) or 'none'}, "
+            f"not {', '.join(wrong)}"
         )
     if kind == "baseline":
         return dataclasses.replace(base)
@@ -369,23 +442,46 @@ def matched_config(base: ModelConfig, kind: str) -> ModelConfig:
         )
     if kind == "diff_v2":
         extra = base.d_model * base.n_heads * base.head_dim + base.d_model * base.n_heads
-        exact = base.ffn_dim - extra / (3 * base.d_model)
-        if exact < 1:
-            raise DiffquantError(
-                f"matched_config: ffn_dim={base.ffn_dim} is too small to absorb diff_v2's extra query heads"
-            )
-        # Prefer a width that 32-element blocks (MX formats, int4 groups) divide, while within 0.9 %.
-        total = _count_parameters(base)
-        ffn = max(1, round(exact))
-        for multiple in (32, 16, 8):
-            candidate = max(multiple, multiple * round(exact / multiple))
-            if abs(3 * base.d_model * base.n_layers * (candidate - exact)) <= 0.009 * total:
-                ffn = candidate
-                break
-        return dataclasses.replace(base, attention="diff_v2", ffn_dim=ffn)
+        return dataclasses.replace(base, attention="diff_v2", ffn_dim=_absorbed_ffn(base, extra, 0.009, kind))
+    if kind in _RIVAL_KINDS:
+        config = dataclasses.replace(base, attention=kind, **variant)  # validates the variant's values
+        ffn = _absorbed_ffn(base, _rival_extra(config), _RIVAL_TOLERANCE, kind)
+        return dataclasses.replace(config, ffn_dim=ffn)
     raise DiffquantError(
         f"matched_config: unknown kind {kind!r}; expected one of {', '.join(ATTENTION_KINDS)}"
     )
+
+
+_RIVAL_KINDS = ("gated", "sink", "clipped")
+# How far a rival's FFN width may move off the exact match to land on a multiple of 32 / 16 / 8: the issue
+# asks for 0.5 % of the baseline's parameters; 0.45 % leaves room for the rounding of the exact width.
+_RIVAL_TOLERANCE = 0.0045
+
+
+def _rival_extra(c: ModelConfig) -> int:
+    """Parameters per layer a rival kind adds to the baseline's attention (see :func:`matched_config`)."""
+    if c.attention == "gated":
+        return c.d_model * c.n_heads * (c.head_dim if c.gate == "elementwise" else 1)
+    if c.attention == "sink":
+        return c.n_heads if c.sink == "learned" else 0
+    return 0
+
+
+def _absorbed_ffn(base: ModelConfig, extra: int, tolerance: float, kind: str) -> int:
+    """The SwiGLU width that absorbs ``extra`` parameters per layer: exact = ffn - extra / (3E), moved to a
+    multiple of 32 (then 16, 8) when that costs at most ``tolerance`` of the baseline's parameters, so
+    32-element blocks (MX formats, int4 groups) divide it; else the exact width rounded."""
+    exact = base.ffn_dim - extra / (3 * base.d_model)
+    if exact < 1:
+        raise DiffquantError(
+            f"matched_config: ffn_dim={base.ffn_dim} is too small to absorb {kind}'s extra parameters"
+        )
+    total = _count_parameters(base)
+    for multiple in (32, 16, 8):
+        candidate = max(multiple, multiple * round(exact / multiple))
+        if abs(3 * base.d_model * base.n_layers * (candidate - exact)) <= tolerance * total:
+            return candidate
+    return max(1, round(exact))
 
 
 def _count_parameters(c: ModelConfig) -> int:
@@ -397,15 +493,15 @@ def _count_parameters(c: ModelConfig) -> int:
 
 
 def matched_configs(base: ModelConfig) -> dict[str, ModelConfig]:
-    """baseline / diff_v1 / diff_v2 configs derived from one baseline config."""
+    """One config per attention kind (each in its default variant), derived from one baseline config."""
     return {kind: matched_config(base, kind) for kind in ATTENTION_KINDS}
 
 
 # Baseline presets, the one table of model sizes (its keys are the preset names of `--preset`, `init:KIND:PRESET`
 # and training recipes); `diffquant init --kind K --preset P` derives kind K from preset P.
 PRESETS: dict[str, ModelConfig] = {
-    # For trying every command in seconds. Widths chosen so every derived matrix (DIFF V2's FFN too)
-    # divides into 32-element blocks, so MX / group presets apply to all three kinds.
+    # For trying every command in seconds. Widths chosen so every derived matrix (DIFF V2's and the rivals'
+    # FFNs too) divides into 32-element blocks, so MX / group presets apply to every kind.
     "tiny": ModelConfig(
         d_model=96, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, ffn_dim=256, max_seq_len=256
     ),
@@ -420,7 +516,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset_config(preset: str, kind: str = "baseline") -> ModelConfig:
+def preset_config(preset: str, kind: str = "baseline", **variant: Any) -> ModelConfig:
     if preset not in PRESETS:
         raise DiffquantError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    return matched_config(PRESETS[preset], kind)
+    return matched_config(PRESETS[preset], kind, **variant)

@@ -6,7 +6,7 @@
 Dimension names: ``batch`` (sample in the batch), ``pos`` (query / token position), ``head``,
 ``channel`` (hidden or head channel), ``key`` (key position of an attention map). Taps see
 q/k/v after RoPE, maps per query chunk (with a ``valid`` mask), lambda as a scalar (DIFF V1, one per
-layer) or per token and head (DIFF V2).
+layer) or per token and head (DIFF V2), sink logits per head, gates per token, head and channel.
 """
 
 from __future__ import annotations
@@ -49,9 +49,13 @@ SITE_KIND_TABLE: tuple[SiteKind, ...] = (
     SiteKind("k", _HEADS, "keys (after RoPE)"),
     SiteKind("v", _HEADS, "values"),
     SiteKind("logits", _MAP, "attention logits", is_map=True),
+    # Sink attention only: the (H,) sink logits joining every softmax denominator (the same every token).
+    SiteKind("sink_logit", ("head",), "attention-sink logits"),
     SiteKind("probs", _MAP, "attention probabilities", is_map=True),
     SiteKind("lambda", None, "lambda"),
     SiteKind("diff_map", _MAP, "differential attention maps", is_map=True),
+    # Gated attention only: sigmoid(x W) per token, head and channel (channel width 1 for head-wise gates).
+    SiteKind("attn_gate", ("batch", "pos", "head", "channel"), "attention output gates"),
     SiteKind(
         "head_out", ("batch", "pos", "head", "channel"), "per-head attention outputs", shares_input=True
     ),

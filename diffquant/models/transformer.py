@@ -2,7 +2,7 @@
 
 Pre-norm blocks (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual), final RMSNorm, LM head,
 rotate-half RoPE, GQA, a KV cache and greedy generation. The attention kind is the only difference
-between baseline, DIFF V1 and DIFF V2 models. Gemma's config fields change pieces, not the shape: (1 + w)
+between baseline, DIFF V1, DIFF V2 and the rival kinds' models (gated, sink, clipped). Gemma's config fields change pieces, not the shape: (1 + w)
 norms, post-norms on both branches (sandwich), a scaled embedding and the tanh-GELU gate.
 """
 
@@ -25,6 +25,7 @@ from diffquant.models.attention import (
     LayerKV,
     Linear,
     RMSNorm,
+    SinkAttention,
 )
 from diffquant.models.config import ModelConfig
 from diffquant.models.taps import Tap, model_taps, select_taps
@@ -127,7 +128,8 @@ class DecoderLM(nn.Module):
         zeros for (1 + w) norms).
 
         DIFF V1's lambda vectors get N(0, 0.1) and DIFF V2's lambda_proj keeps PyTorch's default init, as in
-        the reference code.
+        the reference code. Learned sinks start at 0 (softmax-off-by-one); gated attention's gate_proj is a
+        projection like q/k/v (gates start near sigmoid(0) = 0.5).
         """
         std = self.config.init_std
         for name, module in self.named_modules():
@@ -141,6 +143,8 @@ class DecoderLM(nn.Module):
                 module.reset_gain()
             elif isinstance(module, DiffV1Attention):
                 module.reset_lambda()
+            elif isinstance(module, SinkAttention):
+                module.reset_sinks()
 
     # ---------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -203,6 +207,11 @@ class DecoderLM(nn.Module):
             raise DiffquantError(f"attention path {path!r}: expected one of {', '.join(ATTN_PATHS)}")
         if chunk_size is not None and chunk_size < 1:
             raise DiffquantError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
+        if path == "fused" and not all(attn.fused for attn in self.attention_modules()):
+            raise DiffquantError(
+                f"attention path 'fused': attention {self.config.attention!r} has no fused (SDPA) form (its "
+                "softmax is clipped); use auto or explicit"
+            )
         for attn in self.attention_modules():
             attn.path = path
             attn.chunk_size = chunk_size

@@ -371,9 +371,10 @@ def apply_plan(
     DiffquantError names the rule, its patterns and excludes. Per rule rather than per plan because a rule
     that quantizes nothing is a typo or a plan written for another model, and would otherwise pass silently
     (down to writing a "0 sites" quantized checkpoint) as long as another rule matched. Every shipped preset
-    selects only sites all three attention kinds have (Linear inputs, q / k / v, logits, probs), so each
-    applies to baseline, DIFF V1 and DIFF V2 models alike (tests/test_quant.py); a plan naming DIFF-only
-    sites (``kind:diff_map``, ``kind:lambda``) is refused on a baseline model for the same reason.
+    selects only sites every attention kind has (Linear inputs, q / k / v, logits, probs), so each
+    applies to baseline, DIFF V1, DIFF V2 and the rival kinds alike (tests/test_quant.py); a plan naming
+    DIFF-only sites (``kind:diff_map``, ``kind:lambda``) is refused on a baseline model for the same reason,
+    as one naming ``kind:attn_gate`` or ``kind:sink_logit`` is on a model without gates or sinks.
     All selections are resolved before the model is touched, so a refused plan leaves it unquantized.
     """
     if getattr(model, "quant_plan", None) is not None:

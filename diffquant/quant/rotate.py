@@ -6,13 +6,17 @@ RMSNorm(x Q) = RMSNorm(x) Q once the norm has no weight. So, with every RMSNorm'
 Linears that read its output:
 
 - ``residual`` (R1): the residual stream is carried as x Q. The embedding becomes E Q, every Linear that
-  reads the stream W Q (q / k / v, DIFF V2's lambda_proj, gate / up, the LM head), every Linear that writes
-  it Q^T W (o_proj, down). A tied LM head is untied (its folded norm weight differs from the embedding).
+  reads the stream W Q (q / k / v, DIFF V2's lambda_proj, gated attention's gate_proj: the attention's
+  ``input_linears``; gate / up, the LM head), every Linear that writes it Q^T W (o_proj, down). A tied LM
+  head is untied (its folded norm weight differs from the embedding).
 - ``heads`` (R2): per layer, each value head's output is rotated by a head-sized matrix R: V's rows R^T W_v,
-  O's input columns W_o R. Attention is linear in V (A1 V - lambda A2 V too), so the head output is
-  rotated by R and O undoes it. DIFF V1 normalises each 2d-wide head with RMSNorm(.) * weight *
-  (1 - lambda_init): its weight is folded into O first (an un-weighted RMSNorm commutes with R); the scalar
-  (1 - lambda_init) commutes with any R and stays where the kernels expect it.
+  O's input columns W_o R. Attention is linear in V (A1 V - lambda A2 V too; a sink's zero value, clipped
+  probabilities too), so the head output is rotated by R and O undoes it. DIFF V1 normalises each 2d-wide
+  head with RMSNorm(.) * weight * (1 - lambda_init): its weight is folded into O first (an un-weighted
+  RMSNorm commutes with R); the scalar (1 - lambda_init) commutes with any R and stays where the kernels
+  expect it. A head-wise gate (one scalar per head) commutes with R; an element-wise gate multiplies each
+  channel of the head output by its own gate, (Y R) ⊙ g != (Y ⊙ g) R, so R2 is skipped for it (the report
+  says so; R1, R3 and R4 still run), rather than refusing every rotation preset on those models.
 - ``ffn`` (R4): an online rotation of the down projection's input, x -> x Q, with W_down Q folded into
   the weight; the ``mlp.down.input`` tap (profiled, quantized) sees the rotated activation.
 - ``qk`` (R3): an online rotation of Q and K after RoPE, q -> q R, k -> k R per head: every logit q.k is
@@ -181,12 +185,15 @@ def _fold_norm(norm: RMSNorm, readers: list[nn.Linear]) -> None:
 
 
 def _readers(block: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:
-    """The Linears reading the attention norm's output and the MLP norm's output."""
-    attn = block.attn
-    first = [attn.q_proj, attn.k_proj, attn.v_proj]
-    if hasattr(attn, "lambda_proj"):  # DIFF V2: lambda = sigmoid(lambda_proj(x)) reads the normed stream
-        first.append(attn.lambda_proj)
-    return first, [block.mlp.gate, block.mlp.up]
+    """The Linears reading the attention norm's output (q / k / v and the kind's own: DIFF V2's lambda_proj,
+    gated attention's gate_proj) and the MLP norm's output."""
+    return list(block.attn.input_linears().values()), [block.mlp.gate, block.mlp.up]
+
+
+def _heads_commute(attn: nn.Module) -> bool:
+    """False when a per-head rotation of V / O (R2) does not commute with the attention: an element-wise
+    output gate multiplies each channel of the head output by its own gate."""
+    return getattr(attn, "gate_width", 1) == 1
 
 
 def _check_model(model: nn.Module) -> None:
@@ -208,6 +215,8 @@ def _check_sizes(model: nn.Module, spec: RotateSpec) -> None:
         "ffn": model.layers[0].mlp.down.in_features,
         "qk": attn.head_dim,
     }
+    if not _heads_commute(attn):
+        del sizes["heads"]  # R2 is skipped for this model: its size needs no matrix
     for place, n in sizes.items():
         if getattr(spec, place) == "hadamard" and not had.has_hadamard(n):
             hadamard_orthogonal(n, spec.block, f"rotate.{place}")  # raises unless the block form exists
@@ -301,8 +310,11 @@ def prepare_rotation(model: nn.Module, spec: RotateSpec, weights: bool = True) -
         how = describe(d, spec.residual, spec, "rotate.residual")
         report.append(("residual (R1)", f"{how}, d {d}; norms folded into their readers"))
     if weights and spec.heads != "none":
-        how = describe(attn.value_dim, spec.heads, spec, "rotate.heads")
-        report.append(("heads (R2)", f"{how}, per value head of {attn.value_dim}"))
+        if _heads_commute(attn):
+            how = describe(attn.value_dim, spec.heads, spec, "rotate.heads")
+            report.append(("heads (R2)", f"{how}, per value head of {attn.value_dim}"))
+        else:
+            report.append(("heads (R2)", "skipped: an element-wise output gate does not commute with it"))
     if spec.ffn != "none":
         n = model.layers[0].mlp.down.in_features
         how = describe(n, spec.ffn, spec, "rotate.ffn")
@@ -354,7 +366,7 @@ class StageRotation:
                 _mul_right(linear, q)
             _mul_left(block.attn.o_proj, q)
             _mul_left(block.mlp.down, q)
-        if self.weights and spec.heads != "none":
+        if self.weights and spec.heads != "none" and _heads_commute(block.attn):
             _rotate_heads_layer(i, block, spec)
         if spec.ffn != "none":
             _rotate_ffn_layer(i, block, spec, self.weights)

@@ -13,7 +13,7 @@ Smoothing migrates quantization difficulty from activations to weights with a pe
     s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
 
 where max|W_j| is taken over the output rows of every Linear that reads X (q/k/v [+ DIFF V2's
-lambda_proj] read the attention norm's output; gate/up read the MLP norm's output). Then
+lambda_proj, gated attention's gate_proj] read the attention norm's output; gate/up read the MLP norm's output). Then
 X' = X diag(s)^-1 and W' = diag(s) W, which leaves X W^T unchanged: the division is folded into the
 preceding RMSNorm's gain (norm.weight_j /= s_j; with Gemma's (1 + w) norms (1 + w_j) /= s_j) and the multiplication into the Linear weights'
 input columns (W[:, j] *= s_j). As in the reference ``smooth_ln_fcs``, s is clamped to >= 1e-5 and
@@ -33,6 +33,7 @@ from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear, RMSNorm
+from diffquant.models.config import HF_KINDS
 from diffquant.models.hf_names import hf_key_map
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
@@ -136,6 +137,11 @@ def hf_module_names(model: nn.Module) -> dict[str, str]:
                 "no HF format); use names 'native'"
             )
         out[name] = mapping[name]
+    if config.attention not in HF_KINDS:  # every Linear has a llama name, but no HF model reads them
+        raise DiffquantError(
+            f"act-scales names 'hf': attention {config.attention!r} has no Hugging Face format; use names "
+            "'native'"
+        )
     return out
 
 
@@ -187,16 +193,15 @@ def collect_act_scales(
 # ------------------------------------------------------------------------------------------- smoothing
 def smoothing_groups(model: nn.Module) -> list[tuple[str, RMSNorm, dict[str, nn.Module]]]:
     """(norm name, norm, {Linear name: module}) per RMSNorm whose output only Linears read: per block,
-    the attention norm -> q/k/v (+ lambda_proj, DIFF V2: sigmoid(lambda_proj(x)) reads the same x) and the
-    MLP norm -> gate/up."""
+    the attention norm -> q/k/v and the kind's own readers of the same x (DIFF V2's lambda_proj, gated
+    attention's gate_proj: ``Attention.input_linears``) and the MLP norm -> gate/up."""
     groups = []
     for i, block in enumerate(model.layers):
-        attn = [n for n in ("q_proj", "k_proj", "v_proj", "lambda_proj") if hasattr(block.attn, n)]
         groups.append(
             (
                 f"layers.{i}.attn_norm",
                 block.attn_norm,
-                {f"layers.{i}.attn.{n}": getattr(block.attn, n) for n in attn},
+                {f"layers.{i}.attn.{n}": m for n, m in block.attn.input_linears().items()},
             )
         )
         groups.append(

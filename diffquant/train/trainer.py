@@ -35,6 +35,7 @@ from diffquant.eval.retrieval import RetrievalConfig, _check_samples, make_sampl
 from diffquant.io import load_checkpoint, read_config, save_checkpoint
 from diffquant.io.artifacts import sha256_file, write_json_atomic, write_text_atomic
 from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, preset_config
+from diffquant.models.config import VARIANT_FIELDS
 from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from diffquant.progress import outside_bars, progress
 from diffquant.schema import AssignStyle, check, key
@@ -135,7 +136,13 @@ class TrainConfig:
         return self.steps * self.batch_size * self.seq_len
 
     def model_config(self):
-        base = preset_config(self.preset, self.kind).to_dict()
+        """The preset's ``kind`` model, matched in the variant ``model`` names (``gate: headwise`` re-matches
+        the FFN width to the head-wise gate), then ``model``'s other keys as overrides."""
+        variant = {f: v for f, v in self.model.items() if VARIANT_FIELDS.get(f, ("",))[0] == self.kind}
+        try:
+            base = preset_config(self.preset, self.kind, **variant).to_dict()
+        except DiffquantError as err:
+            raise DiffquantError(f"train recipe 'model': {str(err).removeprefix('model config: ')}") from None
         base.update(self.model)
         return ModelConfig.from_dict(base, source="train recipe 'model'")
 
@@ -193,7 +200,8 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
 
 
 def _lambda_columns(model) -> dict[str, float]:
-    """DIFF V1: lambda per layer; DIFF V2: lambda mean and spread (std) per layer and head, last batch."""
+    """DIFF V1: lambda per layer; DIFF V2: lambda mean and spread (std) per layer and head, last batch; the
+    rivals' learned numbers: sink logits per layer and head, gate mean and spread per layer (last batch)."""
     out = {}
     for i, attn in enumerate(model.attention_modules()):
         if attn.kind == "diff_v1":
@@ -203,17 +211,28 @@ def _lambda_columns(model) -> dict[str, float]:
             for h in range(lam.shape[-1]):
                 out[f"lambda_L{i}_H{h}_mean"] = float(lam[..., h].mean())
                 out[f"lambda_L{i}_H{h}_std"] = float(lam[..., h].std())
+        elif attn.kind == "sink" and attn.sinks is not None:
+            for h, value in enumerate(attn.sinks.detach().tolist()):
+                out[f"sink_L{i}_H{h}"] = float(value)
+        elif attn.kind == "gated" and getattr(attn, "_last_gate", None) is not None:
+            out[f"gate_L{i}_mean"] = float(attn._last_gate.mean())
+            out[f"gate_L{i}_std"] = float(attn._last_gate.std())
     return out
 
 
 def _watch_lambda(model) -> list:
+    """Hooks keeping the last batch's DIFF V2 lambda and gated attention's gates (for the log columns)."""
     handles = []
     for attn in model.attention_modules():
-        if attn.kind == "diff_v2":
-            tap = getattr(attn, "lambda")
+        if attn.kind in ("diff_v2", "gated"):
+            tap, attr = (
+                (getattr(attn, "lambda"), "_last_lambda")
+                if attn.kind == "diff_v2"
+                else (attn.gate, "_last_gate")
+            )
 
-            def keep(module, args, out, attn=attn):
-                attn._last_lambda = out.detach()
+            def keep(module, args, out, attn=attn, attr=attr):
+                setattr(attn, attr, out.detach())
 
             handles.append(tap.register_forward_hook(keep))
     return handles
