@@ -11,19 +11,25 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
 wheels=analysis/gpu/wheels
-mkdir -p "$wheels"
+# Downloaded into a fresh folder, trimmed there, then moved: pip would find a trimmed wheel's hash "bad" and
+# download it again, and wheels of earlier pins must not travel.
+fresh=$(mktemp -d -t diffquant-wheels.XXXXXX)
+trap 'rm -rf "$fresh"' EXIT
 
 # Pinned: the sizes in analysis/gpu/README.md are these wheels'.
 "$python" -m pip download --no-deps --only-binary=:all: --disable-pip-version-check --quiet \
   --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 --platform any \
-  -d "$wheels" \
+  -d "$fresh" \
   optimum-quanto==0.2.7 gguf==0.19.0 ninja==1.13.2 bitsandbytes==0.50.2
 
 # bitsandbytes: 41.1 MiB as published, one library per CUDA / ROCm release; only the CUDA 13 ones (and the
 # CPU one) can load next to the machine's torch, so the rest is dropped (kit.py trim-bnb).
-"$python" analysis/gpu/kit.py trim-bnb "$wheels"
+"$python" analysis/gpu/kit.py trim-bnb "$fresh"
+mkdir -p "$wheels"
+rm -f "$wheels"/*.whl
+mv "$fresh"/*.whl "$wheels"/
 "$python" analysis/gpu/kit.py manifest "$wheels" >/dev/null
 
 echo
