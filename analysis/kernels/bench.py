@@ -13,6 +13,8 @@ and each one's accuracy against the fp32 torch reference on the same inputs (cos
 RMSE), for inputs N(0,1) and the FlashAttention-3 FP8 test distribution N(0,1) + N(0,100) * Bernoulli(0.001).
 FLOPs count the two maps of a DIFF head (4 * B * heads * T^2 * d per map pair, causal halves it).
 Writes bench-DATE-DEVICE.json beside this script (or --out) and prints a table. Needs CUDA and Triton.
+--json FILE also writes the result to FILE after every shape (``"complete": false`` until the last), so a run
+cut short by a time limit (the GPU kit, analysis/gpu) keeps the shapes it finished; with --smoke too.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def inputs(shape: dict, dist: str, kind: str, gen: torch.Generator) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, on_shape=None) -> dict:
+    """All shapes' rows; ``on_shape(partial_result)`` is called after each shape (for --json)."""
     from diffquant.kernels import CoreQuant, diff_v1_core, diff_v2_core
     from diffquant.kernels.flash import flash_available
     from diffquant.kernels.triton_diff import diff_v1_attention, diff_v2_attention
@@ -194,13 +197,29 @@ def run(args: argparse.Namespace) -> dict:
                 }
             )
             print(f"done T={t} H={h} d={d} {dist}", file=sys.stderr, flush=True)
+        if on_shape is not None:
+            on_shape(_result(rows, complete=False))
+    return _result(rows, complete=True)
+
+
+def _result(rows: list[dict], complete: bool) -> dict:
+    from diffquant.kernels.flash import flash_available
+
     return {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-interpreter-smoke",
         "torch": torch.__version__,
         "flash_attn": flash_available(),
+        "complete": complete,
         "rows": rows,
     }
+
+
+def _write_json(path: Path, result: dict) -> None:
+    """Written whole and renamed, so a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def main() -> None:
@@ -213,6 +232,9 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shape on CPU via TRITON_INTERPRET (no timing)"
     )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the result here after every shape (partial runs)"
+    )
     args = parser.parse_args()
     global DEVICE, BLOCK
     if args.smoke:
@@ -224,7 +246,10 @@ def main() -> None:
         sys.exit(
             "analysis/kernels/bench.py needs a CUDA GPU (CPU correctness is covered by tests/test_kernels.py)"
         )
-    result = run(args)
+    on_shape = None if args.json is None else partial(_write_json, args.json)
+    result = run(args, on_shape)
+    if args.json is not None:
+        _write_json(args.json, result)
     print(f"{result['device']}  torch {result['torch']}  flash-attn {result['flash_attn']}")
     print(
         f"{'T':>6}{'H':>4}{'Hkv':>4}{'d':>5} {'dist':<7}{'variant':<26}{'ms':>9}{'TFLOP/s':>9}{'cosine':>10}{'relL1':>9}"
