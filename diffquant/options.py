@@ -167,6 +167,9 @@ class Recipe(ModelOptions):
     description: str = key("")
     seed: int = key(0, min=0)
     models: dict[str, str] = key(each="a model specifier string")
+    # seed groups ({group: [model names]}; without it, models NAME and NAME-sK group as NAME): Table 5 and
+    # the sweep then also report mean +- spread over each group's seeds (diffquant/report/seeds.py)
+    seeds: dict[str, list[str]] = key({}, each="a list of the recipe's model names")
     data: DataSection = field(default_factory=DataSection)
     profile: ProfileStage = field(default_factory=ProfileStage)
     quantize: QuantizeStage = field(default_factory=QuantizeStage)

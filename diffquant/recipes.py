@@ -19,12 +19,13 @@ from diffquant.errors import DiffquantError
 from diffquant.eval.sweep import format_results, run_sweep
 from diffquant.eval.tasks import default_text, parse_task
 from diffquant.io import check_model_spec
-from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
+from diffquant.io.artifacts import checkpoint_sha256, manifest, read_json, write_json_atomic
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.plots import render_run
 from diffquant.quant.plan import QuantPlan
-from diffquant.report import write_report
+from diffquant.report import seeds, write_report
+from diffquant.report.seeds import seed_groups
 from diffquant.schema import check
 from diffquant.shipped import resolve as resolve_shipped
 from diffquant.stages import Recipe, load_models, run_profile, run_quantize, sweep_spec
@@ -150,6 +151,7 @@ def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
         [parse_task(t) for t in recipe["eval"]["tasks"]] if ("eval" in present or "sweep" in present) else []
     )
     seq_lens += [(f"task {t.label} seq_len", t.params.get("seq_len")) for t in tasks]
+    seed_groups(recipe["models"], recipe["seeds"])  # every member a model, none in two groups
     paths = model_tokenizer_paths(recipe)
     tokenizers = [
         check_model_spec(spec, name, paths.get(name), seq_lens)[1] for name, spec in recipe["models"].items()
@@ -206,6 +208,16 @@ def _stage_profile(
     if header:
         log(header)
         log(table)
+        groups = seed_groups(recipe["models"], recipe["seeds"])
+        if groups:  # the same view over each group's seeds, and which differences exceed their spread
+            agg = seeds.table5_seeds(read_json(out / "table5.json")["models"], groups)
+            comparisons = seeds.table5_comparisons(agg)
+            write_json_atomic(
+                out / "table5_seeds.json", {"groups": groups, "table5": agg, "comparisons": comparisons}
+            )
+            log(seeds.format_table5_seeds(agg))
+            for line in seeds.seed_sentences(comparisons, []):
+                log(line)
     return [n for n, (_, m) in models.items() if getattr(m, "streamed", None) is not None]
 
 
@@ -252,3 +264,14 @@ def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callabl
     results = run_sweep(spec, out / "sweep", progress=progress, log=log)
     if results is not None:
         log(format_results(spec, results))
+        groups = seed_groups(recipe["models"], recipe["seeds"])
+        if groups:
+            rows = seeds.sweep_seeds(results, groups)
+            comparisons = seeds.sweep_comparisons(rows)
+            write_json_atomic(
+                out / "sweep" / "results_seeds.json",
+                {"groups": groups, "rows": rows, "comparisons": comparisons},
+            )
+            log(seeds.format_sweep_seeds(rows))
+            for line in seeds.seed_sentences([], comparisons):
+                log(line)

@@ -2616,6 +2616,35 @@ MUTANTS = [
         "                True,",
         ("tests/test_rival_kinds.py::test_variant_fields_are_checked_in_one_line_each",),
     ),
+    # --- seed groups (issue 30)
+    M(
+        "seed spread: population sd",
+        "diffquant/report/seeds.py",
+        "sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None",
+        "sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n) if n > 1 else None",
+        ("tests/test_seeds.py",),
+    ),
+    M(
+        "seed noise: one standard error",
+        "diffquant/report/seeds.py",
+        "        beyond = None if se is None else abs(diff) > Z * se",
+        "        beyond = None if se is None else abs(diff) > se",
+        ("tests/test_seeds.py",),
+    ),
+    M(
+        "seed noise: pooled without degrees of freedom",
+        "diffquant/report/seeds.py",
+        "            num += (s.n - 1) * s.sd**2\n            den += s.n - 1",
+        "            num += s.sd**2\n            den += 1",
+        ("tests/test_seeds.py",),
+    ),
+    M(
+        "seed groups: a seed model alone",
+        "diffquant/report/seeds.py",
+        '            groups.setdefault(match.group("group") if match else m, []).append(m)',
+        "            groups.setdefault(m, []).append(m)",
+        ("tests/test_seeds.py",),
+    ),
 ]
 
 

@@ -34,6 +34,7 @@ from diffquant.plots.common import KIND_TITLES
 from diffquant.plots.run import _sweep_files, load_run
 from diffquant.profile.tables import describe_location
 from diffquant.quant.schemes import Scheme, describe
+from diffquant.report.seeds import seed_sentences
 from diffquant.report.summary import summarize
 
 PAPER_SCALE = (
@@ -254,7 +255,14 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
         )
 
     results = art.results if art is not None else None
-    topics = summarize(t5, results, art.sweep if art is not None else None, profiles, status)
+    seed_lines = []
+    for path, kind in ((run / "table5_seeds.json", "t5"), (run / "sweep" / "results_seeds.json", "sweep")):
+        if path.is_file():
+            comparisons = read_json(path).get("comparisons", [])
+            seed_lines += seed_sentences(
+                comparisons if kind == "t5" else [], comparisons if kind == "sweep" else []
+            )
+    topics = summarize(t5, results, art.sweep if art is not None else None, profiles, status, seed_lines)
     if topics:
         sections.append(
             Section(

@@ -514,8 +514,10 @@ def summarize(
     sweep: Mapping[str, Any] | None,
     profiles: Mapping[str, Any] | None = None,
     status: str | None = None,
+    seed_lines: Sequence[str] | None = None,
 ) -> list[tuple[str, list[str]]]:
-    """(topic, sentences) for the report's summary; topics without data are left out."""
+    """(topic, sentences) for the report's summary; topics without data are left out. ``seed_lines``: the
+    seed groups' comparisons (diffquant/report/seeds.py), when the run has groups of seeds."""
     topics: list[tuple[str, list[str]]] = []
     if status is not None:
         topics.append(("Run", [f"The run is incomplete ({status}): every finding below is partial."]))
@@ -530,4 +532,6 @@ def summarize(
         noise = noise_sentences(views)
         if noise:
             topics.append(("Noise", noise))
+    if seed_lines:
+        topics.append(("Seeds", list(seed_lines)))
     return topics
