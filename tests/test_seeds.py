@@ -57,6 +57,14 @@ def test_spread_and_pooled_noise_equal_the_textbook_formulas():
     close = seeds.Comparison.of("x", Spread.of([47.0, 48.0, 46.5]), "baseline", sa, pooled)
     assert close.beyond is False
     assert seeds.Comparison.of("x", sc, "baseline", Spread.of([1.0]), None).beyond is None
+    # 1.5 standard errors apart: within the 2-s.e. screen
+    ref = Spread(10.0, 1.0, 4)
+    mid = seeds.Comparison.of("x", Spread(10.0 + 1.5 * math.sqrt(1 / 4 + 1 / 4), 1.0, 4), "r", ref, 1.0)
+    assert mid.se == pytest.approx(math.sqrt(0.5)) and mid.beyond is False
+    # groups of unequal size weigh by their degrees of freedom
+    d, e = [1.0, 2.0], [5.0, 9.0, 4.0, 11.0, 6.0]
+    want = math.sqrt((1 * statistics.variance(d) + 4 * statistics.variance(e)) / 5)
+    assert seeds.pooled_sd([Spread.of(d), Spread.of(e)]) == pytest.approx(want, rel=1e-14)
 
 
 def _t5(top1: float, median: float) -> dict:
