@@ -329,7 +329,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.out:
         cfg.out = args.out
     with lock_folder(cfg.out):  # one writer per output folder, as every other command
-        train(cfg, resume=args.resume, stop_after=args.stop_after, recipe_text=recipe.read_text())
+        train(
+            cfg,
+            resume=args.resume,
+            stop_after=args.stop_after,
+            recipe_text=recipe.read_text(),
+            overrides=list(args.set or []),
+        )
     return 0
 
 

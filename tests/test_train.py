@@ -109,6 +109,16 @@ def test_card_measures_the_exported_weights(tmp_path):
     assert {t.dtype for t in load_file(str(out / "final" / "model.safetensors")).values()} == {torch.bfloat16}
 
 
+def test_card_records_the_seed_and_the_overrides(tmp_path):
+    """A zoo seed is trained from the shipped recipe with --set seed=N: its card says so (the recipe text
+    alone would claim the file's seed)."""
+    recipe, out = _recipe(tmp_path, "s", kind="baseline", steps=2, eval_every=2, checkpoint_every=2)
+    assert main(["--quiet", "train", str(recipe), "--set", "seed=3", "--set", "lr=0.002"]) == 0
+    card = json.loads((out / "final" / "card.json").read_text())
+    assert card["seed"] == 3 and card["overrides"] == ["seed=3", "lr=0.002"]
+    assert json.loads(card["recipe_text"])["seed"] == 0  # the file's, unchanged
+
+
 def test_train_cli_errors(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nkind: diff_v3\n")
@@ -127,6 +137,13 @@ def test_zoo_recipes_differ_only_in_kind():
     texts = {k: (RECIPES / f"zoo-{k}.yaml").read_text() for k in ("baseline", "diff_v1", "diff_v2")}
     norm = {k: t.replace(k, "KIND") for k, t in texts.items()}
     assert norm["baseline"] == norm["diff_v1"] == norm["diff_v2"]
+    # the rivals' recipes (issue 30): the same keys and values but 'kind' (their comments say what they are)
+    keys = {
+        k: [line.replace(k, "KIND") for line in (RECIPES / f"zoo-{k}.yaml").read_text().splitlines()]
+        for k in ("baseline", "gated", "sink", "clipped")
+    }
+    body = {k: [line for line in lines if not line.startswith("#")] for k, lines in keys.items()}
+    assert body["baseline"] == body["gated"] == body["sink"] == body["clipped"]
     assert (
         TrainConfig.load(RECIPES / "train-gpu.yaml").tokens
         > 10 * TrainConfig.load(RECIPES / "zoo-baseline.yaml").tokens

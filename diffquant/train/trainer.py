@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -403,7 +404,13 @@ def _check_retrieval(cfg: TrainConfig) -> None:
 
 
 def train(
-    cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = None, log=print, recipe_text: str = ""
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    log=print,
+    recipe_text: str = "",
+    overrides: Sequence[str] = (),
 ) -> Path:
     """Train (or resume) into ``cfg.out``; returns the run folder. ``stop_after`` ends the run early
     (after that many steps in total) without changing the schedule, e.g. to split a run across jobs.
@@ -524,7 +531,7 @@ def train(
             _save_state(out / "checkpoints" / f"step-{end:07d}", model, optimizer, end, cfg)
         log(f"stopped after step {end}; resume with --resume")
         return out
-    _finish(model, cfg, out, recipe_text, log, streams)
+    _finish(model, cfg, out, recipe_text, log, streams, overrides)
     return out
 
 
@@ -556,7 +563,13 @@ def _val_bpb(model, cfg: TrainConfig, stream: torch.Tensor) -> float:
 
 
 def _finish(
-    model, cfg: TrainConfig, out: Path, recipe_text: str, log, streams: dict[str, torch.Tensor]
+    model,
+    cfg: TrainConfig,
+    out: Path,
+    recipe_text: str,
+    log,
+    streams: dict[str, torch.Tensor],
+    overrides: Sequence[str] = (),
 ) -> None:
     """Export the final weights (in save_dtype) with a card of what they measure as exported: all of
     ``final/`` is written into a temporary folder and renamed, so a failure never leaves a ``final/``."""
@@ -578,6 +591,9 @@ def _finish(
                 "config": shipped.config.to_dict(),
                 "recipe": cfg.name,
                 "recipe_text": recipe_text,
+                # what the run changed in that text (train --set), and the seed it trained with
+                "overrides": list(overrides),
+                "seed": cfg.seed,
                 "steps": cfg.steps,
                 "tokens": cfg.tokens,
                 "batch_size": cfg.batch_size,
