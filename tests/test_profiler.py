@@ -237,9 +237,12 @@ def test_locations_under_cached_decoding_name_the_right_tokens():
 
 
 def _plain_and_fast(monkeypatch, run):
-    """``run()``'s result with the speed-ups on, and with them off (the general path)."""
-    from diffquant.profile import attention_metrics, profiler
+    """``run()``'s result with the torch speed-ups on, and with them off (the general path); the native
+    pass is off in both (its float64 sums differ in the last bits: test_native_profile_equals_the_torch_one)."""
+    from diffquant.profile import attention_metrics, profiler, stats
 
+    monkeypatch.setattr(stats, "NATIVE", False)
+    monkeypatch.setattr(attention_metrics, "NATIVE", False)
     fast = run()
     monkeypatch.setattr(profiler, "FAST", False)
     monkeypatch.setattr(attention_metrics, "FAST", False)
@@ -284,6 +287,48 @@ def test_speedups_profile_model_and_merge_unchanged(monkeypatch):
 
     fast, plain = _plain_and_fast(monkeypatch, run)
     assert fast == plain
+
+
+def _close_json(a, b, path=""):
+    """Equal JSON trees, floats within 1e-6 relative (the native pass's float64 sums against the torch path's
+    float32 ones) in the moment / sum fields only, every other value exact."""
+    sums = ("moments", "token_kurtosis", "channel_sumsq", "_sum")
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        if path.endswith(".moments") and a.get("m3") is not None:
+            # M3 is a signed sum that cancels: its rounding scales with sqrt(M2 M4) (Cauchy-Schwarz)
+            assert abs(a["m3"] - b["m3"]) <= 1e-6 * math.sqrt(abs(a["m2"] * a["m4"])) + 1e-12, path
+            a, b = {k: v for k, v in a.items() if k != "m3"}, {k: v for k, v in b.items() if k != "m3"}
+        for k in a:
+            _close_json(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _close_json(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and any(s in path for s in sums):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9), path
+    else:
+        assert a == b, path
+
+
+def test_native_profile_equals_the_torch_one(kind, monkeypatch):
+    """A whole profile (every site, maps, per-head metrics, two forwards) from the native passes against the
+    torch path: every count, extreme, bin and located entry equal, the float sums within 1e-6."""
+    from diffquant.profile import attention_metrics, stats
+
+    model = tiny_model(kind)
+    ids = _windows(n=6, t=40, seed=3)
+
+    def run():
+        with torch.no_grad(), Profiler(model, sites="*", topk=5, massive_cap=3) as prof:
+            model(ids[:3])
+            model(ids[3:])
+        return prof.result().to_dict()
+
+    native = run()
+    monkeypatch.setattr(stats, "NATIVE", False)
+    monkeypatch.setattr(attention_metrics, "NATIVE", False)
+    _close_json(native, run())
 
 
 def test_shared_tensor_taps_see_their_own_site(monkeypatch):
