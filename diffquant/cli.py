@@ -359,16 +359,31 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
     names = zoo_names()
     if not names:
         raise DiffquantError("no zoo models are shipped with this installation")
-    print(
-        f"{'model':<15}{'attention':<10}{'params':>10}{'tokens':>11}{'train bpb':>11}{'val bpb':>9}{'retrieval':>11}"
-    )
+    rows = []
     for name in names:
         c = card(name)
-        acc = c["retrieval"]["acc_rank"]
-        print(
-            f"{'zoo:' + name:<15}{c['kind']:<10}{c['parameters']:>10,}{c['tokens']:>11,}{c['train_bpb']:>11.3f}"
-            f"{c['val_bpb']:>9.3f}{acc:>11.2f}"
+        cfg = c["config"]
+        variant = {"gated": cfg.get("gate"), "sink": cfg.get("sink")}.get(c["kind"])
+        attention = f"{c['kind']} ({variant})" if variant else c["kind"]
+        rows.append(
+            (
+                f"zoo:{name}",
+                attention,
+                str(c.get("seed", 0)),
+                f"{c['parameters']:,}",
+                f"{c['tokens']:,}",
+                f"{c['train_bpb']:.3f}",
+                f"{c['val_bpb']:.3f}",
+                f"{c['retrieval']['acc_rank']:.2f}",
+            )
         )
+    header = ("model", "attention", "seed", "params", "tokens", "train bpb", "val bpb", "retrieval")
+    # Columns as wide as their longest entry: names grow with seeds and variants (zoo:baseline-s1, gated (headwise)).
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        left = "  ".join(f"{v:<{w}}" for v, w in zip(r[:2], widths[:2], strict=True))
+        right = "".join(f"{v:>{w + 2}}" for v, w in zip(r[2:], widths[2:], strict=True))
+        print(left + right)
     return 0
 
 
