@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -145,7 +146,13 @@ def test_table5_and_sweep_over_seeds_by_hand():
         statistics.mean(d_v) - statistics.mean(d_b)
     )
     assert loss["se"] == pytest.approx(pooled) and loss["beyond"] is (abs(loss["diff"]) > 2 * pooled)
-    assert "diff_v2 (n=2)" in seeds.format_sweep_seeds(srows)
+    table = seeds.format_sweep_seeds(srows).splitlines()
+    assert "diff_v2 (n=2)" in table[1]
+    # every cell of a row is its own whitespace-separated field: none runs into the next column
+    head = table[1].split()
+    for line in table[2:]:
+        fields = re.split(r"\s{2,}", line.strip())
+        assert len(fields) == len(head) - head.count("(n=2)") - head.count("(n=1)"), line
     lines = seeds.seed_sentences([], comps)
     assert any(line.startswith("bpb bits_per_byte, change under int4: diff_v2") for line in lines)
 

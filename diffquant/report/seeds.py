@@ -249,24 +249,30 @@ def format_sweep_seeds(rows: Sequence[Mapping[str, Any]]) -> str:
         plans = list(dict.fromkeys(r["plan"] for r in trows))
         by = {(r["plan"], r["group"]): r for r in trows}
         n = {g: next(r["value"]["n"] for r in trows if r["group"] == g) for g in groups}
-        width = max(24, *(len(f"{g} (n={n[g]})") + 2 for g in groups))
-        lines = [
-            f"{task}: {trows[0]['metric']} over seeds, mean±sd (change vs unquantized)",
-            f"{'plan':<24}" + "".join(f"{g + f' (n={n[g]})':>{width}}" for g in groups),
-        ]
+        table: dict[str, list[str]] = {}
         for plan in plans:
             cells = []
             for g in groups:
                 r = by.get((plan, g))
                 if r is None:
-                    cells.append(f"{'-':>{width}}")
+                    cells.append("-")
                 elif plan == "none" or "delta" not in r:
-                    cells.append(_pm(r["value"], 4).rjust(width))
+                    cells.append(_pm(r["value"], 4))
                 else:
                     d = Spread.from_dict(r["delta"])
                     sign = f"{d.mean:+.4f}" + (f"±{d.sd:.4f}" if d.sd is not None else "")
-                    cells.append(f"{_pm(r['value'], 4)} ({sign})".rjust(width))
-            lines.append(f"{plan:<24}" + "".join(cells))
+                    cells.append(f"{_pm(r['value'], 4)} ({sign})")
+            table[plan] = cells
+        heads = [f"{g} (n={n[g]})" for g in groups]
+        # each column as wide as its widest cell, two spaces apart (a cell never runs into the next)
+        widths = [max(len(heads[i]), *(len(c[i]) for c in table.values())) + 2 for i in range(len(groups))]
+        lead = max(24, *(len(p) + 2 for p in plans))
+        lines = [
+            f"{task}: {trows[0]['metric']} over seeds, mean±sd (change vs unquantized)",
+            f"{'plan':<{lead}}" + "".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)),
+        ]
+        for plan, cells in table.items():
+            lines.append(f"{plan:<{lead}}" + "".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
