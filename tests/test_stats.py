@@ -873,16 +873,7 @@ def test_fused_pass_equals_the_plain_path_bit_for_bit(monkeypatch, dtype):
     cases = _fused_cases(dtype)
 
     def run(cases=cases) -> str:
-        out = []
-        for site, kind, batches in cases:
-            direct = SiteStats(site, kind, topk=30, massive_cap=5)
-            merged = SiteStats(site, kind, topk=30, massive_cap=5)
-            for b, (x, valid) in enumerate(batches):
-                direct.update(x, valid=valid, tokens=tokens, sample_offset=2 * b)
-                fresh = SiteStats(site, kind, topk=30, massive_cap=5)
-                fresh.update(x, valid=valid, tokens=tokens, sample_offset=2 * b)
-                merged.merge(fresh)
-            out.append([direct.to_dict(), merged.to_dict(), direct.summary()])
+        out = [[d.to_dict(), m.to_dict(), d.summary()] for d, m in _direct_and_merged(cases, tokens)]
         return json.dumps(out, sort_keys=True)
 
     _set_fused(monkeypatch, True)
@@ -962,7 +953,8 @@ def _native_cases() -> list[tuple[str, str, list[tuple[torch.Tensor, torch.Tenso
     return cases
 
 
-def _states(cases, tokens) -> list:
+def _direct_and_merged(cases, tokens) -> list[tuple[SiteStats, SiteStats]]:
+    """Each case's batches folded into one SiteStats directly, and into fresh ones merged (merge = update)."""
     out = []
     for site, kind, batches in cases:
         direct = SiteStats(site, kind, topk=30, massive_cap=5)
@@ -972,8 +964,12 @@ def _states(cases, tokens) -> list:
             fresh = SiteStats(site, kind, topk=30, massive_cap=5)
             fresh.update(x, valid=valid, tokens=tokens, sample_offset=2 * b)
             merged.merge(fresh)
-        out.append((direct.to_dict(), merged.to_dict()))
+        out.append((direct, merged))
     return out
+
+
+def _states(cases, tokens) -> list:
+    return [(d.to_dict(), m.to_dict()) for d, m in _direct_and_merged(cases, tokens)]
 
 
 def test_native_pass_equals_the_torch_path(monkeypatch):
