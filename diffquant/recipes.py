@@ -210,12 +210,16 @@ def _stage_profile(
         log(table)
         groups = seed_groups(recipe["models"], recipe["seeds"])
         if groups:  # the same view over each group's seeds, and which differences exceed their spread
-            agg = seeds.table5_seeds(read_json(out / "table5.json")["models"], groups)
+            profiled = read_json(out / "table5.json")["models"]
+            agg = seeds.table5_seeds(profiled, groups)
             comparisons = seeds.table5_comparisons(agg)
-            write_json_atomic(
-                out / "table5_seeds.json", {"groups": groups, "table5": agg, "comparisons": comparisons}
-            )
+            sinks = seeds.sink_rate_seeds(profiled, groups)  # when the profile measured it
+            comparisons += seeds.scalar_comparisons(sinks, "attention-sink rate", "% of heads")
+            doc = {"groups": groups, "table5": agg, "comparisons": comparisons}
+            write_json_atomic(out / "table5_seeds.json", doc | ({"sink_rate": sinks} if sinks else {}))
             log(seeds.format_table5_seeds(agg))
+            if sinks:
+                log(seeds.format_sink_rate_seeds(sinks))
             for line in seeds.seed_sentences(comparisons, []):
                 log(line)
     return [n for n, (_, m) in models.items() if getattr(m, "streamed", None) is not None]

@@ -157,6 +157,29 @@ def test_table5_and_sweep_over_seeds_by_hand():
     assert any(line.startswith("bpb bits_per_byte, change under int4: diff_v2") for line in lines)
 
 
+def test_sink_rate_over_seeds_by_hand():
+    """The sink rate as table5.json holds it (a share of heads) -> percent, mean and sample sd per group, each
+    group against the baseline on the pooled spread; a group with a member that was not probed is left out.
+    The rates are the zoo's (2,048-token rivals run: baseline 2.4 / 14.1 %, DIFF V2 0.8 / 1.7 %)."""
+    rates = {"baseline": 0.024, "baseline-s1": 0.141, "diff_v2": 0.008, "diff_v2-s1": 0.017, "gated": 0.074}
+    models = {m: {"sink_rate": {"rate": r, "heads": 24}} for m, r in rates.items()}
+    models["sink"] = {"table5": {}}  # profiled without the probe
+    groups = seed_groups([*rates, "sink"])
+    agg = seeds.sink_rate_seeds(models, groups)
+    assert set(agg) == {"baseline", "diff_v2", "gated"}
+    base, v2 = [2.4, 14.1], [0.8, 1.7]
+    assert agg["baseline"]["mean"] == pytest.approx(statistics.mean(base), rel=1e-12)
+    assert agg["baseline"]["sd"] == pytest.approx(statistics.stdev(base), rel=1e-12)
+    assert agg["gated"] == {"mean": pytest.approx(7.4), "sd": None, "n": 1}
+    comps = {c["group"]: c for c in seeds.scalar_comparisons(agg, "attention-sink rate", "% of heads")}
+    pooled = math.sqrt((statistics.variance(base) + statistics.variance(v2)) / 2)
+    assert comps["diff_v2"]["diff"] == pytest.approx(statistics.mean(v2) - statistics.mean(base))
+    assert comps["diff_v2"]["se"] == pytest.approx(pooled)  # pooled x sqrt(1/2 + 1/2)
+    assert comps["gated"]["se"] == pytest.approx(pooled * math.sqrt(1 + 1 / 2))
+    assert comps["gated"]["beyond"] is (abs(7.4 - statistics.mean(base)) > 2 * comps["gated"]["se"])
+    assert "baseline (n=2) 8.2±8.3 %" in seeds.format_sink_rate_seeds(agg)
+
+
 def test_a_recipe_with_seed_groups_reports_them(tmp_path, text, capsys):
     """A run of tiny random models, two seeds of two kinds (init:KIND:tiny:SEED named KIND and KIND-s1):
     table5_seeds.json holds the mean and spread of table5.json's numbers, results_seeds.json those of
@@ -170,7 +193,7 @@ def test_a_recipe_with_seed_groups_reports_them(tmp_path, text, capsys):
             "diff_v2-s1": "init:diff_v2:tiny:1",
         },
         "data": {"calib": {"source": text, "tokens": 128, "seq_len": 64}},
-        "profile": {"data": text, "tokens": 256, "seq_len": 64},
+        "profile": {"data": text, "tokens": 256, "seq_len": 64, "sink_rate": True},
         "eval": {"tasks": [{"type": "bpb", "data": text, "tokens": 256, "seq_len": 64}]},
         "sweep": {"plans": ["attn-logits-int4"]},
         "plots": {"enabled": False},
@@ -187,6 +210,20 @@ def test_a_recipe_with_seed_groups_reports_them(tmp_path, text, capsys):
         got = agg[group]["attention logits"]["top1"]
         assert got["mean"] == pytest.approx(statistics.mean(values), rel=1e-15)
         assert got["sd"] == pytest.approx(statistics.stdev(values), rel=1e-12)
+    # the sink rate (percent of heads) over seeds, and DIFF V2's against the baseline's on the pooled spread
+    doc = json.loads((run / "table5_seeds.json").read_text())
+    rates = {g: [100 * t5[m]["sink_rate"]["rate"] for m in (g, f"{g}-s1")] for g in ("baseline", "diff_v2")}
+    for group, values in rates.items():
+        assert doc["sink_rate"][group]["mean"] == pytest.approx(statistics.mean(values), rel=1e-12, abs=1e-12)
+        assert doc["sink_rate"][group]["sd"] == pytest.approx(statistics.stdev(values), rel=1e-12, abs=1e-12)
+    sink = next(c for c in doc["comparisons"] if c["activation"] == "attention-sink rate")
+    pooled = math.sqrt((statistics.variance(rates["baseline"]) + statistics.variance(rates["diff_v2"])) / 2)
+    assert (sink["group"], sink["reference"]) == ("diff_v2", "baseline")
+    assert sink["diff"] == pytest.approx(
+        statistics.mean(rates["diff_v2"]) - statistics.mean(rates["baseline"]), abs=1e-12
+    )
+    assert sink["se"] == pytest.approx(pooled, rel=1e-12, abs=1e-12)  # pooled x sqrt(1/2 + 1/2)
+    assert "attention-sink rate over seeds" in out and "attention-sink rate % of heads: diff_v2" in out
     res = json.loads((run / "sweep" / "results.json").read_text())
     srows = json.loads((run / "sweep" / "results_seeds.json").read_text())["rows"]
     by = {(r["model"], r["plan"]): r for r in res["rows"] if r["metric"] == "bits_per_byte"}

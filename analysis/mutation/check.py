@@ -2645,6 +2645,34 @@ MUTANTS = [
         "            groups.setdefault(m, []).append(m)",
         ("tests/test_seeds.py",),
     ),
+    M(
+        "sink rate over seeds: a share, not percent",
+        "diffquant/report/seeds.py",
+        "            out[group] = Spread.of([100.0 * r for r in rates]).to_dict()",
+        "            out[group] = Spread.of(rates).to_dict()",
+        ("tests/test_seeds.py",),
+    ),
+    M(
+        "sink rate over seeds: a group from its probed seeds only",
+        "diffquant/report/seeds.py",
+        "        if rates and all(isinstance(r, (int, float)) for r in rates):",
+        "        rates = [r for r in rates if isinstance(r, (int, float))]\n        if rates:",
+        ("tests/test_seeds.py",),
+    ),
+    M(
+        "sink rate comparisons: the spread of the reference alone",
+        "diffquant/report/seeds.py",
+        "    pooled = pooled_sd(spreads.values())\n    out = []\n    for group, s in spreads.items():\n        if group != ref:",
+        "    pooled = pooled_sd([spreads[ref]])\n    out = []\n    for group, s in spreads.items():\n        if group != ref:",
+        ("tests/test_seeds.py",),
+    ),
+    M(
+        "seed tables: fixed column width",
+        "diffquant/report/seeds.py",
+        "        widths = [max(len(heads[i]), *(len(c[i]) for c in table.values())) + 2 for i in range(len(groups))]",
+        "        widths = [max(24, len(heads[i]) + 2) for i in range(len(groups))]",
+        ("tests/test_seeds.py",),
+    ),
 ]
 
 

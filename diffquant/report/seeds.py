@@ -204,6 +204,51 @@ def table5_comparisons(
     return out
 
 
+def sink_rate_seeds(models: Mapping[str, Any], groups: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """{group: Spread dict} of the attention-sink rate (Gu et al. 2024, in percent of heads) over each group's
+    seeds, from table5.json's ``models`` (a profile run with ``sink_rate``); groups where a member lacks it
+    are left out (a rate from some seeds only would not be the group's)."""
+    out: dict[str, Any] = {}
+    for group, members in groups.items():
+        rates = [models.get(m, {}).get("sink_rate", {}).get("rate") for m in members]
+        if rates and all(isinstance(r, (int, float)) for r in rates):
+            out[group] = Spread.of([100.0 * r for r in rates]).to_dict()
+    return out
+
+
+def format_sink_rate_seeds(agg: Mapping[str, Any]) -> str:
+    """One line: each group's sink rate as mean±sd over its seeds."""
+    cells = [f"{g} (n={d['n']}) {_pm(d)} %" for g, d in agg.items()]
+    return "attention-sink rate over seeds (heads, mean±sd): " + ", ".join(cells)
+
+
+def scalar_comparisons(agg: Mapping[str, Any], activation: str, column: str) -> list[dict[str, Any]]:
+    """Each group's Spread of one scalar ({group: Spread dict}) against the reference's, in the schema of
+    ``table5_comparisons`` (so ``seed_sentences`` reads both)."""
+    spreads = {g: Spread.from_dict(d) for g, d in agg.items()}
+    ref = _reference(spreads)
+    if ref is None:
+        return []
+    pooled = pooled_sd(spreads.values())
+    out = []
+    for group, s in spreads.items():
+        if group != ref:
+            c = Comparison.of(group, s, ref, spreads[ref], pooled)
+            out.append(
+                {
+                    "activation": activation,
+                    "column": column,
+                    **c.__dict__,
+                    "mean": s.mean,
+                    "ref_mean": spreads[ref].mean,
+                    "n": s.n,
+                    "ref_n": spreads[ref].n,
+                    "pooled_sd": pooled,
+                }  # fmt: skip
+            )
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the sweep
 def sweep_seeds(results: Mapping[str, Any], groups: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
     """Per (task, primary metric, plan, group): the value's and the change's (vs the same model
