@@ -164,19 +164,22 @@ def test_sink_rate_over_seeds_by_hand():
     rates = {"baseline": 0.024, "baseline-s1": 0.141, "diff_v2": 0.008, "diff_v2-s1": 0.017, "gated": 0.074}
     models = {m: {"sink_rate": {"rate": r, "heads": 24}} for m, r in rates.items()}
     models["sink"] = {"table5": {}}  # profiled without the probe
-    groups = seed_groups([*rates, "sink"])
+    models["gated-s1"] = {"table5": {}}  # one seed of a group without it: the group has no rate
+    rates["clipped"] = 0.034
+    models["clipped"] = {"sink_rate": {"rate": 0.034, "heads": 24}}
+    groups = seed_groups([*models])
     agg = seeds.sink_rate_seeds(models, groups)
-    assert set(agg) == {"baseline", "diff_v2", "gated"}
+    assert set(agg) == {"baseline", "diff_v2", "clipped"}
     base, v2 = [2.4, 14.1], [0.8, 1.7]
     assert agg["baseline"]["mean"] == pytest.approx(statistics.mean(base), rel=1e-12)
     assert agg["baseline"]["sd"] == pytest.approx(statistics.stdev(base), rel=1e-12)
-    assert agg["gated"] == {"mean": pytest.approx(7.4), "sd": None, "n": 1}
+    assert agg["clipped"] == {"mean": pytest.approx(3.4), "sd": None, "n": 1}
     comps = {c["group"]: c for c in seeds.scalar_comparisons(agg, "attention-sink rate", "% of heads")}
     pooled = math.sqrt((statistics.variance(base) + statistics.variance(v2)) / 2)
     assert comps["diff_v2"]["diff"] == pytest.approx(statistics.mean(v2) - statistics.mean(base))
     assert comps["diff_v2"]["se"] == pytest.approx(pooled)  # pooled x sqrt(1/2 + 1/2)
-    assert comps["gated"]["se"] == pytest.approx(pooled * math.sqrt(1 + 1 / 2))
-    assert comps["gated"]["beyond"] is (abs(7.4 - statistics.mean(base)) > 2 * comps["gated"]["se"])
+    assert comps["clipped"]["se"] == pytest.approx(pooled * math.sqrt(1 + 1 / 2))
+    assert comps["clipped"]["beyond"] is (abs(3.4 - statistics.mean(base)) > 2 * comps["clipped"]["se"])
     assert "baseline (n=2) 8.2±8.3 %" in seeds.format_sink_rate_seeds(agg)
 
 
