@@ -2653,6 +2653,20 @@ MUTANTS = [
         ("tests/test_seeds.py",),
     ),
     M(
+        "zoo table: fixed column widths",
+        "diffquant/cli.py",
+        "    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]",
+        "    widths = [len(h) + 8 for h in header]",
+        ("tests/test_readme.py::test_zoo_table_is_what_the_cards_say",),
+    ),
+    M(
+        "zoo table: every model seed 0",
+        "diffquant/cli.py",
+        '                str(c.get("seed", 0)),',
+        '                "0",',
+        ("tests/test_readme.py::test_zoo_table_is_what_the_cards_say",),
+    ),
+    M(
         "sink rate over seeds: a group from its probed seeds only",
         "diffquant/report/seeds.py",
         "        if rates and all(isinstance(r, (int, float)) for r in rates):",
