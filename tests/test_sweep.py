@@ -16,6 +16,7 @@ from diffquant import DiffquantError
 from diffquant.cli import main
 from diffquant.eval.sweep import SweepSpec, read_cells, run_sweep
 from diffquant.eval.tasks import parse_task
+from diffquant.models.config import ATTENTION_KINDS
 from diffquant.recipes import apply_override, load_recipe, validate
 
 # run recipes (`diffquant run`); the zoo-*.yaml / train-*.yaml training recipes are tested in test_train.py
@@ -142,12 +143,22 @@ def _heads_of_64(kind: str, folder: Path) -> str:
     return str(path)
 
 
+def _zoo_kind(spec: str) -> str:
+    """zoo:diff_v2-s1 -> diff_v2 (other specifiers: the word after the scheme, which is no kind)."""
+    return spec.split(":")[1].split("-s")[0]
+
+
 def _tiny(raw: dict, text: str, folder: Path) -> dict:
     """The recipe with tiny random models and small budgets, everything else as shipped."""
     from diffquant.quant.presets import PRESETS, preset_data
+    from diffquant.report.seeds import seed_groups
 
     raw = json.loads(json.dumps(raw))
-    kinds = ("baseline", "diff_v1", "diff_v2")  # zoo:KIND keeps its kind; real checkpoints are Llamas
+    kinds = ATTENTION_KINDS  # zoo:KIND(-sK) keeps its kind; real checkpoints are Llamas
+    groups = seed_groups(raw["models"], raw.get("seeds"))
+    if len(raw["models"]) > 8 and groups:  # the rivals study's 15: every kind once, one group with two seeds
+        keep = {m for i, members in enumerate(groups.values()) for m in members[: 2 if i == 0 else 1]}
+        raw["models"] = {name: spec for name, spec in raw["models"].items() if name in keep}
     # weights in groups of 128 need Linears at least 128 wide: the small preset (d 256), not tiny (d 96)
     # and KV caches in groups of 32 heads a multiple of 32 wide: small's heads of 32, not tiny's 24; groups
     # of 64 (kv4-compact) heads of 64: tiny models with head_dim 64, saved as checkpoints
@@ -156,7 +167,7 @@ def _tiny(raw: dict, text: str, folder: Path) -> dict:
     kv_groups = [(preset_data(p).get("kv_cache") or {}).get("group", 0) for p in plans if p in PRESETS]
     size = "small" if wide else "tiny"
     raw["models"] = {
-        name: f"init:{spec.split(':')[1] if spec.split(':')[1] in kinds else 'baseline'}:{size}"
+        name: f"init:{_zoo_kind(spec) if _zoo_kind(spec) in kinds else 'baseline'}:{size}"
         for name, spec in raw["models"].items()
     }
     if max(kv_groups, default=0) > 32:
