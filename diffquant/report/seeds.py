@@ -166,44 +166,6 @@ def format_table5_seeds(agg: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def table5_comparisons(
-    agg: Mapping[str, Any], columns: Sequence[str] = ("top1", "median")
-) -> list[dict[str, Any]]:
-    """Each group against the reference, per activation and column: {activation, column, group, reference,
-    diff, se, beyond, mean, ref_mean, n, ref_n}."""
-    ref = _reference(agg)
-    out = []
-    if ref is None:
-        return out
-    for activation in agg.get(ref, {}):
-        for col in columns:
-            spreads = {
-                g: Spread.from_dict(a[activation][col])
-                for g, a in agg.items()
-                if col in a.get(activation, {})
-            }
-            if ref not in spreads:
-                continue
-            pooled = pooled_sd(spreads.values())
-            for group, s in spreads.items():
-                if group == ref:
-                    continue
-                c = Comparison.of(group, s, ref, spreads[ref], pooled)
-                out.append(
-                    {
-                        "activation": activation,
-                        "column": col,
-                        **c.__dict__,
-                        "mean": s.mean,
-                        "ref_mean": spreads[ref].mean,
-                        "n": s.n,
-                        "ref_n": spreads[ref].n,
-                        "pooled_sd": pooled,
-                    }  # fmt: skip
-                )
-    return out
-
-
 def sink_rate_seeds(models: Mapping[str, Any], groups: Mapping[str, Sequence[str]]) -> dict[str, Any]:
     """{group: Spread dict} of the attention-sink rate (Gu et al. 2024, in percent of heads) over each group's
     seeds, from table5.json's ``models`` (a profile run with ``sink_rate``); groups where a member lacks it
@@ -246,6 +208,23 @@ def scalar_comparisons(agg: Mapping[str, Any], activation: str, column: str) -> 
                     "pooled_sd": pooled,
                 }  # fmt: skip
             )
+    return out
+
+
+def table5_comparisons(
+    agg: Mapping[str, Any], columns: Sequence[str] = ("top1", "median")
+) -> list[dict[str, Any]]:
+    """Each group against the reference, per activation and column: {activation, column, group, reference,
+    diff, se, beyond, mean, ref_mean, n, ref_n, pooled_sd}."""
+    ref = _reference(agg)
+    out: list[dict[str, Any]] = []
+    if ref is None:
+        return out
+    for activation in agg.get(ref, {}):
+        for col in columns:
+            spreads = {g: a[activation][col] for g, a in agg.items() if col in a.get(activation, {})}
+            if ref in spreads:
+                out += scalar_comparisons(spreads, activation, col)
     return out
 
 
