@@ -146,6 +146,7 @@ def test_table5_and_sweep_over_seeds_by_hand():
         statistics.mean(d_v) - statistics.mean(d_b)
     )
     assert loss["se"] == pytest.approx(pooled) and loss["beyond"] is (abs(loss["diff"]) > 2 * pooled)
+    assert loss["pooled_sd"] == pytest.approx(pooled)  # sqrt(1/2 + 1/2) = 1: the same number
     table = seeds.format_sweep_seeds(srows).splitlines()
     assert "diff_v2 (n=2)" in table[1]
     # every cell of a row is its own whitespace-separated field: none runs into the next column

@@ -2674,10 +2674,10 @@ MUTANTS = [
         ("tests/test_seeds.py",),
     ),
     M(
-        "sink rate comparisons: the spread of the reference alone",
+        "seed comparisons: the spread of the reference alone",
         "diffquant/report/seeds.py",
-        "    pooled = pooled_sd(spreads.values())\n    out = []\n    for group, s in spreads.items():\n        if group != ref:",
-        "    pooled = pooled_sd([spreads[ref]])\n    out = []\n    for group, s in spreads.items():\n        if group != ref:",
+        "    pooled = pooled_sd(spreads.values())\n    r = spreads[ref]",
+        "    pooled = pooled_sd([spreads[ref]])\n    r = spreads[ref]",
         ("tests/test_seeds.py",),
     ),
     M(

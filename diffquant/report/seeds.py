@@ -112,6 +112,29 @@ class Comparison:
         return cls(group, reference, diff, se, beyond)
 
 
+def against_reference(
+    spreads: Mapping[str, Spread], ref: str, where: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each group's Spread of one statistic against the reference group's, on the seed noise pooled over
+    them all: rows {**where[group], group, reference, diff, se, beyond, mean, ref_mean, n, ref_n, pooled_sd}
+    (``where[group]`` names the statistic: activation and column, or task, plan and the group's metric)."""
+    pooled = pooled_sd(spreads.values())
+    r = spreads[ref]
+    return [
+        {
+            **where[group],
+            **Comparison.of(group, s, ref, r, pooled).__dict__,
+            "mean": s.mean,
+            "ref_mean": r.mean,
+            "n": s.n,
+            "ref_n": r.n,
+            "pooled_sd": pooled,
+        }
+        for group, s in spreads.items()
+        if group != ref
+    ]
+
+
 def _reference(groups: Iterable[str]) -> str | None:
     groups = list(groups)
     return REFERENCE if REFERENCE in groups else (groups[0] if groups else None)
@@ -191,24 +214,7 @@ def scalar_comparisons(agg: Mapping[str, Any], activation: str, column: str) -> 
     ref = _reference(spreads)
     if ref is None:
         return []
-    pooled = pooled_sd(spreads.values())
-    out = []
-    for group, s in spreads.items():
-        if group != ref:
-            c = Comparison.of(group, s, ref, spreads[ref], pooled)
-            out.append(
-                {
-                    "activation": activation,
-                    "column": column,
-                    **c.__dict__,
-                    "mean": s.mean,
-                    "ref_mean": spreads[ref].mean,
-                    "n": s.n,
-                    "ref_n": spreads[ref].n,
-                    "pooled_sd": pooled,
-                }  # fmt: skip
-            )
-    return out
+    return against_reference(spreads, ref, {g: {"activation": activation, "column": column} for g in spreads})
 
 
 def table5_comparisons(
@@ -313,23 +319,11 @@ def sweep_comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
             spreads = {g: Spread.from_dict(r[field]) for g, r in cells.items() if field in r}
             if ref not in spreads:
                 continue
-            pooled = pooled_sd(spreads.values())
-            for group, s in spreads.items():
-                if group != ref:
-                    c = Comparison.of(group, s, ref, spreads[ref], pooled)
-                    out.append(
-                        {
-                            "task": task,
-                            "plan": plan,
-                            "statistic": field,
-                            "metric": cells[group]["metric"],
-                            **c.__dict__,
-                            "mean": s.mean,
-                            "ref_mean": spreads[ref].mean,
-                            "n": s.n,
-                            "ref_n": spreads[ref].n,
-                        }  # fmt: skip
-                    )
+            where = {
+                g: {"task": task, "plan": plan, "statistic": field, "metric": cells[g]["metric"]}
+                for g in spreads
+            }
+            out += against_reference(spreads, ref, where)
     return out
 
 
