@@ -369,7 +369,7 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
             (
                 f"zoo:{name}",
                 attention,
-                str(c.get("seed", 0)),
+                str(c["seed"]),
                 f"{c['parameters']:,}",
                 f"{c['tokens']:,}",
                 f"{c['train_bpb']:.3f}",

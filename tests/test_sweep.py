@@ -144,8 +144,13 @@ def _heads_of_64(kind: str, folder: Path) -> str:
 
 
 def _zoo_kind(spec: str) -> str:
-    """zoo:diff_v2-s1 -> diff_v2 (other specifiers: the word after the scheme, which is no kind)."""
-    return spec.split(":")[1].split("-s")[0]
+    """zoo:diff_v2-s1 -> diff_v2, by the zoo's seed naming (other specifiers: the word after the scheme,
+    which is no kind)."""
+    from diffquant.report.seeds import SEED_NAME
+
+    word = spec.split(":")[1]
+    match = SEED_NAME.match(word)
+    return match.group("group") if match else word
 
 
 def _tiny(raw: dict, text: str, folder: Path) -> dict:

@@ -2662,7 +2662,7 @@ MUTANTS = [
     M(
         "zoo table: every model seed 0",
         "diffquant/cli.py",
-        '                str(c.get("seed", 0)),',
+        '                str(c["seed"]),',
         '                "0",',
         ("tests/test_readme.py::test_zoo_table_is_what_the_cards_say",),
     ),
