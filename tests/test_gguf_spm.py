@@ -21,8 +21,6 @@ from diffquant.data.tokenizer import load_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.convert_gguf import read_gguf_tokenizer
 
-GEMMA = Path("/root/.cache/diffquant/gemma3-270m/gemma-3-270m-q4_k_m.gguf")
-WIKITEXT = Path(__file__).resolve().parents[1] / "diffquant" / "data" / "wikitext2" / "wiki.test.raw"
 SP = "\u2581"
 CONTROL, USER, BYTE, NORMAL = 3, 4, 6, 1
 
@@ -347,24 +345,4 @@ def test_bad_files_are_one_line_errors(tmp_path, kwargs, match):
     assert str(path) in _one_line(excinfo)
 
 
-# ================================================================================ the real Gemma-3 file
-@pytest.mark.real
-@pytest.mark.skipif(
-    not GEMMA.is_file(), reason=f"Gemma-3-270M GGUF not cached at {GEMMA} (diffquant fetch gemma3-270m)"
-)
-def test_real_gemma3_matches_transformers():
-    """WikiText-2 test's first 20,000 characters: the same ids as transformers' GGUF reader (4,572 tokens),
-    a lossless round trip, byte lengths that add up, and the same special ids."""
-    transformers = pytest.importorskip("transformers")
-    ref = transformers.AutoTokenizer.from_pretrained(str(GEMMA.parent), gguf_file=GEMMA.name)
-    tok = read_gguf_tokenizer(GEMMA)
-    text = WIKITEXT.read_text(encoding="utf-8")[:20_000]
-    ids = tok.encode(text)
-    assert ids == ref(text, add_special_tokens=False).input_ids
-    print(f"{len(ids)} tokens")
-    assert tok.decode(ids) == text
-    assert int(tok.byte_lengths()[ids].sum()) == len(text.encode("utf-8"))
-    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
-    assert tok.add_bos == ref.add_bos_token is True
-    assert tok.vocab_size == len(ref) == 262_144
-    assert tok.encode("Hello  world\n\n x", bos=True) == ref("Hello  world\n\n x").input_ids
+# The real Gemma-3 file's tokenizer against transformers': tests/test_real_gemma3.py (it fetches the file).

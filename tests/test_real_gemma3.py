@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 import resource
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+WIKITEXT = Path(__file__).resolve().parents[1] / "diffquant" / "data" / "wikitext2" / "wiki.test.raw"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,14 @@ def gemma3_transformers(gemma3):
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     return reference.eval()
+
+
+@pytest.fixture(scope="module")
+def gemma3_tokenizer(gemma3):
+    """transformers' own tokenizer of the GGUF file (its SentencePiece conversion), the reference for ids."""
+    transformers = pytest.importorskip("transformers")
+    path, _ = gemma3
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def test_config_is_gemma3_270m(gemma3):
@@ -92,3 +103,27 @@ def test_wikitext2_perplexity_equals_transformers(gemma3, gemma3_transformers):
         f"{theirs:.4f}; bpb {ours['bits_per_byte']:.4f}; peak RSS {before / 2**20:.2f} -> {peak / 2**20:.2f} GiB"
     )
     assert ours["perplexity"] == pytest.approx(theirs, rel=1e-4)
+
+
+def test_token_ids_equal_transformers(gemma3, gemma3_tokenizer):
+    """The ids every perplexity test here scores come from diffquant's tokenizer: they must be transformers'
+    ids of the same text (a tokenizer regression would otherwise pass the perplexity test, which feeds both
+    models diffquant's ids). WikiText-2 test's first 60,000 characters (~14,800 tokens), the 8 x 1,024-token
+    stream the perplexity test reads (BOS + text), a lossless round trip, byte lengths that add up, the
+    special ids."""
+    from diffquant.data import token_stream
+
+    _, model = gemma3
+    tok, ref = model.tokenizer, gemma3_tokenizer
+    text = WIKITEXT.read_text(encoding="utf-8")[:60_000]
+    theirs = ref(text, add_special_tokens=False).input_ids
+    assert tok.encode(text) == theirs
+    stream = token_stream("wikitext2:test", 8 * 1024, tok).tolist()
+    # BOS once, then the text's ids; the last few ids may end mid-word in the 60,000-character prefix
+    assert stream[0] == ref.bos_token_id and stream[1:8000] == theirs[:7999]
+    assert tok.decode(theirs) == text
+    assert int(tok.byte_lengths()[theirs].sum()) == len(text.encode("utf-8"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+    assert tok.add_bos == ref.add_bos_token is True
+    assert tok.vocab_size == len(ref) == 262_144
+    assert tok.encode("Hello  world\n\n x", bos=True) == ref("Hello  world\n\n x").input_ids

@@ -8,11 +8,14 @@ position 0, channel 507; Sun et al. 2024 describe such activations in every larg
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+WIKITEXT = Path(__file__).resolve().parents[1] / "diffquant" / "data" / "wikitext2" / "wiki.test.raw"
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +151,22 @@ def test_massive_activation_interventions_of_sun_et_al(smollm2):
     assert out["zero"]["intervened"] > 0 and out["zero"]["massive_outside"] == 0
     assert ppl["zero"] > 100 * ppl[None]
     assert abs(ppl["mean"] / ppl[None] - 1) < 0.1
+
+
+def test_token_ids_equal_transformers(smollm2):
+    """The perplexity test feeds both models diffquant's ids: they must be transformers' ids of the same text
+    (WikiText-2 test's first 60,000 characters, digits included; ~15,200 tokens), and the 4 x 1,024-token
+    stream it reads is that text without a BOS (SmolLM2's tokenizer adds none)."""
+    transformers = pytest.importorskip("transformers")
+    from diffquant.data import token_stream
+
+    path, model = smollm2
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = model.tokenizer
+    text = WIKITEXT.read_text(encoding="utf-8")[:60_000]
+    theirs = ref(text, add_special_tokens=False).input_ids
+    assert tok.encode(text) == theirs
+    assert ref(text).input_ids == theirs  # transformers adds no BOS either
+    stream = token_stream("wikitext2:test", 4 * 1024, tok).tolist()
+    assert stream == theirs[: 4 * 1024]
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (ref.bos_token_id, ref.eos_token_id, False)
