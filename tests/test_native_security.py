@@ -322,9 +322,11 @@ def test_a_library_without_the_entry_points_is_rebuilt(kit, tmp_path):
 
 
 # ---------------------------------------------------------------- modes, budget, litter
-def test_folders_are_0700_and_files_0600_under_umask_000(kit, tmp_path):
+@pytest.mark.parametrize("umask", [0o000, 0o277], ids=["umask-000", "umask-277"])
+def test_folders_are_0700_and_files_0600_under_any_umask(kit, tmp_path, umask):
+    """0o000 would leave them open to everyone, 0o277 read-only for their owner: chmod, not the umask."""
     cache = tmp_path / "new" / "cache"
-    loaded = _load(_env(cache, tmp_path / "tmp", kit.cc), umask=0)
+    loaded = _load(_env(cache, tmp_path / "tmp", kit.cc), umask=umask)
     _assert_works(loaded)
     assert loaded.notes == []
     folder = cache / "native" / kit.key
