@@ -2687,6 +2687,87 @@ MUTANTS = [
         "        widths = [max(24, len(heads[i]) + 2) for i in range(len(groups))]",
         ("tests/test_seeds.py",),
     ),
+    # --- native library loader (issue 44: ownership / mode, hash, entry points, compile budget, 0700 / 0600)
+    M(
+        "native library: folder owner not checked",
+        "diffquant/kernels/native.py",
+        '    if st.st_uid != os.geteuid():\n        raise _Untrusted(f"{what} is owned by uid',
+        '    if False:\n        raise _Untrusted(f"{what} is owned by uid',
+        ("tests/test_native_security.py::test_a_cache_folder_others_can_write_is_not_used",),
+    ),
+    M(
+        "native library: group-writable folders trusted",
+        "diffquant/kernels/native.py",
+        '    if st.st_mode & 0o022:\n        raise _Untrusted(f"{what} is writable',
+        '    if st.st_mode & 0o002:\n        raise _Untrusted(f"{what} is writable',
+        ("tests/test_native_security.py::test_a_cache_folder_others_can_write_is_not_used",),
+    ),
+    M(
+        "native library: shared parent folders trusted",
+        "diffquant/kernels/native.py",
+        "    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:",
+        "    if False:",
+        ("tests/test_native_security.py::test_a_folder_above_the_cache_may_be_shared_only_when_sticky",),
+    ),
+    M(
+        "native library: sticky parent folders refused",
+        "diffquant/kernels/native.py",
+        "    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:",
+        "    if st.st_mode & 0o022:",
+        ("tests/test_native_security.py::test_a_folder_above_the_cache_may_be_shared_only_when_sticky",),
+    ),
+    M(
+        "native library: sha256 not compared",
+        "diffquant/kernels/native.py",
+        "        if _sha256(fd) != expected:",
+        "        if False:",
+        (
+            "tests/test_native_security.py::test_a_planted_library_in_the_cache_is_not_loaded_but_rebuilt",
+            "tests/test_native_security.py::test_a_truncated_library_is_rebuilt_not_mapped",
+        ),
+    ),
+    M(
+        "native library: entry points not required",
+        "diffquant/kernels/native.py",
+        "    if missing:\n        _dlclose(lib)",
+        "    if False:\n        _dlclose(lib)",
+        ("tests/test_native_security.py::test_a_library_without_the_entry_points_is_rebuilt",),
+    ),
+    M(
+        "native library: 120 s per variant, no overall budget",
+        "diffquant/kernels/native.py",
+        "        left = deadline - time.monotonic()",
+        "        left = 120.0",
+        ("tests/test_native_security.py::test_a_hung_compiler_is_abandoned_within_the_budget",),
+    ),
+    M(
+        "native library: the compiler killed, not its process group",
+        "diffquant/kernels/native.py",
+        "os.killpg(proc.pid, signal.SIGKILL)",
+        "proc.kill()",
+        ("tests/test_native_security.py::test_a_hung_compiler_is_abandoned_within_the_budget",),
+    ),
+    M(
+        "native library: folders not chmod 0700",
+        "diffquant/kernels/native.py",
+        "    os.chmod(folder, 0o700)",
+        "    pass",
+        ("tests/test_native_security.py::test_folders_are_0700_and_files_0600_under_any_umask",),
+    ),
+    M(
+        "native library: library not chmod 0600",
+        "diffquant/kernels/native.py",
+        "        os.chmod(tmp, 0o600)",
+        "        pass",
+        ("tests/test_native_security.py::test_folders_are_0700_and_files_0600_under_any_umask",),
+    ),
+    M(
+        "native library: sidecar not chmod 0600",
+        "diffquant/kernels/native.py",
+        "        os.fchmod(fd, 0o600)",
+        "        pass",
+        ("tests/test_native_security.py::test_folders_are_0700_and_files_0600_under_any_umask",),
+    ),
 ]
 
 
