@@ -127,6 +127,14 @@ def _start(env: dict[str, str], umask: int = -1) -> subprocess.Popen:
     )
 
 
+def _kill_sleeper(pid_file: Path) -> None:
+    """Kill the stand-in compiler's sleeping child if it still runs (a test that failed leaves no process)."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(pid_file.read_text())
+        if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x001000\x00":
+            os.kill(pid, signal.SIGKILL)
+
+
 def _load(env: dict[str, str], umask: int = -1, timeout: float = 20.0) -> Loaded:
     """Run LOADER; a run past ``timeout`` is killed (with its process group) and fails the test."""
     start = time.monotonic()
@@ -341,17 +349,20 @@ def test_a_hung_compiler_is_abandoned_within_the_budget(kit, tmp_path):
     pid_file = tmp_path / "cc.pid"
     env = _env(cache, tmp_path / "tmp", kit.cc, marker, DIFFQUANT_NATIVE_BUDGET="1", DQ_CC_HANG="before")
     env["DQ_CC_PID"] = str(pid_file)
-    loaded = _load(env)
+    try:
+        loaded = _load(env)
+        # the compiler's child was killed with its process group (a zombie at most, where nothing reaps it)
+        pid = int(pid_file.read_text())
+        with contextlib.suppress(FileNotFoundError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            assert state in ("Z", "X"), state
+    finally:
+        _kill_sleeper(pid_file)
     assert loaded.rc == 0 and loaded.available is False and loaded.values is None
     assert loaded.seconds < 8, loaded.seconds
     _assert_one_note(
         loaded, str(kit.cc), "did not finish within 1 s", "DIFFQUANT_NATIVE_BUDGET", "torch path"
     )
-    # the compiler's child was killed with its process group (a zombie at most, where nothing reaps it)
-    pid = int(pid_file.read_text())
-    with contextlib.suppress(FileNotFoundError):
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        assert state in ("Z", "X"), state
     assert [p.name for p in folder.iterdir()] == []
 
 
@@ -369,8 +380,7 @@ def test_a_killed_compile_leaves_no_litter(kit, tmp_path):
         assert pid_file.exists(), "the stand-in compiler never ran"
     finally:
         _kill_group(proc)
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        _kill_sleeper(pid_file)
     left = [p.name for p in folder.iterdir()]
     assert len(left) == 1 and left[0] != "libdqstats.so", left  # the killed compile's temporary
     old, young = folder / "tmpabcd1234.so", folder / "tmpwxyz9876.so"
