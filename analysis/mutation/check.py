@@ -2768,6 +2768,37 @@ MUTANTS = [
         "        pass",
         ("tests/test_native_security.py::test_folders_are_0700_and_files_0600_under_any_umask",),
     ),
+    # --- issue 47: docs numbers tied to committed run outputs (tests/docpages.py, tests/test_docs_numbers.py)
+    M(
+        "docs numbers: the last cell of a row not compared",
+        "tests/docpages.py",
+        "        for c, (cell, value) in enumerate(zip(got, row, strict=True)):",
+        "        for c, (cell, value) in enumerate(zip(got[:-1], row[:-1], strict=True)):",
+        ("tests/test_docs_numbers.py::test_differences_name_every_cell_and_row_that_differs",),
+    ),
+    M(
+        "docs numbers: a number within one unit of its last digit agrees",
+        "tests/docpages.py",
+        "    return shown == text\n",
+        '    return abs(float(shown.replace(",", "")) - value) <= 10.0**-digits\n',
+        (
+            "tests/test_docs_numbers.py::test_agrees_rounds_to_the_digits_shown_and_keeps_the_sign_and_grouping",
+        ),
+    ),
+    M(
+        "docs numbers: a table's first row never counts as measured",
+        "tests/docpages.py",
+        "for row in item.rows[1:] for cell in row)",
+        "for row in item.rows[2:] for cell in row)",
+        ("tests/test_docs_numbers.py::test_a_block_is_compared_number_by_number_commands_aside",),
+    ),
+    M(
+        "docs numbers: a past measurement's commit not looked up",
+        "tests/test_docs_numbers.py",
+        "        if not known or _git(",
+        "        if False and _git(",
+        ("tests/test_docs_numbers.py::test_a_made_up_commit_is_reported",),
+    ),
 ]
 
 

@@ -1,0 +1,336 @@
+"""Every number a docs page states comes from a committed run output that a test compares with the page, or is
+marked as a past measurement with its commit (issue 47).
+
+A page says where a table's or an output block's numbers come from with a comment before it
+(:mod:`docpages`: ``<!-- from: FILE -->``, ``<!-- measured at commit HASH, not re-run -->``,
+``<!-- checked by: tests/FILE.py -->``). Here: every such table or block of the audited pages carries one;
+a ``from:`` table is re-derived from its committed file by the deriver below and compared with the page cell
+by cell, to the digits printed; a past measurement names a commit of this history; a ``checked by:`` test
+exists and finds the block by its command. The pages not audited yet are listed in AUDITED's comment.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from docpages import (
+    CELL_NUMBER,
+    DOCS,
+    ROOT,
+    Name,
+    Numbers,
+    agrees,
+    block_numbers,
+    cell_agrees,
+    differences,
+    marks,
+    measured,
+    numbers,
+)
+
+# the pages whose tables and output blocks have been traced to a run (README.md, docs/commands.md,
+# docs/checkpoints.md, docs/streaming.md, docs/kernels.md, docs/recipes.md and docs/DESIGN.md not yet)
+AUDITED = [DOCS / name for name in ("kv-cache.md", "results.md", "rotation.md", "weights.md", "models.md")]
+AUDITED.append(DOCS / "device-maps.md")
+
+Rows = list[list[Any]]
+
+
+def _items(kind: str) -> list[Numbers]:
+    found = [item for page in AUDITED for item in numbers(page) if item.mark is not None]
+    if kind == "from":
+        return [item for item in found if item.mark.path is not None]
+    return [item for item in found if item.mark.test is not None]
+
+
+# ------------------------------------------------------------------------------------------ derivers
+def _kv_smollm2(path: Path, shown: Rows) -> Rows:
+    """docs/kv-cache.md, SmolLM2: decode perplexity and its change, greedy retrieval at ~1K / ~2K, per plan
+    of the kv-cache run (results.csv of its sweep)."""
+    with path.open() as f:
+        rows = {(r["plan"], r["task"], r["metric"]): r for r in csv.DictReader(f)}
+    plans = list(dict.fromkeys(plan for plan, _, _ in rows))
+    shown_plans = [re.sub(r"^`?([\w-]+)`?.*", r"\1", row[0]) for row in shown[1:]]
+    assert sorted(shown_plans) == sorted(plans), (shown_plans, plans)
+    out: Rows = [["plan", "decode ppl", "change", "greedy retrieval ~1K", "~2K"]]
+    for plan in shown_plans:
+        ppl = rows[(plan, "ppl-decode", "perplexity")]
+        delta = None if plan == "none" else float(ppl["delta"])
+        greedy = [float(rows[(plan, task, "acc_greedy")]["value"]) for task in ("needles-1k", "needles-2k")]
+        out.append([Name(plan), float(ppl["value"]), delta, *greedy])
+    return out
+
+
+ZOO_KINDS = ("zoo:baseline", "zoo:diff_v1", "zoo:diff_v2")
+
+
+def _kv_zoo_paired(path: Path, shown: Rows) -> Rows:
+    """docs/kv-cache.md, the zoo trio: each plan's paired change in bits per byte ± 2 s.e. (paired.py's
+    output); the rows paired.py does not score are past measurements (``...``)."""
+    paired = {(r["plan"], r["model"]): (r["change"], r["two_se"]) for r in json.loads(path.read_text())}
+    out: Rows = [["plan", "baseline", "DIFF V1", "DIFF V2"]]
+    for row in shown[1:]:
+        plan = re.sub(r"^`?([\w-]+)`?.*", r"\1", row[0])
+        cells = [paired.get((plan, kind), ...) for kind in ZOO_KINDS]
+        out.append([Name(plan), *cells])
+    plans = {plan for plan, _ in paired}
+    assert plans <= {re.sub(r"^`?([\w-]+)`?.*", r"\1", row[0]) for row in shown[1:]}, plans
+    return out
+
+
+def _kv_bench(path: Path, shown: Rows) -> Rows:
+    """docs/kv-cache.md, benchmark: bytes (MiB), share of bf16, decode speed and its ratio, for the
+    (context, cache) rows the page shows of bench.py's JSON."""
+    rows = {(r["context"], r["cache"]): r for r in json.loads(path.read_text())["rows"]}
+    out: Rows = [["context", "cache", "MiB", "vs bf16", "tokens/s", "vs fp"]]
+    for row in shown[1:]:
+        cache = re.sub(r" \(.*\)$", "", row[1])
+        r = rows[(int(row[0]), cache)]
+        out.append(
+            [
+                float(r["context"]),
+                Name(cache),
+                r["bytes"] / 2**20,
+                r["vs_bf16"],
+                r["tokens_per_s"],
+                r["speed_vs_fp"],
+            ]
+        )
+    return out
+
+
+def _numbers_in(text: str) -> list[float]:
+    return [float(n.replace(",", "")) for n in CELL_NUMBER.findall(text)]
+
+
+def _rotate_outliers(path: Path, shown: Rows) -> Rows:
+    """docs/rotation.md, outliers.py's printout: top-1, median, kurtosis (and where the top-1 sits) before
+    and after rotation, the residual stream then each Linear input."""
+    doc = json.loads(path.read_text())
+    values: list[Any] = []
+    for when in ("before", "after"):
+        r = doc[when]["residual stream (layer outputs)"]
+        values += [r["top1"], r["median"], r["kurtosis"], *_numbers_in(r["top1_at"])]
+    for linear in doc["before"]["per Linear (all layers)"]:
+        for when in ("before", "after"):
+            r = doc[when]["per Linear (all layers)"][linear]
+            values += [r["top1"], r["median"], r["kurtosis"]]
+    return [values]
+
+
+def _rotate_bench(path: Path, shown: Rows) -> Rows:
+    """docs/rotation.md, bench.py's printout: per Hadamard size the construction, fast and dense ms, the
+    speed-up and the largest difference; then the forward times and ratios (the forward's shape, 2 x 512
+    tokens and 5 rounds, is bench.py's setting, not in its JSON: ``...``)."""
+    doc = json.loads(path.read_text())
+    values: list[Any] = []
+    for r in doc["transform"]:
+        values += [r["n"], *_numbers_in(r["construction"]), r["fast_ms"], r["dense_ms"]]
+        values += [r["dense_ms"] / r["fast_ms"], r["max_abs_diff"]]
+    values += [..., ..., ...]
+    for name, r in doc["forward"].items():
+        if name != "model":
+            values += [r["s"], r["ratio"]]
+    return [values]
+
+
+WHO = {"baseline": "baseline", "diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}
+
+
+def _gptq_why_w4a4(path: Path, shown: Rows) -> Rows:
+    """docs/weights.md, why_w4a4.py: each W4A4 cell's bpb increase over the float model per GPTQ variant."""
+    out: Rows = [["cell", "RTN", "GPTQ", "4x calibration", "act-order", "Hessian of the int4 inputs"]]
+    for r in json.loads(path.read_text()):
+        keys = ("rtn", "gptq", "gptq_32k_calib", "gptq_act_order", "gptq_quantized_inputs")
+        out.append([f"{WHO[r['model']]} `{r['plan']}`", *(r[k] - r["fp"] for k in keys)])
+    return out
+
+
+def _gptq_bench(path: Path, shown: Rows) -> Rows:
+    """docs/weights.md, the GPTQ benchmark (bench.py's JSON): time, Hessians, peak RSS and perplexity per
+    mode and calibration size."""
+    out: Rows = [["mode", "calibration", "GPTQ s", "Hessians held", "peak RSS", "WikiText-2 test ppl"]]
+    for i, r in enumerate(json.loads(path.read_text())["rows"]):
+        calibration = f"{r['windows']} x {r['seq_len']} = {r['tokens']:,}" + (" tokens" if i == 0 else "")
+        ppl = r.get("wikitext2_test_ppl")
+        out.append(
+            [Name(r["mode"]), calibration, r["gptq_seconds"], r["peak_hessian_mib"], r["peak_rss_gib"], ppl]
+        )
+    return out
+
+
+def _markdown_table(path: Path, shown: Rows) -> Rows:
+    """A table a script wrote as Markdown (analysis/zoo/summarize.py's zoo.md): the same cells."""
+    item = next(item for item in numbers(path) if item.kind == "table")
+    return item.rows
+
+
+DERIVERS: dict[str, Callable[[Path, Rows], Rows]] = {
+    "analysis/kvcache/smollm2/results.csv": _kv_smollm2,
+    "analysis/kvcache/paired.json": _kv_zoo_paired,
+    "analysis/kvcache/bench-float32.json": _kv_bench,
+    "analysis/rotate/outliers.json": _rotate_outliers,
+    "analysis/rotate/bench.json": _rotate_bench,
+    "analysis/gptq/why_w4a4.json": _gptq_why_w4a4,
+    "analysis/gptq/bench.json": _gptq_bench,
+    "analysis/zoo/zoo.md": _markdown_table,
+}
+
+
+def shown_rows(item: Numbers) -> Rows:
+    return item.rows if item.kind == "table" else block_numbers(item)
+
+
+# ------------------------------------------------------------------------------------------ the tests
+def test_every_measured_table_and_block_of_the_audited_pages_says_where_its_numbers_come_from():
+    unmarked = [
+        item.where() for page in AUDITED for item in numbers(page) if measured(item) and item.mark is None
+    ]
+    assert unmarked == []
+
+
+@pytest.mark.parametrize("item", _items("from"), ids=Numbers.where)
+def test_a_from_table_is_what_its_committed_file_gives(item):
+    path = item.mark.path
+    assert path in DERIVERS, f"{item.where()}: no deriver for {path} in tests/test_docs_numbers.py"
+    assert (ROOT / path).is_file(), f"{item.where()}: {path} is not there"
+    want = DERIVERS[path](ROOT / path, item.rows)
+    if any(cell is ... for row in want for cell in row):
+        assert item.mark.commit, (
+            f"{item.where()}: cells {path} does not give need 'the rest measured at commit'"
+        )
+    assert differences(shown_rows(item), want) == []
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
+
+
+def unknown_commits(page: Path) -> list[str]:
+    """The marks of ``page`` whose commit is not one of HEAD's history (``page:line: hash``)."""
+    bad = []
+    for mark in marks(page):
+        if mark.commit is None:
+            continue
+        known = _git("cat-file", "-e", f"{mark.commit}^{{commit}}").returncode == 0
+        if not known or _git("merge-base", "--is-ancestor", mark.commit, "HEAD").returncode != 0:
+            bad.append(f"{page.name}:{mark.line}: {mark.commit}")
+    return bad
+
+
+needs_git = pytest.mark.skipif(
+    not (ROOT / ".git").exists(),
+    reason="no git history here (an installed wheel): commits cannot be looked up",
+)
+
+
+@needs_git
+@pytest.mark.parametrize("page", AUDITED, ids=lambda p: p.name)
+def test_a_past_measurement_names_a_commit_of_this_history(page):
+    assert unknown_commits(page) == []
+
+
+@needs_git
+def test_a_made_up_commit_is_reported(tmp_path):
+    head = _git("rev-parse", "--short", "HEAD").stdout.strip()
+    page = tmp_path / "page.md"
+    page.write_text(
+        f"<!-- measured at commit {head}, not re-run -->\n| a |\n\n<!-- measured at commit deadbee, not re-run -->\n"
+    )
+    assert unknown_commits(page) == ["page.md:4: deadbee"]
+
+
+@pytest.mark.parametrize("item", _items("checked"), ids=Numbers.where)
+def test_a_checked_block_is_found_by_its_test(item):
+    prompt = item.rows[0][0]
+    assert prompt.startswith("$ "), f"{item.where()}: a checked block starts with its command"
+    test = ROOT / item.mark.test
+    assert test.is_file(), f"{item.where()}: {item.mark.test} is not there"
+    words = " ".join(prompt[2:].split()[:3])
+    assert words in test.read_text(), f"{item.where()}: {item.mark.test} does not look for {words!r}"
+
+
+# ------------------------------------------------------------------------------------------ the comparison itself
+def test_agrees_rounds_to_the_digits_shown_and_keeps_the_sign_and_grouping():
+    assert agrees("19.5027", 19.50274) and agrees("+0.0624", 0.06244) and agrees("1.00", 0.999)
+    assert agrees("6,362,345.7", 6362345.71) and agrees("2.1e-06", 2.1457e-6) and agrees("1024", 1024.0)
+    assert agrees("+0.0000", -0.00001) and agrees("-0.0000", 0.00001)  # a rounded zero shows either sign
+    assert agrees("6362345.7", 6362345.7)  # no comma shown, none asked for
+    for shown, value in (
+        ("19.5027", 19.50276),  # one unit in the last digit
+        ("+0.0624", -0.0624),  # the sign
+        ("0.0624", 0.0624 + 1e-3),
+        ("6,362,345.8", 6362345.71),
+        ("2.1e-06", 2.1e-5),
+        ("1.0", 1.06),
+    ):
+        assert not agrees(shown, value), (shown, value)
+
+
+def test_cells_compare_every_number_of_a_cell_and_nothing_else():
+    assert cell_agrees("-0.0001 ± 0.0006", (-0.0001, 0.0006))
+    assert not cell_agrees("-0.0001 ± 0.0006", (-0.0001, 0.0007))
+    assert not cell_agrees("-0.0001 ± 0.0006", -0.0001)  # a second number the source does not give
+    assert (
+        cell_agrees("**51.44**", 51.44) and cell_agrees("2.42 GiB", 2.42) and cell_agrees("x 217,756", 217756)
+    )
+    assert not cell_agrees("51.44 (was 50.1)", 51.44)  # words around a number are not a number cell
+    assert cell_agrees("", None) and not cell_agrees("+0.1", None)
+    assert cell_agrees("`kv4` (KIVI: keys per channel)", Name("kv4")) and cell_agrees("none", Name("none"))
+    assert not cell_agrees("`kv4-compact`", Name("kv4")) and not cell_agrees("`kv4", Name("kv4"))
+
+
+def test_differences_name_every_cell_and_row_that_differs():
+    shown = [["plan", "ppl"], ["none", "19.4403"], ["`kv4`", "19.4954"]]
+    assert differences(shown, [["plan", "ppl"], [Name("none"), 19.44029], [Name("kv4"), 19.49541]]) == []
+    want = [["plan", "ppl"], [Name("none"), 19.44029], [Name("kv4"), 19.5027]]
+    assert differences(shown, want) == ["row 2 cell 1: shown '19.4954', derived 19.5027"]
+    assert differences(shown[:2], want) == ["2 rows shown, 3 derived"]
+    assert differences(shown, [["plan", "ppl"], [Name("none"), 19.44029], [Name("kv4"), ...]]) == []
+    assert len(differences([["a", "1.0", "2.0"]], [["a", 1.0]])) == 1
+
+
+def test_a_block_is_compared_number_by_number_commands_aside():
+    item = Numbers(
+        ROOT / "x.md",
+        "block",
+        1,
+        [["$ diffquant eval w4a4 --tokens 2048"], ["w4a4   7.493 s  1.000x  top-1 at 2"]],
+        None,
+    )
+    assert block_numbers(item) == [["7.493", "1.000", "2"]]
+    assert measured(item)
+    assert not measured(
+        Numbers(ROOT / "x.md", "block", 1, [["$ diffquant eval --tokens 4.5"], ["done"]], None)
+    )
+    assert measured(Numbers(ROOT / "x.md", "table", 1, [["plan", "ppl"], ["none", "19.4403"]], None))
+    assert not measured(Numbers(ROOT / "x.md", "table", 1, [["k", "v"], ["bits", "2, 4, 8"]], None))
+
+
+def test_a_malformed_mark_is_an_error_not_an_unmarked_table(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- from analysis/x.json -->\n| a |\n|---|\n| 1.5 |\n")
+    with pytest.raises(AssertionError, match="does not parse"):
+        numbers(page)
+    page.write_text("<!-- measured at commit abc1234, not re-run -->\n\n| a |\n|---|\n| 1.5 |\n")
+    assert numbers(page)[0].mark.commit == "abc1234"
+    page.write_text("<!-- from: a/b.csv; the rest measured at commit abc1234, not re-run -->\n| a |\n")
+    mark = numbers(page)[0].mark
+    assert (mark.path, mark.commit) == ("a/b.csv", "abc1234")
+
+
+def test_the_derivers_read_what_they_are_given():
+    # a deriver must be fed from its file: changing one number of the file changes the derived cells
+    src = ROOT / "analysis/gptq/why_w4a4.json"
+    rows = _gptq_why_w4a4(src, [])
+    doc = json.loads(src.read_text())
+    assert rows[1][1] == pytest.approx(doc[0]["rtn"] - doc[0]["fp"])
+    assert math.isfinite(rows[-1][-1])
