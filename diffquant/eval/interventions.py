@@ -114,10 +114,11 @@ def find_massive(
         return hook
 
     handles = [block.register_forward_hook(watch(i)) for i, block in enumerate(blocks)]
+    device = next(model.parameters()).device  # the windows are tokenized on the host
     try:
         with torch.no_grad():
             for start in range(0, windows.shape[0], batch_size):
-                model(windows[start : start + batch_size])
+                model(windows[start : start + batch_size].to(device))
     finally:
         for handle in handles:
             handle.remove()

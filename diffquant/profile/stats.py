@@ -146,6 +146,18 @@ def _fold_table() -> torch.Tensor:
 
 
 _FOLD = _fold_table()
+_FOLDS: dict[torch.device, torch.Tensor] = {}  # _FOLD on each other device an update came from
+
+
+def _fold_on(device: torch.device) -> torch.Tensor:
+    """The fold table on ``device`` (copied once per device: index_add_ needs its index beside the counts)."""
+    if device.type == "cpu":
+        return _FOLD
+    if device not in _FOLDS:
+        _FOLDS[device] = _FOLD.to(device)
+    return _FOLDS[device]
+
+
 # The bin within its octave of each FINE_BITS-bit mantissa (the native pass computes a value's slot as
 # 1 + (exponent - 1) * BINS_PER_OCTAVE + _K_OF_M[mantissa], the slots _FOLD holds).
 _K_OF_M = (
@@ -205,9 +217,17 @@ def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tenso
         fine = part if fine is None else fine.add_(part)
     assert fine is not None
     fine = fine[:dump]
-    dense = torch.zeros(2 * SLOTS, dtype=torch.int64).index_add_(0, _FOLD, fine)
+    dense = torch.zeros(2 * SLOTS, dtype=torch.int64, device=fine.device).index_add_(
+        0, _fold_on(fine.device), fine
+    )
     fine = fine.view(2, _MAG_CODES)
-    ge6, ge100 = torch.stack([fine[:, _CODE_6:].sum(), fine[:, _CODE_100:].sum()]).tolist()
+    counts = torch.stack([fine[:, _CODE_6:].sum(), fine[:, _CODE_100:].sum()])
+    if (
+        dense.device.type != "cpu"
+    ):  # the bins go to the host (the accumulator's state) with the counts, at once
+        both = torch.cat([dense, counts]).cpu()
+        dense, counts = both[:-2], both[-2:]
+    ge6, ge100 = counts.tolist()
     return dense, ge6, ge100
 
 
@@ -267,7 +287,7 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
     """
     width = rows.shape[1]
     if ok is None:
-        n = torch.full((rows.shape[0],), float(width), dtype=torch.float64)
+        n = torch.full((rows.shape[0],), float(width), dtype=torch.float64, device=rows.device)
         s = _row_sums64(rows, None)
     else:
         n = ok.sum(-1, dtype=torch.float64)

@@ -304,7 +304,9 @@ def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor]) -> None:
     if extra:
         raise DiffquantError(f"{extra[0]}: smoothing factors for a norm this model does not smooth")
     for norm_name, norm, linears in groups:
-        s = torch.as_tensor(factors[norm_name]).to(torch.float64)
+        # The factors live on the host (smooth_model returns them there); each product is formed on the
+        # weights' device.
+        s = torch.as_tensor(factors[norm_name]).to(norm.weight.device, torch.float64)
         # The gain divides: w / s, or with Gemma's (1 + w) norms w' = (1 + w) / s - 1 (RMSNorm.set_gain).
         norm.set_gain(norm.gain() / s)
         for linear in linears.values():

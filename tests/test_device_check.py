@@ -1,0 +1,327 @@
+"""Device mistakes caught without a GPU (issue 45): the stages on tensors that say "cuda:0" (tests/devicecheck.py).
+
+A CPU / CUDA mix raises there as on a GPU. Each stage runs once on the CPU and once with the model and its
+inputs on the fake CUDA device, and the two must agree bit for bit: the fake device computes with the same CPU
+ops, so any difference is code that took another branch on CUDA. The CPU reference runs SDPA's math kernel
+(what SDPA picks for a "cuda" tensor on a CPU build) and the torch statistics / fake-quant paths (CUDA tensors
+take them; tests/test_profiler.py::test_native_profile_equals_the_torch_one and
+tests/test_quant.py::test_fake_quant_fast_path_is_bit_identical compare those with the native passes).
+"""
+
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+from conftest import ALL_KINDS, tiny_model
+from devicecheck import FakeCuda, fake_cuda, real
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from diffquant.cli import main
+from diffquant.io import save_checkpoint
+from diffquant.kernels import native
+from diffquant.profile import attention_metrics, profile_model, stats
+from diffquant.profile.maps import capture_maps
+from diffquant.profile.sinks import sink_rate_summary, sink_rates
+from diffquant.quant import schemes
+
+
+@pytest.fixture
+def torch_paths(monkeypatch):
+    """The CPU reference computes as CUDA tensors do: the torch statistics and fake-quant paths, SDPA's math
+    kernel."""
+    for module in (stats, attention_metrics, schemes):
+        monkeypatch.setattr(module, "NATIVE", False)
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _windows(n=4, t=24, seed=0):
+    return torch.randint(0, 61, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ the check
+def test_the_check_raises_cudas_error_on_a_cpu_cuda_mix():
+    with fake_cuda():
+        assert torch.cuda.is_available()
+        x = torch.arange(6.0, device="cuda")
+        assert isinstance(x, FakeCuda) and x.is_cuda and x.device == torch.device("cuda", 0)
+        for mix in (
+            lambda: x + torch.ones(6),
+            lambda: torch.zeros(6).index_add_(0, torch.arange(6), x),
+            lambda: torch.zeros(6, device="cuda").index_add_(0, torch.arange(6), x),
+            lambda: torch.ones(6)[torch.tensor([1], device="cuda")],
+            lambda: torch.where(torch.ones(6, dtype=torch.bool), x, torch.zeros(6)),
+        ):
+            with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+                mix()
+        # what CUDA allows: CPU scalars (0-d), CPU index tensors, copies across devices
+        assert (x * torch.tensor(2.0)).is_cuda
+        assert x[torch.tensor([1, 4])].tolist() == [1.0, 4.0]
+        assert x[x > 3].tolist() == [4.0, 5.0]
+        assert torch.zeros(6).copy_(x).tolist() == x.tolist()
+        host = x.cpu()
+        assert (
+            type(host) is torch.Tensor and host.device.type == "cpu" and host.tolist() == [0, 1, 2, 3, 4, 5]
+        )
+        assert float(x.sum()) == 15.0 and x[2].item() == 2.0
+        y = x.clone()
+        y[1:3] = 7.0
+        assert y.tolist() == [0, 7, 7, 3, 4, 5] and x[1].item() == 1.0
+        with pytest.raises(TypeError, match="cuda:0 device type tensor to numpy"):
+            x.numpy()
+        linear = torch.nn.Linear(6, 2).to("cuda")
+        assert isinstance(linear.weight, FakeCuda) and isinstance(linear.weight, torch.nn.Parameter)
+        with torch.no_grad():
+            assert linear(x).is_cuda
+        linear.to("cpu")
+        assert type(linear.weight) is torch.nn.Parameter
+    assert not isinstance(torch.zeros(1), FakeCuda)
+
+
+def test_native_passes_refuse_cuda_tensors_and_site_stats_take_the_torch_path(monkeypatch):
+    """The native C passes read CPU pointers: under the check they raise on a CUDA tensor, and every caller
+    tests the device first (a profile on CUDA never reaches them)."""
+    calls = []
+    for name in ("pass1", "pass2", "map_rows", "row_ranges", "fake_int_rows"):
+        original = getattr(native, name)
+
+        def counted(*args, _original=original, **kwargs):
+            calls.append(args)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(native, name, counted)
+    with fake_cuda():
+        x = torch.randn(4, 8, device="cuda")
+        with pytest.raises(RuntimeError, match="CPU only"):
+            native.row_ranges(x > 0)
+        calls.clear()
+        site = stats.SiteStats("layers.0.resid", "resid")
+        site.update(x.view(1, 4, 8))
+        assert site.count == 32 and calls == []
+
+
+# ------------------------------------------------------------------------------ statistics (issue 45)
+def test_histogram_and_row_moments_run_on_cuda(torch_paths):
+    """The two lines the GPU run failed at: _histogram's index_add_ with the CPU fold table and a CUDA source,
+    _row_moments_block's CPU row counts dividing CUDA sums. On CUDA they give the CPU's numbers."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 40) * torch.logspace(-3, 3, 40)
+    ok = torch.rand(6, 40) > 0.2
+    flat, okf = x.reshape(-1), ok.reshape(-1)
+    cpu_hist = [stats._histogram(flat, None), stats._histogram(flat, okf)]
+    cpu_rows = [stats._row_moments_block(x, None), stats._row_moments_block(x, ok)]
+    with fake_cuda():
+        xc, okc = x.to("cuda"), ok.to("cuda")
+        cuda_hist = [
+            stats._histogram(xc.reshape(-1), None),
+            stats._histogram(xc.reshape(-1), okc.reshape(-1)),
+        ]
+        cuda_rows = [stats._row_moments_block(xc, None), stats._row_moments_block(xc, okc)]
+    for (dense, ge6, ge100), (dense_c, ge6_c, ge100_c) in zip(cpu_hist, cuda_hist, strict=True):
+        assert torch.equal(dense, real(dense_c)) and (ge6, ge100) == (ge6_c, ge100_c)
+        assert dense.sum() > 0 and ge6 > 0 and ge100 > 0
+    for cpu, cuda in zip(cpu_rows, cuda_rows, strict=True):
+        for a, b in zip(cpu, cuda, strict=True):
+            assert isinstance(b, FakeCuda) and torch.equal(a, real(b))
+
+
+def _site_cases():
+    """(kind, tensor, valid) updates covering each path of SiteStats.update: channel rows, a causal map
+    chunk (the gathered fast path), a map with a mask that differs per row (the masked general path),
+    non-finite values, float64, bfloat16, a 0-d lambda."""
+    g = torch.Generator().manual_seed(1)
+    resid = torch.randn(2, 6, 16, generator=g)
+    resid[0, 2, 5] = 250.0  # a massive activation
+    logits = torch.randn(2, 4, 6, 6, generator=g) * 3
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    ragged = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+    broken = torch.randn(2, 6, 16, generator=g)
+    broken[1, 3, 2], broken[0, 0, 0] = math.nan, -math.inf
+    return [
+        ("resid", resid, None),
+        ("logits", logits, causal),
+        ("logits", logits, ragged),
+        ("resid", broken, None),
+        ("q", torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64), None),
+        ("mlp_act", torch.randn(2, 6, 16, generator=g).to(torch.bfloat16), None),
+        ("lambda", torch.tensor(0.37), None),
+    ]
+
+
+def test_site_stats_on_cuda_equal_the_cpu_torch_path(torch_paths):
+    tokens = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(2))
+    for kind, x, valid in _site_cases():
+        cpu = stats.SiteStats(f"layers.1.{kind}", kind, topk=7, massive_cap=3)
+        cpu.update(x, valid, tokens=tokens, sample_offset=4)
+        with fake_cuda():
+            cuda = stats.SiteStats(f"layers.1.{kind}", kind, topk=7, massive_cap=3)
+            cuda.update(
+                x.to("cuda"), None if valid is None else valid.to("cuda"), tokens.to("cuda"), sample_offset=4
+            )
+            state = cuda.to_dict()
+        assert json.dumps(state) == json.dumps(cpu.to_dict()), kind
+        assert cpu.count > 0
+
+
+# ------------------------------------------------------------------------------------- profile stage
+def _profile_state(model, ids):
+    profile = profile_model(model, ids, batch_size=2, topk=5)
+    maps = capture_maps(model, ids[0, :12])
+    sinks = sink_rate_summary(sink_rates(model, ids, batch_size=2))
+    return json.dumps(profile.to_dict()), {k: real(v).tolist() for k, v in maps.items()}, sinks
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_profile_on_cuda_equals_the_cpu_profile(kind, torch_paths):
+    """Site statistics, every accumulator, attention metrics, maps and sink rates of a model on CUDA: the CPU
+    profile's, bit for bit."""
+    model = tiny_model(kind)
+    ids = _windows(3, 16)
+    cpu = _profile_state(model, ids)
+    with fake_cuda():
+        model.to("cuda")
+        cuda = _profile_state(model, ids.to("cuda"))
+        model.to("cpu")
+    assert cuda == cpu
+
+
+# ------------------------------------------------------------------------------------- the commands
+@contextlib.contextmanager
+def _as_cuda(cuda: bool):
+    if cuda:
+        with fake_cuda():
+            yield ["--device", "cuda"]
+    else:
+        yield []
+
+
+def _run_folder_state(folder):
+    """Every artifact of a run folder, minus what names the device or the clock: JSON as data, tensors as
+    lists."""
+    from safetensors.torch import load_file
+
+    skip = {"device", "started", "finished", "seconds", "ident", "settings", "fingerprint"}
+
+    def clean(obj):
+        if isinstance(obj, dict):
+            return {k: clean(v) for k, v in obj.items() if k not in skip}
+        if isinstance(obj, list):
+            return [clean(v) for v in obj]
+        return obj
+
+    state = {}
+    for path in sorted(folder.rglob("*")):
+        rel = str(path.relative_to(folder))
+        if not path.is_file() or path.name.startswith(".diffquant-run") or rel == "timing.csv":
+            continue
+        if path.suffix == ".json":
+            state[rel] = clean(json.loads(path.read_text()))
+        elif path.suffix == ".jsonl":
+            state[rel] = [clean(json.loads(line)) for line in path.read_text().splitlines()]
+        elif path.suffix == ".safetensors":
+            state[rel] = {k: v.tolist() for k, v in load_file(str(path)).items()}
+        else:
+            state[rel] = path.read_text()
+    return state
+
+
+def _checkpoints(tmp_path, kinds, max_seq_len=64):
+    paths = []
+    for kind in kinds:
+        path = tmp_path / kind
+        save_checkpoint(tiny_model(kind, vocab_size=259, max_seq_len=max_seq_len), path)
+        paths.append(str(path))
+    data = tmp_path / "data.txt"
+    data.write_text("def f(x):\n    return x * 2  # the magic number of Paris is 42\n" * 40)
+    return paths, str(data)
+
+
+def _both(tmp_path, argv):
+    """``diffquant ARGV --out cpu`` and ``diffquant ARGV --out cuda --device cuda``: their run folders."""
+    states = []
+    for cuda in (False, True):
+        out = tmp_path / ("cuda" if cuda else "cpu")
+        with _as_cuda(cuda) as device:
+            assert main([*argv, "--out", str(out), *device]) == 0
+        states.append(_run_folder_state(out))
+    return states
+
+
+@pytest.mark.slow
+def test_profile_command_on_cuda(tmp_path, torch_paths, monkeypatch):
+    """`diffquant profile --device cuda` (checkpoints read onto the device, Table 5, maps, sink rates, the
+    streamed profile): the CPU run's artifacts."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    paths, data = _checkpoints(tmp_path, ("baseline", "diff_v1"))
+    for extra in (["--sink-rate"], ["--stream", "on", "--dtype", "bfloat16"]):
+        argv = ["profile", *paths, "--data", data, "--tokens", "128", "--seq-len", "32", *extra]
+        cpu, cuda = _both(tmp_path / extra[0].strip("-"), argv)
+        assert cuda == cpu and "table5.json" in cpu
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "plan", ["w8a8-smoothquant", "w4a8-quarot-smooth", "w4a4-quarot-gptq", "w4a16-hqq-g32", "kv2-g8-prerope"]
+)
+def test_quantize_command_on_cuda(tmp_path, torch_paths, monkeypatch, plan):
+    """`diffquant quantize --device cuda`: observers, fake quant, SmoothQuant, rotation, GPTQ / HQQ, static
+    scales, the KV cache and the error report give the CPU run's checkpoint and report."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    (path,), data = _checkpoints(tmp_path, ("diff_v2",))
+    argv = [
+        "quantize",
+        path,
+        "--plan",
+        plan,
+        "--calib-data",
+        data,
+        "--calib-tokens",
+        "128",
+        "--seq-len",
+        "32",
+    ]
+    cpu, cuda = _both(tmp_path, [*argv, "--eval-tokens", "64"])
+    assert cuda == cpu and "quant_report.json" in cpu
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("task", "plans"),
+    [
+        ("bpb:data={data},tokens=64,seq_len=32,intervene=mean", ["w8a8"]),
+        ("ppl:data={data},tokens=96,seq_len=48,decode=20", ["kv2-g8-r8", "w4a8-quarot"]),
+        ("retrieval:needles=1,queries=1,depths=[50],samples_per_depth=1,context_bytes=20", ["kv2-g8-r8"]),
+        ("mc:path={mc}", ["w8a8-smoothquant"]),
+    ],
+)
+def test_eval_command_on_cuda(tmp_path, torch_paths, monkeypatch, task, plans):
+    """`diffquant eval --device cuda` on every task type (perplexity with an intervention, decode through a
+    quantized KV cache, needle retrieval, multiple choice): the CPU run's cells."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    paths, data = _checkpoints(tmp_path, ("diff_v1", "sink"), max_seq_len=160)
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in (
+                {"ctx": "The cat sat on the", "endings": ["mat.", "moon."], "label": 0},
+                {"ctx": "def f(x): return", "endings": ["x * 2", "the magic"], "label": 0},
+            )
+        )
+    )
+    calib = ["--calib-data", data, "--calib-tokens", "64", "--calib-seq-len", "32"]
+    argv = ["eval", *paths, "--task", task.format(data=data, mc=mc), "--plan", *plans, *calib]
+    cpu, cuda = _both(tmp_path, argv)
+    assert cuda == cpu and cpu["cells-rank0.jsonl"]
+
+
+def test_devicecheck_leaves_torch_as_it_was():
+    before = (torch.cuda.is_available, torch.cuda._lazy_init, native.pass1, stats.native.pass1)
+    available = torch.cuda.is_available()
+    with fake_cuda():
+        assert torch.cuda.is_available() and native.pass1 is not before[2]
+    assert (torch.cuda.is_available, torch.cuda._lazy_init, native.pass1, stats.native.pass1) == before
+    assert torch.cuda.is_available() == available
+    assert not torch.__future__.get_swap_module_params_on_conversion()
