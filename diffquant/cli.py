@@ -13,6 +13,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from typing import NoReturn
 
 from diffquant import __version__
 from diffquant.cli_options import add_model_options as _add_model_options
@@ -20,7 +21,7 @@ from diffquant.cli_options import load_for_args as _load
 from diffquant.errors import DiffquantError
 from diffquant.models.config import ATTENTION_KINDS
 from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not quant.plan.PRESETS)
-from diffquant.names import MODEL_FORMS
+from diffquant.names import MODEL_FORMS, plain_name_from
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -228,7 +229,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from diffquant.distributed import init_from_env, shutdown
     from diffquant.eval.sweep import format_results, run_sweep
-    from diffquant.eval.tasks import parse_task
+    from diffquant.eval.tasks import check_kv_cache_windows, parse_task
+    from diffquant.quant.plan import QuantPlan
     from diffquant.schema import check_args
     from diffquant.stages import CALIB_FLAGS, CalibData, EvalStage, sweep_spec
 
@@ -242,6 +244,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         tasks = [parse_task(t, where=f"--task {t!r}") for t in args.task]
         for task in tasks:  # what a task refuses (its files, lm-eval task code) before the folder is claimed
             task.preflight()
+        plans = {p: QuantPlan.load(p) for p in args.plan if p != "none"}
+        check_kv_cache_windows(plans, tasks)  # a kv_cache no decode window would fill: refused now
         if args.tokenizer is not None:  # refused (a bad or empty path) before the run folder is claimed
             from diffquant.data import load_tokenizer
 
@@ -322,6 +326,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from diffquant.io.runfolder import lock_folder
     from diffquant.shipped import resolve
+    from diffquant.textfiles import MAX_YAML_BYTES, read_text_bounded
     from diffquant.train.trainer import TrainConfig, train
 
     recipe = resolve(args.recipe, "train")  # a file, or a shipped training recipe by name
@@ -333,7 +338,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             cfg,
             resume=args.resume,
             stop_after=args.stop_after,
-            recipe_text=recipe.read_text(),
+            recipe_text=read_text_bounded(recipe, MAX_YAML_BYTES, "recipe"),
             overrides=list(args.set or []),
         )
     return 0
@@ -409,7 +414,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _unique_name(spec: str, taken: dict) -> str:
-
+    """The name a model given on the command line is known by (its profile/NAME.json, its rows): made
+    from the specifier, as a plain name (:func:`diffquant.names.plain_name_from`: a specifier like
+    ``hf:..`` or ``fetch:../x`` never names a path), numbered when two models would share one."""
     text = str(spec)
     scheme, _, rest = text.partition(":")
     if scheme == "init":  # init:KIND:PRESET[:SEED] -> KIND-PRESET
@@ -421,6 +428,7 @@ def _unique_name(spec: str, taken: dict) -> str:
 
         path = spec_path(text.rstrip("/"))
         base = (path.stem if path.suffix == ".gguf" else path.name) or "model"
+    base = plain_name_from(base)
     name, i = base, 2
     while name in taken:
         name, i = f"{base}-{i}", i + 1
@@ -505,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     from diffquant.schema import add_options
     from diffquant.shipped import shipped_names
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="diffquant",
         description="Quantization and activation-outlier analysis of Differential Transformers.",
     )
@@ -731,6 +739,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console entry point (``diffquant``): :func:`_main`, with a library that cannot even be loaded
+    for lack of memory (``ulimit -v``: torch's shared libraries do not map) said in one line, exit code 2,
+    wherever the import happens (a command's own imports, or before the command is known)."""
+    try:
+        return _main(argv)
+    except (ImportError, MemoryError) as err:
+        if not _import_out_of_memory(err):
+            raise
+        return _fail("", _import_oom_message(err))
+
+
+def _import_out_of_memory(err: BaseException) -> bool:
+    """A MemoryError, or an ImportError whose shared library could not be mapped (the dynamic loader's
+    "failed to map segment" / "cannot allocate memory": an address-space limit, not a missing package)."""
+    if isinstance(err, MemoryError):
+        return True
+    text = str(err).lower()
+    return any(w in text for w in ("failed to map segment", "cannot allocate memory", "out of memory"))
+
+
+def _import_oom_message(err: BaseException) -> str:
+    return (
+        f"cannot load its libraries: out of memory ({_first_line(err)}); the process's memory or "
+        "address-space limit (ulimit -v, a cgroup) is too small for diffquant and torch: raise it"
+    )
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     # Passive OpenMP threads unless the user chose: torch's busy-waiting (active) default burns the cores
     # that the other threads (or other processes) need between parallel regions. libgomp reads this once,
     # when torch is first imported, so it must be set first (build_parser imports torch).
@@ -751,6 +787,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.func(args)
         except DiffquantError as err:
             return _fail(args.command, str(err))
+        except ImportError as err:  # torch's libraries not mapped under a small ulimit -v: not a bug
+            if not _import_out_of_memory(err):
+                raise
+            return _fail(args.command, _import_oom_message(err))
         except (MemoryError, RuntimeError) as err:
             # An allocation the machine (or its ulimit / cgroup) refuses is the input's size, not a bug.
             if not _out_of_memory(err):
@@ -802,8 +842,18 @@ def _first_line(err: BaseException) -> str:
 
 
 def _fail(command: str, message: str) -> int:
-    print(f"diffquant {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    prog = f"diffquant {command}" if command else "diffquant"
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
     return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with a usage error in one line and exit code 2 like every other user error
+    (argparse prints its whole usage block first: 2 to 12 lines for ``presets foo``, ``init --kind x``);
+    the line points at ``--help``. Subparsers are made of this class too (argparse's parser_class)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diffquant.names import DTYPE_NAMES
-from diffquant.schema import key
+from diffquant.schema import key, plain_name
 
 # The most top magnitudes a site may keep (``topk``). Each kept value is a Python record with its
 # location, sorted into the site's list on every update and written to the profile JSON, so the cost grows
@@ -163,7 +163,9 @@ class OutputSection:
 class Recipe(ModelOptions):
     """A recipe file: its keys, their defaults, and the stages it chains."""
 
-    name: str = key()
+    # the run's default folder (runs/NAME), and models' / seed groups' names (keys of `models` / `seeds`)
+    # name files in it: plain names all (diffquant.names.is_plain_name; recipes.validate checks the keys)
+    name: str = key(check=plain_name)
     description: str = key("")
     seed: int = key(0, min=0)
     models: dict[str, str] = key(each="a model specifier string")

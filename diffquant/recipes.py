@@ -17,7 +17,7 @@ from diffquant.data import fingerprint
 from diffquant.data.corpus import iter_documents
 from diffquant.errors import DiffquantError
 from diffquant.eval.sweep import format_results, run_sweep
-from diffquant.eval.tasks import default_text, parse_task
+from diffquant.eval.tasks import check_kv_cache_windows, default_text, parse_task
 from diffquant.io import check_model_spec
 from diffquant.io.artifacts import checkpoint_sha256, manifest, read_json, write_json_atomic
 from diffquant.io.options import parse_device, parse_dtype
@@ -26,7 +26,7 @@ from diffquant.plots import render_run
 from diffquant.quant.plan import QuantPlan
 from diffquant.report import seeds, write_report
 from diffquant.report.seeds import seed_groups
-from diffquant.schema import check
+from diffquant.schema import check, require_plain_name
 from diffquant.shipped import resolve as resolve_shipped
 from diffquant.stages import Recipe, load_models, run_profile, run_quantize, sweep_spec
 from diffquant.textfiles import apply_override, read_yaml  # noqa: F401 (public here too)
@@ -44,6 +44,9 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
             f"{source}: models: expected at least one model (name: specifier, e.g. baseline: "
             f"init:baseline:tiny), got {recipe['models']!r}"
         )
+    for name in recipe["models"]:  # profile/NAME.json, quantized/NAME--PLAN/: never a path
+        require_plain_name(name, source, "models")
+    _check_seed_groups(recipe, source)
     tokenizer = recipe["tokenizer"]
     if isinstance(tokenizer, dict):
         for name, path in tokenizer.items():
@@ -58,14 +61,26 @@ def validate(raw: Any, source: str = "recipe") -> dict[str, Any]:
     except DiffquantError as err:
         raise DiffquantError(f"{source}: {err}") from None
 
-    for i, task in enumerate(recipe["eval"]["tasks"]):
-        parse_task(task, where=f"{source}: eval.tasks[{i}]")
+    tasks = [
+        parse_task(task, where=f"{source}: eval.tasks[{i}]") for i, task in enumerate(recipe["eval"]["tasks"])
+    ]
+    plans = {}
     for stage in ("quantize", "sweep"):
         for plan in recipe[stage]["plans"]:
             if plan != "none":
-                QuantPlan.load(plan)
+                plans[plan] = QuantPlan.load(plan)
+    check_kv_cache_windows(plans, tasks, source)  # a kv_cache that no decode window would ever fill
     recipe["_present"] = [s for s in _OPTIONAL_STAGES if s in raw]
     return recipe
+
+
+def _check_seed_groups(recipe: dict[str, Any], source: str) -> None:
+    """The ``seeds`` key as :func:`diffquant.report.seeds.seed_groups` checks it (plain group names, each
+    group at least one of the recipe's models, none in two groups), refused before anything runs."""
+    try:
+        seed_groups(recipe["models"], recipe["seeds"])
+    except DiffquantError as err:
+        raise DiffquantError(f"{source}: {err}") from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

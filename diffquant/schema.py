@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from diffquant.errors import DiffquantError
+from diffquant.names import PLAIN_NAME_RULE, is_plain_name
 
 INT_LIMIT = 2**63  # integers are checked below this (torch and numpy take int64)
 
@@ -306,6 +307,25 @@ def _in_range(value: Any, meta: Mapping[str, Any]) -> bool:
 
 def _is_dataclass(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+# ----------------------------------------------------------------------------------------------- plain names
+def plain_name(value: Any) -> str | None:
+    """A :func:`key` ``check``: None for a plain name (:func:`diffquant.names.is_plain_name`), else what was
+    expected. For a value that becomes a file or folder name (a recipe's ``name``: runs/NAME)."""
+    return None if is_plain_name(value) else f"a plain name ({PLAIN_NAME_RULE})"
+
+
+def require_plain_name(name: Any, where: str, path: str) -> str:
+    """``name`` if it is a plain name, else a one-line DiffquantError ``WHERE: PATH: 'x' is not a plain
+    name (...)``: for the keys of a mapping (a recipe's model and seed-group names), which become file names
+    in the run folder, so a name like ``../../x`` or ``/abs/x`` would write outside it."""
+    if not is_plain_name(name):
+        raise _error(
+            where,
+            f"{path}: {name!r} is not a plain name ({PLAIN_NAME_RULE}); it becomes a file name in the run folder",
+        )
+    return name
 
 
 # ------------------------------------------------------------------------------------- command-line options

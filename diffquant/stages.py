@@ -37,6 +37,7 @@ from diffquant.options import (  # noqa: F401 (the stage dataclasses live torch-
     flag_name,
 )
 from diffquant.profile.runner import profile_stage
+from diffquant.schema import require_plain_name
 from diffquant.stream import choose_stream, profile_streamed, quantize_streamed, stream_skeleton
 from diffquant.stream.placement import load_placed, placement_options
 
@@ -53,6 +54,8 @@ def load_models(
     is a weightless skeleton (:func:`diffquant.stream.stream_skeleton`) that :func:`run_profile` streams;
     with ``env['device_map']`` each model is spread over devices (:func:`diffquant.stream.placement.load_placed`)."""
     tokenizers = tokenizers or {}
+    for model_name in specs:  # each names files in the run folder (profile/NAME.json): never a path
+        require_plain_name(model_name, "", "model name")
     placement = placement_options(env, name)  # --device-map: checked against --device / --stream first
     device, dtype = parse_device(env["device"]), parse_dtype(env["dtype"])
     mode = env.get("stream", "off")

@@ -8,6 +8,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
+import os
+import re
+import resource
 import subprocess
 import sys
 import time
@@ -663,3 +667,437 @@ def test_init_specifier_seed_is_bounded(capsys, seed):
     """init:KIND:PRESET:SEED with a seed torch.manual_seed cannot take: one line, exit 2 (was a traceback)."""
     code, _, err = _run_cli(["info", f"init:baseline:tiny:{seed}"], capsys)
     assert code == 2 and f"seed {int(seed)} is not in [0, 2**63 - 1]" in _one_line(err)
+
+
+# =========================================================== issue 44: hostile input, round 3 (items 2, 4, 6, 7, 8)
+_PLAIN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}"  # the plain-name rule, written out independently of the code
+HOSTILE_NAMES = ["/abs/victim", "../../x", "a/../../x", "..", ".", "a\\b", "", "a\0b", "x" * 101]
+
+
+def _recipe(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_recipe_model_names_are_plain_names(tmp_path, capsys, text, name):
+    """Item 2: a model named like a path wrote profile/NAME.json outside the run folder (an absolute name
+    replaced victim.json; ../../x wrote two folders up). Refused in one line before anything is written."""
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"mine": true}\n')
+    name = str(tmp_path / "victim") if name == "/abs/victim" else name
+    doc = {"name": "r", "models": {name: "init:baseline:tiny"},
+           "profile": {"data": str(text), "tokens": 64, "seq_len": 32, "sites": ["kind:resid"]}}  # fmt: skip
+    out = tmp_path / "a" / "b" / "run"
+    code, _, err = _run_cli(["run", str(_recipe(tmp_path, doc)), "--out", str(out)], capsys)
+    assert code == 2 and f"models: {name!r} is not a plain name" in _one_line(err)
+    assert victim.read_text() == '{"mine": true}\n' and not (tmp_path / "a").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "text.txt", "victim.json"]
+
+
+def test_recipe_name_seed_groups_and_task_names_are_plain_names(tmp_path, capsys, monkeypatch):
+    """Item 2 / 7: the recipe's name (its default folder runs/NAME), seed-group names and task names
+    are plain names; a seed group needs a member; a task name is a string, never a list spelled out."""
+    from diffquant.recipes import validate
+
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)  # a default folder runs/../../x would land in tmp_path/x
+    code, _, err = _run_cli(
+        ["run", str(_recipe(tmp_path, {"name": "../../x", "models": {"m": "init:baseline:tiny"}}))], capsys
+    )
+    assert code == 2 and "name: expected a plain name" in _one_line(err)
+    assert not (tmp_path / "x").exists() and not (work / "runs").exists()
+    base = {"name": "r", "models": {"m": "init:baseline:tiny", "m2": "init:baseline:tiny"}}
+    cases = [
+        ({"seeds": {"a": []}}, "seeds.a: expected at least one of the recipe's models (m, m2), got an empty list"),
+        ({"seeds": {"../g": ["m", "m2"]}}, "seeds: '../g' is not a plain name"),
+        ({"eval": {"tasks": [{"type": "bpb", "name": ["a"]}]}}, "eval.tasks[0]: name: ['a'] is not a plain name"),
+        ({"eval": {"tasks": [{"type": "bpb", "name": "a/b"}]}}, "eval.tasks[0]: name: 'a/b' is not a plain name"),
+    ]  # fmt: skip
+    for extra, needle in cases:
+        with pytest.raises(DiffquantError) as err:
+            validate({**base, **extra}, "r.yaml")
+        assert str(err.value).startswith("r.yaml: ") and needle in str(err.value), str(err.value)
+    assert validate({**base, "seeds": {"g_1.x-y": ["m", "m2"]}}, "r.yaml")["seeds"] == {
+        "g_1.x-y": ["m", "m2"]
+    }
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["hf:..", "hf:/tmp/..", "fetch:../../x", "zoo:../zoo/baseline", "gguf:/a/..gguf", "init:../x:y",
+     "hf:my model/", "a\\b"],
+)  # fmt: skip
+def test_model_names_made_from_specifiers_are_plain(spec):
+    """Item 2: `diffquant profile` / `eval` name a model after its specifier (profile/NAME.json): the name
+    made from a path is a plain name too, whatever the path."""
+    from diffquant.cli import _unique_name
+
+    name = _unique_name(spec, {})
+    assert re.fullmatch(_PLAIN, name), name
+    assert _unique_name(spec, {name: spec}) == f"{name}-2"
+
+
+def _fifo_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("Some text to read. " * 20)
+    (tmp_path / "plan.yaml").symlink_to("/dev/zero")  # a link to a device, as a plan
+    os.mkfifo(data / "b.txt")  # a FIFO inside a data folder: listed as a text file by name
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    os.mkfifo(hf / "config.json")
+    out = str(tmp_path / "out")
+    cases = [
+        (["run", "/dev/zero"], "/dev/zero: is a character device, not a regular file; expected a recipe"),
+        (["run", "/dev/urandom"], "/dev/urandom: is a character device, not a regular file"),
+        (["run", str(fifo)], f"{fifo}: is a FIFO (named pipe), not a regular file; expected a recipe"),
+        (["quantize", "init:baseline:tiny", "--plan", str(fifo), "--out", out], f"{fifo}: is a FIFO"),
+        (["eval", "init:baseline:tiny", "--task", "bpb", "--plan", str(tmp_path / "plan.yaml"), "--out", out],
+         f"{tmp_path / 'plan.yaml'}: is a character device, not a regular file; expected a plan"),
+        (["profile", "init:baseline:tiny", "--data", str(data), "--tokens", "64", "--seq-len", "32",
+          "--out", out], f"{data / 'b.txt'}: is a FIFO (named pipe), not a regular file; expected a text file"),
+        (["info", f"hf:{hf}"], f"{hf / 'config.json'}: is a FIFO"),
+    ]  # fmt: skip
+    return cases
+
+
+def test_devices_and_fifos_are_refused_never_read(tmp_path):
+    """Item 4: `run /dev/zero` grew to 11 GB; /dev/urandom and a FIFO never returned (st_size is 0 for
+    them). Each is refused in one line, exit 2, before it is opened for reading. Run in a child with a
+    timeout and an address-space limit, so a reader that hangs or grows fails the test instead of it."""
+    cases = _fifo_cases(tmp_path)
+    script = (
+        "import contextlib, io, json, sys\nfrom diffquant.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
+        "    err = io.StringIO()\n    with contextlib.redirect_stderr(err):\n        code = main(argv)\n"
+        "    print(json.dumps([code, err.getvalue()]), flush=True)\n"
+    )
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # noqa: E731
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, json.dumps([argv for argv, _ in cases])],
+            capture_output=True, text=True, timeout=120, preexec_fn=limit, cwd=tmp_path,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as stop:
+        pytest.fail(f"a read never returned; done so far: {stop.stdout}")
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(cases), proc.stderr[-2000:]
+    for (argv, needle), (code, err) in zip(cases, results, strict=True):
+        assert code == 2 and needle in _one_line(err), (argv, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bounded_read_reads_at_most_limit_plus_one(tmp_path, monkeypatch):
+    """Item 4: the reader stops at limit + 1 bytes even when the size it saw first is wrong (a file that
+    grows, what st_size 0 stood for): exactly `limit` bytes pass, one more is refused naming the limit."""
+    from diffquant import textfiles
+
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"x" * 10)
+    assert textfiles.read_bytes_bounded(path, 10) == b"x" * 10
+    path.write_bytes(b"x" * 11)
+    with pytest.raises(DiffquantError, match=r"11 bytes; a file here is at most 10 bytes \(10 bytes\)"):
+        textfiles.read_bytes_bounded(path, 10)
+    path.write_bytes(b"y" * 5000)
+    seen = os.stat(path)
+    fake = os.stat_result((seen.st_mode, *seen[1:6], 0, *seen[7:]))  # st_size 0, as a device reports
+    monkeypatch.setattr(textfiles.os, "stat", lambda p, *a, **k: fake)
+    read: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(textfiles.os, "read", lambda fd, n: read.append(len(b := real_read(fd, n))) or b)
+    with pytest.raises(DiffquantError, match="more bytes than that; a file here is at most 100 bytes"):
+        textfiles.read_bytes_bounded(path, 100)
+    assert sum(read) == 101
+
+
+DEEP = "[" * 50_000 + "]" * 50_000
+
+
+def test_deep_nesting_is_one_line_not_a_recursion_error(tmp_path, capsys):
+    """Item 6: `[[[[...]]]]` 50,000 deep, or 3,000 levels in a recipe or --set, was a RecursionError
+    traceback; JSON too. Nesting deeper than 100 is refused in one line (100 is accepted)."""
+    recipe = tmp_path / "deep.yaml"
+    recipe.write_text(DEEP)
+    code, _, err = _run_cli(["run", str(recipe)], capsys)
+    assert code == 2 and f"{recipe}: line 1: nested more than 100 levels deep" in _one_line(err)
+    good = _recipe(tmp_path, {"name": "r", "models": {"m": "init:baseline:tiny"}})
+    for sets in (["x=" + "{a: " * 3000 + "}" * 3000], ["a" + ".a" * 3000 + "=1", "seed=1"]):
+        argv = ["run", str(good), "--out", str(tmp_path / "run")]
+        code, _, err = _run_cli([*argv, *(arg for s in sets for arg in ("--set", s))], capsys)
+        assert code == 2 and "nested more than 100 levels deep" in _one_line(err)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": ' + DEEP + "}")
+    code, _, err = _run_cli(["info", f"hf:{hf}"], capsys)
+    assert code == 2 and f"{hf / 'config.json'}: nested more than 100 levels deep" in _one_line(err)
+    from diffquant.textfiles import parse_json, parse_yaml
+
+    assert parse_yaml("[" * 100 + "]" * 100, "y") == parse_json("[" * 100 + "]" * 100, "j")
+    for parse in (parse_yaml, parse_json):
+        with pytest.raises(DiffquantError, match="nested more than 100 levels deep"):
+            parse("[" * 101 + "]" * 101, "x")
+    assert not (tmp_path / "run").exists()
+
+
+def test_memory_limit_at_import_is_one_line():
+    """Item 6: under `ulimit -v 300000` torch's libraries do not map and the ImportError was a traceback
+    before the CLI's handler: now one line naming the memory limit, exit code 2."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (300 << 20, 300 << 20))  # noqa: E731
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffquant.cli", "info", "init:baseline:tiny"],
+        capture_output=True, text=True, timeout=120, preexec_fn=limit,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = _one_line(proc.stderr)
+    assert (
+        line.startswith("diffquant info: error: cannot load its libraries: out of memory")
+        and "ulimit -v" in line
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["presets", "foo"], "diffquant: error: unrecognized arguments: foo (see diffquant --help)"),
+        (["init", "--kind", "diff_v3", "x"], "diffquant init: error: argument --kind: invalid choice: 'diff_v3'"),
+        (["fetch", "nosuch"], "diffquant fetch: error: argument NAME: invalid choice: 'nosuch'"),
+    ],
+)  # fmt: skip
+def test_usage_errors_are_one_line(capsys, argv, needle):
+    """Item 8: argparse printed its usage block (2 to 12 lines) before the error."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and needle in _one_line(err)
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"bos_token": ["<|bos|>"]}, "bos_token must be a string or an AddedToken object"),
+        ({"bos_token": 5}, "bos_token must be a string or an AddedToken object ({\"content\": \"<s>\", ...}) or null, got 5"),
+        ({"eos_token": {"id": 0}}, "eos_token must be a string or an AddedToken object"),
+        ({"pad_token": 0}, "pad_token must be a string"),
+        ({"add_bos_token": "yes"}, "add_bos_token must be true or false, got 'yes'"),
+        ({"add_eos_token": 1}, "add_eos_token must be true or false, got 1"),
+    ],
+)  # fmt: skip
+def test_tokenizer_config_types_are_checked(tmp_path, config, needle):
+    """Item 7: a special token of the wrong type was read as "no such token" (BOS / EOS silently dropped),
+    add_bos_token "yes" as "not given"."""
+    pytest.importorskip("tokenizers")
+    from conftest import train_byte_bpe
+
+    from diffquant.data import load_tokenizer
+
+    train_byte_bpe(tmp_path, ["differential attention cancels noise"] * 8, config=config)
+    with pytest.raises(DiffquantError) as err:
+        load_tokenizer(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'tokenizer_config.json'}: ") and needle in str(err.value)
+
+
+def test_tokenizer_config_accepts_added_token_objects(tmp_path):
+    pytest.importorskip("tokenizers")
+    from conftest import train_byte_bpe
+
+    from diffquant.data import load_tokenizer
+
+    added = {
+        "content": "<|bos|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+    }
+    train_byte_bpe(
+        tmp_path, ["differential attention"] * 8, config={"bos_token": added, "add_bos_token": True}
+    )
+    tok = load_tokenizer(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (1, 0, True)
+
+
+def test_plan_name_is_a_string_and_unused_weight_options_are_refused():
+    """Item 7: plan `name: ['a']` became the string "['a']"; `weights: {method: rtn, damp: 0.5}` ran
+    plain rtn while act_order with rtn was refused: one rule for every option a method does not read."""
+    from diffquant.quant.plan import QuantPlan
+
+    rule = {"sites": ["kind:resid"], "scheme": "int8"}
+    for name, got in ((["a"], "['a'] (list)"), (5, "5 (an integer)")):
+        with pytest.raises(DiffquantError) as err:
+            QuantPlan.from_dict({"name": name, "rules": [rule]}, "p.yaml")
+        assert str(err.value) == f"p.yaml: name: expected a string, got {got}"
+    for method, option, value in (("rtn", "damp", 0.5), ("rtn", "block", 64), ("hqq", "act_order", True),
+                                  ("rtn", "damp", 0.01)):  # fmt: skip
+        with pytest.raises(DiffquantError) as err:
+            QuantPlan.from_dict({"weights": {"method": method, option: value}}, "p.yaml")
+        assert str(err.value) == (
+            f"p.yaml: weights.{option}: a gptq option, which method {method} does not read; remove it "
+            "(or method: gptq)"
+        )
+    plan = QuantPlan.from_dict({"weights": {"method": "gptq", "damp": 0.5, "block": 64, "act_order": True}})
+    assert (plan.weights.damp, plan.weights.block, plan.weights.act_order) == (0.5, 64, True)
+    hqq = QuantPlan.from_dict({"weights": {"method": "hqq", "bits": 3, "group_size": 64, "sym": False}})
+    assert hqq.weights.label() == "hqq int3 g64 asym"
+
+
+def test_unknown_top_level_key_of_a_native_config_is_refused(tiny, capsys):
+    meta = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**meta, "tokeniser": "byte"}))
+    code, _, err = _run_cli(["info", str(tiny)], capsys)
+    assert code == 2 and (
+        f"{tiny / 'config.json'}: unknown top-level key 'tokeniser'; allowed keys: config, format, "
+        "format_version, tokenizer"
+    ) in _one_line(err)
+
+
+def test_kv_cache_that_quantizes_nothing_is_refused(tmp_path):
+    """Item 7: sinks + the full-precision window covering every position a decode-mode window reads
+    quantized nothing and was reported as a 2-bit cache. Measured, not assumed: decode-mode log-probs with
+    the cache equal those without it exactly when the refusal fires (window 11 here), and differ one token
+    later (window 12, accepted)."""
+    from conftest import tiny_model
+
+    from diffquant.eval.perplexity import decode_logprobs, evaluate_bpb
+    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.recipes import validate
+
+    kv = {"kv_cache": {"bits": 2, "group": 4, "residual": 8, "sinks": 2, "keys": "token"}}
+    plan_file = tmp_path / "kv.yaml"
+    plan_file.write_text(yaml.safe_dump(kv))
+    plain = tiny_model("baseline", vocab_size=259)  # the byte vocabulary: evaluate_bpb reads text
+    cached = tiny_model("baseline", vocab_size=259)
+    apply_plan(cached, QuantPlan.from_dict(kv))
+    ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for window, quantizes in ((11, False), (12, True)):
+            same = torch.equal(
+                decode_logprobs(plain, ids[:, :window], 2), decode_logprobs(cached, ids[:, :window], 2)
+            )
+            assert same is not quantizes
+            task = {"type": "bpb", "tokens": 64, "seq_len": window, "decode": 2}
+            raw = {"name": "r", "models": {"m": "init:baseline:tiny"}, "eval": {"tasks": [task]},
+                   "sweep": {"plans": [str(plan_file)]}}  # fmt: skip
+            if quantizes:
+                validate(raw, "r.yaml")
+                continue
+            with pytest.raises(DiffquantError) as err:
+                validate(raw, "r.yaml")
+            assert str(err.value).startswith(
+                f"r.yaml: task bpb, plan {plan_file}: the kv_cache keeps 2 sink(s)"
+            )
+            assert "nothing would be quantized" in str(err.value) and "seq_len >= 12" in str(err.value)
+        text = tmp_path / "t.txt"
+        text.write_text("Differential attention cancels common-mode noise. " * 8)
+        logger = logging.getLogger("diffquant")  # the CLI may stop propagation: listen on it directly
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append  # type: ignore[method-assign]
+        logger.addHandler(handler)
+        try:  # at run time (a window the model decides is only known then): a warning line
+            evaluate_bpb(cached, str(text), max_tokens=64, seq_len=11, decode=2)
+            evaluate_bpb(cached, str(text), max_tokens=64, seq_len=12, decode=2)
+        finally:
+            logger.removeHandler(handler)
+    warned = [r.getMessage() for r in records if "nothing would be quantized" in r.getMessage()]
+    assert len(warned) == 1 and "decode-mode windows of 11 tokens" in warned[0]
+
+
+def _lmeval_task(folder: Path, name: str, template: str) -> Path:
+    """A task YAML over the shipped LAMBADA test file whose doc_to_text is ``template``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = Path(__file__).parent / "data" / "lmeval" / "lambada.jsonl"
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"output_type: loglikelihood\ntest_split: test\ndoc_to_text: {json.dumps(template)}\n"
+        'doc_to_target: " x"\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n'
+    )
+    return folder
+
+
+@pytest.mark.slow  # lm-eval's import and task index: ~10 s
+def test_every_jinja_error_of_a_task_template_is_one_line(tmp_path, monkeypatch):
+    """Item 6: templates the sandbox blocks escaped as UndefinedError (an |attr('__class__') chain) and
+    OverflowError (range(100000000)); every Jinja error is now the same one-line refusal. The model is a
+    stand-in lm-eval LM: templates render before any model call."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.model import LM
+
+    from diffquant.eval.lmeval import run_lmeval
+
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+
+    class Constant(LM):
+        def loglikelihood(self, requests, disable_tqdm=False):
+            return [(-1.0, True)] * len(requests)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            return [-1.0] * len(requests)
+
+        def generate_until(self, requests, disable_tqdm=False):
+            return [""] * len(requests)
+
+    hostile = {
+        "attr_chain": ("{{ text|attr('__class__')|attr('__mro__') }}", "UndefinedError"),
+        "big_range": (
+            "{% for i in range(100000000) %}{% endfor %}{{ text }}",
+            "OverflowError: Range too big",
+        ),
+    }
+    for name, (template, words) in hostile.items():
+        folder = _lmeval_task(tmp_path / name, name, template)
+        with pytest.raises(DiffquantError) as err:
+            run_lmeval(Constant(), [name], include_path=str(folder), limit=1, bootstrap_iters=0)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith("lm-eval: a task template was refused or failed")
+        assert f"({words}" in message and "sandbox" in message
+    folder = _lmeval_task(tmp_path / "plain", "plain", "{{ text }}")
+    out = run_lmeval(Constant(), ["plain"], include_path=str(folder), limit=1, bootstrap_iters=0)
+    assert out["plain"]["acc"] == 1.0 and out["plain"]["n_samples"] == 1
+
+
+def test_lmeval_task_files_are_read_bounded(tmp_path):
+    """Items 4 and 6 for lm-eval task YAMLs (read as data before lm-eval indexes them): a FIFO among them
+    blocked the read forever, YAML nested 3,000 deep was a RecursionError. The FIFO is read in a thread:
+    should the reader block, the test opens the FIFO's other end to free it, and fails."""
+    pytest.importorskip("lm_eval")
+    import threading
+
+    from diffquant.eval.lmeval import check_lmeval
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "deep.yaml").write_text("task: deep\ntag: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(DiffquantError) as err:
+        check_lmeval(["deep"], include_path=str(deep))
+    assert (
+        str(err.value)
+        == f"lm-eval task file {deep / 'deep.yaml'}: line 2: nested more than 100 levels deep (lists / mappings inside each other)"
+    )
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    os.mkfifo(piped / "task.yaml")
+    got: list[BaseException | None] = []
+
+    def scan() -> None:
+        try:
+            check_lmeval(["lambada_local"], include_path=str(piped))
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 (handed to the test thread)
+            got.append(exc)
+
+    reader = threading.Thread(target=scan, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():
+        os.close(os.open(piped / "task.yaml", os.O_WRONLY | os.O_NONBLOCK))  # EOF for the blocked reader
+        reader.join(timeout=10)
+        pytest.fail("reading the task folder blocked on a FIFO")
+    assert isinstance(got[0], DiffquantError), got
+    assert (
+        str(got[0])
+        == f"{(piped / 'task.yaml').resolve()}: is a FIFO (named pipe), not a regular file; expected a YAML task file (lm-eval)"
+    )

@@ -29,7 +29,7 @@ import torch
 
 from diffquant.data.tokenizer import ByteTokenizer, Tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.textfiles import jsonl_records
+from diffquant.textfiles import MAX_TEXT_BYTES, check_regular_file, jsonl_records, read_bytes_bounded
 
 STDLIB = "stdlib"
 STDLIB_SPLITS = ("train", "validation")
@@ -109,7 +109,7 @@ def _entries(source: str) -> list[tuple[str, Path]]:
             )
         return _stdlib_entries(split)
     path = Path(source).expanduser() if source else None
-    if path is not None and path.is_file():
+    if path is not None and path.exists() and not path.is_dir():  # a device or FIFO: refused by _read
         return [(path.name, path)]
     if path is not None and path.is_dir():
         # Hidden files and folders (.git, editor state) are never meant as corpus text.
@@ -141,10 +141,10 @@ def _read(source: str, name: str, path: Path) -> str:
     other byte would be a NUL "character" the model reads. A byte that does not decode (a Latin-1 file,
     say) becomes U+FFFD, which is 3 bytes in UTF-8, so such a file reads as more bytes than it has; a
     warning says how many."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DiffquantError(f"data source {source!r}: cannot read {name!r}: {exc.strerror or exc}") from None
+    try:  # a regular file of at most MAX_TEXT_BYTES: a FIFO or /dev/zero in a folder is refused, not read
+        data = read_bytes_bounded(path, MAX_TEXT_BYTES, "text file")
+    except DiffquantError as err:
+        raise DiffquantError(f"data source {source!r}: {err}") from None
     for bom, encoding in _BOMS:
         if data.startswith(bom):
             try:
@@ -213,6 +213,11 @@ def iter_documents(source: str) -> Iterator[Document]:
     entries = _entries(source)
     if not entries:
         raise DiffquantError(f"data source {source!r}: no text found")
+    for _, path in entries:  # a FIFO or a device among the files: refused now, before a run writes anything
+        try:
+            check_regular_file(path, "text file")
+        except DiffquantError as err:
+            raise DiffquantError(f"data source {source!r}: {err}") from None
     return _read_documents(source, entries)
 
 

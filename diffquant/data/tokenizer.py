@@ -29,6 +29,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.names import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from diffquant.textfiles import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, read_json, read_text_bounded
 
 BYTE = "byte"
 
@@ -295,20 +296,36 @@ class HFTokenizer(Tokenizer):
 
 # ============================================================================================= loading
 def _read_json_optional(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    """A tokenizer's config file (tokenizer_config.json, generation_config.json, config.json) as a dict;
+    {} when there is none. One that is there is read bounded (a regular file of at most 16 MiB:
+    :func:`diffquant.textfiles.read_json`): a FIFO or a device in its place is refused, not read forever."""
+    if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DiffquantError(f"{path}: not valid JSON ({err})") from None
+    data = read_json(path, "tokenizer config", limit=MAX_CONFIG_BYTES)
     return data if isinstance(data, dict) else {}
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json gives it: a string or an AddedToken-like object."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+_TOKEN_FORMS = 'a string or an AddedToken object ({"content": "<s>", ...}) or null'
+
+
+def _token_text(value: Any, file: Path, key: str) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string, or an AddedToken object whose
+    ``content`` is one (what Hugging Face writes); null is none. Anything else (``["<s>"]``, ``5``) is a
+    one-line error: read as "no such token", it would silently drop BOS / EOS."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise DiffquantError(f"{file}: {key} must be {_TOKEN_FORMS}, got {value!r}")
+
+
+def _flag(cfg: dict[str, Any], file: Path, key: str) -> bool | None:
+    """``add_bos_token`` / ``add_eos_token``: true, false or absent (None); ``"yes"`` or ``1`` is refused
+    rather than read as "not given" (which would fall back to the post-processor's choice)."""
+    value = cfg.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise DiffquantError(f"{file}: {key} must be true or false, got {value!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -365,9 +382,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if path.is_dir() or file.name == TOKENIZER_FILE
         else {}
     )
+    cfg_file = folder / TOKENIZER_CONFIG_FILE
     ids: dict[str, int | None] = {}
     for key in ("bos", "eos", "pad"):
-        text = _token_text(tok_cfg.get(f"{key}_token"))
+        text = _token_text(tok_cfg.get(f"{key}_token"), cfg_file, f"{key}_token")
         ids[key] = backend.token_to_id(text) if text is not None else None
         if text is not None and ids[key] is None:  # a typo or another model's token: no silent "no BOS"
             raise DiffquantError(
@@ -380,8 +398,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 ids[key] = _first_id(cfg.get(f"{key}_token_id"), folder / name, f"{key}_token_id")
     if ids["bos"] is None:  # a bare tokenizer.json: its post-processor still says which token opens a text
         ids["bos"] = _post_processor_bos(backend)
-    add_bos = tok_cfg.get("add_bos_token")
-    if not isinstance(add_bos, bool):
+    add_bos = _flag(tok_cfg, cfg_file, "add_bos_token")
+    _flag(
+        tok_cfg, cfg_file, "add_eos_token"
+    )  # not read (documents end with EOS): its type still must be right
+    if add_bos is None:
         add_bos = _post_processor_adds_bos(backend, ids["bos"])
     return HFTokenizer(
         backend, name=str(file), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=add_bos
@@ -392,8 +413,9 @@ def parse_tokenizer_json(file: str | Path) -> Any:
     """A ``tokenizers.Tokenizer`` from a file; a file that does not parse is a one-line error."""
     from tokenizers import Tokenizer as Backend  # noqa: PLC0415 (imported on use: slow import)
 
+    text = read_text_bounded(file, MAX_TOKENIZER_BYTES, "tokenizer.json")  # not a FIFO, not unbounded
     try:
-        return Backend.from_file(str(file))
+        return Backend.from_str(text)
     except Exception as err:  # tokenizers raises a bare Exception for malformed files
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DiffquantError(f"{file}: not a valid tokenizer.json ({first})") from None

@@ -57,6 +57,16 @@ from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import _model_device
 from diffquant.progress import progress as show_progress
 from diffquant.shipped import LMEVAL_DIR
+from diffquant.textfiles import (
+    MAX_NESTING,
+    MAX_TEXT_BYTES,
+    MAX_YAML_BYTES,
+    DepthLimitedLoader,
+    YAMLRefused,
+    check_nesting,
+    nesting_error,
+    read_bytes_bounded,
+)
 
 LMEVAL_VERSION = "0.4.13"
 INSTALL_HINT = "pip install 'diffquant[lmeval]'"
@@ -432,8 +442,9 @@ class _Code:
         return f"{self.tag} {self.text}".strip()
 
 
-class _DataLoader(yaml.SafeLoader):
-    """A YAML loader that constructs plain data only; code tags become :class:`_Code` markers."""
+class _DataLoader(DepthLimitedLoader):
+    """A YAML loader that constructs plain data only (nested at most MAX_NESTING deep); code tags become
+    :class:`_Code` markers."""
 
 
 def _code_node(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> _Code:
@@ -488,11 +499,15 @@ def _read_task_yaml(
     data; appends (file, key, what) to ``found`` for every key of an untrusted file that names Python.
     None where lm-eval's index would skip the file (unreadable, not a mapping, a missing include, a cycle)."""
     path = path.expanduser().resolve()
-    if path in seen:
+    if path in seen or not path.exists():
         return None
+    # read bounded: a FIFO, a device or a huge file named *.yaml is refused (lm-eval would hang reading it)
+    data = read_bytes_bounded(path, MAX_YAML_BYTES, "YAML task file (lm-eval)")
     try:
-        cfg = yaml.load(path.read_bytes(), Loader=_DataLoader)  # noqa: S506 (a SafeLoader subclass)
-    except (OSError, yaml.YAMLError):
+        cfg = yaml.load(data, Loader=_DataLoader)  # noqa: S506 (a SafeLoader subclass)
+    except YAMLRefused as err:  # lm-eval's own loader would recurse past Python's limit on it
+        raise DiffquantError(f"lm-eval task file {path}: {err}") from None
+    except yaml.YAMLError:
         return None
     if not isinstance(cfg, dict):
         return None
@@ -668,7 +683,9 @@ def _task_fields(name: str, cfg: dict[str, Any], yaml_path: Path | None) -> dict
         try:
             names = meta.find_undeclared_variables(env.parse(template))
         except jinja2.TemplateSyntaxError:
-            continue  # lm-eval will say so itself
+            continue  # lm-eval will say so itself (run_lmeval turns it into one line)
+        except RecursionError:  # nested past what Jinja's parser (and lm-eval's) can read
+            raise nesting_error(f"lm-eval task {name}: {k}", MAX_NESTING + 1, "its Jinja template") from None
         fields.update({n: _ANY for n in sorted(names) if n not in env.globals})
     return fields
 
@@ -678,13 +695,22 @@ def _json_type(v: Any) -> str:
     return "null" if v is None else names.get(type(v), "an object")
 
 
+def _json(text: str, where: str) -> Any:
+    """``json.loads`` nested at most MAX_NESTING deep (deeper is a one-line error, not a RecursionError);
+    invalid JSON raises JSONDecodeError for the caller (a .json file may be JSON lines)."""
+    try:
+        return check_nesting(json.loads(text), where)
+    except RecursionError:
+        raise nesting_error(where, MAX_NESTING + 1) from None
+
+
 def check_data_file(name: str, path: str | Path, cfg: dict[str, Any], yaml_path: Path | None) -> Path:
     """``path`` as the local data file of task ``name`` (its merged config ``cfg``): it exists, has a
     suffix lm-eval's file builders read, is UTF-8, is not empty and, for JSON, every line is an object
     with the fields the task reads (:func:`_task_fields`). One-line DiffquantError naming file, line and
     field, before lm-eval (whose errors here are tracebacks from deep inside datasets) reads it."""
     file = Path(path).expanduser().resolve()
-    if not file.is_file():
+    if not file.exists():
         raise DiffquantError(f"lm-eval task {name}: data file {str(path)!r} does not exist")
     builder = _DATA_SUFFIXES.get(file.suffix.lower())
     if builder is None:
@@ -692,7 +718,10 @@ def check_data_file(name: str, path: str | Path, cfg: dict[str, Any], yaml_path:
             f"lm-eval task {name}: data file {str(path)!r}: expected {', '.join(_DATA_SUFFIXES)} (JSON lines or text)"
         )
     where = f"lm-eval task {name}: data file {file}"
-    raw = file.read_bytes()
+    try:  # a regular file of at most MAX_TEXT_BYTES (a FIFO or /dev/zero is refused, not read forever)
+        raw = read_bytes_bounded(file, MAX_TEXT_BYTES, "data file")
+    except DiffquantError as err:
+        raise DiffquantError(f"lm-eval task {name}: {err}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -713,7 +742,7 @@ def check_data_file(name: str, path: str | Path, cfg: dict[str, Any], yaml_path:
     whole: Any = None
     if file.suffix.lower() == ".json":
         try:
-            whole = json.loads(text)
+            whole = _json(text, where)
         except json.JSONDecodeError:
             whole = None  # JSON lines
         if isinstance(whole, list):
@@ -725,7 +754,7 @@ def check_data_file(name: str, path: str | Path, cfg: dict[str, Any], yaml_path:
             if not line.strip():
                 continue  # datasets skips blank lines
             try:
-                records.append((f"line {n}", json.loads(line)))
+                records.append((f"line {n}", _json(line, f"{where}: line {n}")))
             except json.JSONDecodeError as err:
                 raise DiffquantError(
                     f"{where}: line {n}: not valid JSON ({err.msg}, column {err.colno})"
@@ -942,6 +971,28 @@ def _sandboxed_templates(enabled: bool) -> Iterator[None]:
         lm_utils.env = plain
 
 
+def _from_template(err: BaseException) -> bool:
+    """Whether ``err`` was raised while a Jinja template ran (a frame of a compiled template, or of jinja2
+    itself: the sandbox's ``range`` raises OverflowError), not by the model or lm-eval's own code."""
+    tb = err.__traceback__
+    while tb is not None:
+        file = tb.tb_frame.f_code.co_filename
+        if file == "<template>" or f"{os.sep}jinja2{os.sep}" in file:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def template_refusal(err: BaseException) -> str:
+    """The one line for any error of a task's Jinja template (syntax, an undefined or blocked attribute,
+    the sandbox refusing Python or a huge range, nesting past the parser's recursion)."""
+    text = " ".join(str(err).split())[:200] or "no message"
+    return (
+        f"lm-eval: a task template was refused or failed to render ({type(err).__name__}: {text}); templates "
+        "from an include_path render in Jinja's sandbox unless the task passes trust_task_code=true"
+    )
+
+
 def _metrics(task_results: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's ``{"acc,none": x, "acc_stderr,none": s, "alias": ...}`` -> ``{"acc": x, "acc_stderr": s}``:
     numbers only (a stderr lm-eval could not compute, "N/A", is left out); a filter other than ``none``
@@ -994,7 +1045,7 @@ def run_lmeval(
     )
     files = _data_files(names, data_files)
     paths = _include_paths(include_path)
-    from jinja2.exceptions import SecurityError  # noqa: PLC0415 (comes with lm-eval)
+    from jinja2.exceptions import TemplateError  # noqa: PLC0415 (comes with lm-eval)
     from lm_eval.api.model import LM  # noqa: PLC0415 (optional library (lmeval extra))
 
     if isinstance(model, LM):  # a ready lm-eval model (e.g. HFLM, to compare against): used as it is
@@ -1027,11 +1078,12 @@ def run_lmeval(
                 f"lm-eval: a task's data file is missing ({str(err).splitlines()[0] if str(err) else err}); "
                 "point the task at a file with path=FILE"
             ) from None
-        except SecurityError as err:
-            raise DiffquantError(
-                f"lm-eval: a task template of the include_path reaches for Python ({err}); templates from an "
-                "include_path render in Jinja's sandbox unless the task passes trust_task_code=true"
-            ) from None
+        except (TemplateError, OverflowError, RecursionError) as err:
+            # every Jinja error is one refusal: the sandbox's SecurityError, UndefinedError of an attribute
+            # chain it blocks, its OverflowError for range(100000000), a template nested too deep
+            if not isinstance(err, TemplateError) and not _from_template(err):
+                raise
+            raise DiffquantError(template_refusal(err)) from None
     if out is None:
         raise DiffquantError("lm-eval: simple_evaluate returned no results")
     counts = out.get("n-samples", {})

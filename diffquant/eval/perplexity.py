@@ -30,6 +30,7 @@ tokens scored:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -155,6 +156,17 @@ def evaluate_stream(
     return out
 
 
+def _warn_idle_kv_cache(model: Any, window: int) -> None:
+    """One warning line when the model's quantized KV cache (a plan's ``kv_cache``) would quantize nothing
+    in decode-mode windows of ``window`` tokens: a window the model decided (its max_seq_len), which the
+    run's checks could not see before it started (a task's own seq_len is refused there:
+    :func:`diffquant.eval.tasks.check_kv_cache_windows`)."""
+    spec = getattr(getattr(model, "kv_cache_layer", None), "spec", None)
+    idle = spec.idle_within(window, "decode-mode perplexity") if spec is not None else None
+    if idle is not None:
+        logging.getLogger(__name__).warning("%s", idle)
+
+
 def evaluate_bpb(
     model: Any,
     source: str,
@@ -197,6 +209,7 @@ def evaluate_bpb(
             raise DiffquantError(
                 "decode: decode-mode perplexity needs a whole model with a KV cache (new_cache)"
             )
+        _warn_idle_kv_cache(model, min(window, max_tokens))
     tokenizer = tokenizer or model_tokenizer(model)
     stream = token_stream(source, max_tokens, tokenizer)
     if stream.numel() < min(window, max_tokens):

@@ -48,7 +48,7 @@ from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.eval.retrieval import RetrievalConfig
 from diffquant.eval.task_params import TASK_TYPE_PARAMS, split_task_names
-from diffquant.schema import Style, check, field_default, fields_of, is_required
+from diffquant.schema import Style, check, field_default, fields_of, is_required, require_plain_name
 from diffquant.textfiles import parse_yaml
 
 # lm-eval task name pattern -> its main metric, first match wins (``metric`` overrides)
@@ -322,7 +322,10 @@ def parse_task(value: Any, where: str = "task") -> TaskSpec:
     params = check(task.params, raw, where, style=_TaskStyle(kind))
     if task.prepare is not None:
         params = task.prepare(params, where)
-    return TaskSpec(kind, params, str(value.get("name", "")))
+    name = value.get("name")
+    if name is not None:  # it labels rows and names figure files: a plain name, never a list made a string
+        require_plain_name(name, where, "name")
+    return TaskSpec(kind, params, name or "")
 
 
 def run_task(
@@ -345,6 +348,32 @@ def kv_cache_refusal(task: TaskSpec, plan: str = "the plan") -> str:
         "windows without a cache; give ppl / bpb decode=N (decode-mode perplexity), or run retrieval or an "
         "lm-eval generate_until task"
     )
+
+
+def decode_window(task: TaskSpec) -> int | None:
+    """The window length of a decode-mode ``ppl`` / ``bpb`` task when the task itself fixes it
+    (``seq_len``, or fewer ``tokens``: one shorter window); None for other tasks and for a window the model
+    decides (its max_seq_len, known once it is loaded)."""
+    if task.type not in ("ppl", "bpb") or task.params.get("decode") is None:
+        return None
+    seq_len = task.params.get("seq_len")
+    return None if seq_len is None else min(int(seq_len), int(task.params["tokens"]))
+
+
+def check_kv_cache_windows(plans: dict[str, Any], tasks: Sequence[TaskSpec], where: str = "") -> None:
+    """Refuse, before a run starts, a plan whose ``kv_cache`` would quantize nothing in a decode-mode task:
+    its sinks and full-precision window cover every position the task's windows read
+    (:meth:`~diffquant.quant.kv_cache.KVCacheSpec.idle_within`). ``plans``: {label: QuantPlan or None}.
+    Windows the model decides are checked when the task runs (a warning: evaluate_bpb)."""
+    for label, plan in plans.items():
+        spec = getattr(plan, "kv_cache", None)
+        if spec is None:
+            continue
+        for task in tasks:
+            window = decode_window(task)
+            problem = None if window is None else spec.idle_within(window, f"task {task.label}, plan {label}")
+            if problem is not None:
+                raise DiffquantError(f"{where}: {problem}" if where else problem)
 
 
 def flatten_lmeval(results: dict[str, dict[str, Any]], tasks: list[str]) -> dict[str, Any]:

@@ -25,9 +25,11 @@ from diffquant.io.convert_hf import check_layer_count
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
 from diffquant.names import CARD_FILE, CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from diffquant.textfiles import MAX_CONFIG_BYTES
 
 FORMAT = "diffquant-native"
 FORMAT_VERSION = 1
+META_KEYS = ("config", "format", "format_version", "tokenizer")  # what write_config writes, all it reads
 _FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
 
 
@@ -96,7 +98,7 @@ def read_tokenizer(path: str | Path):
 def _read_meta(path: str | Path) -> dict:
     folder = _checkpoint_folder(path)
     cfg_path = folder / CONFIG_FILE
-    meta = read_json(cfg_path, "config")
+    meta = read_json(cfg_path, "config", limit=MAX_CONFIG_BYTES)
     if (
         isinstance(meta, dict)
         and meta.get("format") != FORMAT
@@ -114,6 +116,11 @@ def _read_meta(path: str | Path) -> dict:
     if version != FORMAT_VERSION:
         raise DiffquantError(
             f"{cfg_path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+        )
+    unknown = [k for k in meta if k not in META_KEYS]
+    if unknown:  # a key this version does not read (a typo, a hand edit) would be silently ignored
+        raise DiffquantError(
+            f"{cfg_path}: unknown top-level key {unknown[0]!r}; allowed keys: {', '.join(META_KEYS)}"
         )
     return meta
 

@@ -50,6 +50,7 @@ from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import spec_path, write_text_atomic
 from diffquant.names import CONFIG_FILE, INDEX_FILE, PLAN_FILE, WEIGHTS_FILE
+from diffquant.textfiles import MAX_CONFIG_BYTES, MAX_JSON_BYTES, read_json
 
 RECORD_FILE = ".diffquant-run.json"
 LOCK_FILE = ".diffquant-run.lock"
@@ -253,9 +254,9 @@ def _foreign(out: Path, command: str, identity: Any) -> str | None:
     """Why ``out`` belongs to another run, or None when it is free or this run's own."""
     record_path = out / RECORD_FILE
     if record_path.exists():
-        try:
-            record = json.loads(record_path.read_text())
-        except (OSError, ValueError):
+        try:  # bounded: a FIFO or a device planted at the record's name is refused, not read forever
+            record = read_json(record_path, "run record", limit=MAX_CONFIG_BYTES)
+        except DiffquantError:
             return f"its run record {RECORD_FILE} is unreadable"
         if not isinstance(record, dict) or "command" not in record:
             return f"its run record {RECORD_FILE} is not a run record"
@@ -290,8 +291,8 @@ def _canonical(value: Any) -> str:
 def _manifest_command(path: Path) -> str | None:
     """The command of a diffquant manifest at ``path``; None for none, or another tool's manifest."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json(path, "manifest", limit=MAX_JSON_BYTES)
+    except DiffquantError:
         return None
     return data["command"] if isinstance(data, dict) and _is_diffquant_manifest(data) else None
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from diffquant.errors import DiffquantError
 from diffquant.schema import AssignStyle, check, key
+from diffquant.textfiles import MAX_CONFIG_BYTES, parse_json, read_text_bounded
 
 
 @dataclass(frozen=True)
@@ -288,20 +289,13 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str, source: str = "model config") -> ModelConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DiffquantError(f"{source}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        return cls.from_dict(data, source)
+        return cls.from_dict(parse_json(text, source), source)  # invalid or too deeply nested: one line
 
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:
+        """A config from a JSON file (a regular file of at most 16 MiB: :func:`read_text_bounded`)."""
         path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise DiffquantError(f"{path}: file not found") from None
-        return cls.from_json(text, source=str(path))
+        return cls.from_json(read_text_bounded(path, MAX_CONFIG_BYTES, "model config"), source=str(path))
 
 
 # Fields a saved config may lack (added later; their default is the behaviour of older checkpoints).

@@ -89,6 +89,27 @@ class KVCacheSpec:
         kind = "fp8" if self.format == "fp8" else f"kv{self.bits}"
         return f"{kind} K:{self.keys} V:{self.values} g{self.group} " + " ".join(extra)
 
+    def shortest_window(self) -> int:
+        """The shortest decode-mode window (prefill + one token per step, ``L`` tokens) whose decode steps
+        read a quantized token: the cache holds at most L - 2 tokens before the last step (the tokens
+        moved into the body after the last step are never read), of which the first ``sinks`` stay in
+        full precision and a move needs a full window of ``residual`` tokens (at least one)."""
+        return self.sinks + max(self.residual, 1) + 2
+
+    def idle_within(self, window: int, where: str) -> str | None:
+        """Why decode-mode windows of ``window`` tokens would never read a quantized token under this
+        cache (sinks and the full-precision window hold every position), or None when they do. Such a
+        run measures the unquantized cache while its results say kv{bits}."""
+        if window >= self.shortest_window():
+            return None
+        return (
+            f"{where}: the kv_cache keeps {self.sinks} sink(s) + a residual window of {self.residual} tokens "
+            f"in full precision, and decode-mode windows of {window} tokens read at most {max(window - 2, 0)} "
+            f"cached tokens: nothing would be quantized (the numbers would be the unquantized cache's, "
+            f"labelled {self.label().split()[0]}); use seq_len >= {self.shortest_window()}, or fewer "
+            "sinks / a smaller residual"
+        )
+
     def check_model(self, head_dim: int, value_dim: int, where: str) -> None:
         """One-line errors for a group that cannot tile this model's heads or the window."""
         for name, axis, width in (("keys", self.keys, head_dim), ("values", self.values, value_dim)):

@@ -59,7 +59,7 @@ from diffquant.quant.presets import PRESETS, preset_data
 from diffquant.quant.rotate import RotateSpec, rotate_model
 from diffquant.quant.schemes import Scheme, is_number
 from diffquant.quant.select import pattern_list, patterns, select_linears
-from diffquant.quant.weights import WeightsSpec, attach_weights
+from diffquant.quant.weights import WeightsSpec, attach_weights, unused_option
 from diffquant.schema import DOCS, check, key
 from diffquant.shipped import shipped_file, shipped_names
 from diffquant.textfiles import read_yaml_file
@@ -156,10 +156,11 @@ class SmoothSpec:
 
 @dataclass
 class PlanDoc:
-    """The schema of a plan document (:meth:`QuantPlan.from_dict`); name and description are read as text."""
+    """The schema of a plan document (:meth:`QuantPlan.from_dict`). Name and description are strings: a
+    list or a number is refused, not turned into its Python spelling (``name: ['a']`` became "['a']")."""
 
-    name: Any = key("custom")
-    description: Any = key("")
+    name: str = key("custom")
+    description: str = key("")
     rules: list[RuleDoc] = key([])
     backend: BackendSpec | None = key(None, what="a mapping")
     smooth: SmoothSpec | None = key(None, what="a mapping")
@@ -245,6 +246,10 @@ class QuantPlan:
                 "replace the Linears that carry the online rotations"
             )
         weights = _spec(WeightsSpec, doc["weights"], source)
+        if weights is not None:  # the keys the section sets, each read by its method, or refused
+            problem = unused_option(weights.method, data["weights"])
+            if problem is not None:
+                raise DiffquantError(f"{source}: {problem}")
         if weights is not None and backend is not None:
             raise DiffquantError(
                 f"{source}: weights: works with fake-quant rules only; the backend {backend.name} "
@@ -256,9 +261,7 @@ class QuantPlan:
                 f"{source}: kv_cache.pre_rope caches keys before RoPE, but rotate.qk rotates them after "
                 "RoPE; use one of the two"
             )
-        return cls(
-            str(doc["name"]), str(doc["description"]), rules, backend, smooth, rotate, weights, kv_cache
-        )
+        return cls(doc["name"], doc["description"], rules, backend, smooth, rotate, weights, kv_cache)
 
     @classmethod
     def load(cls, spec: str | Path) -> QuantPlan:
@@ -267,7 +270,7 @@ class QuantPlan:
         if text in PRESETS:
             return preset(text)
         path = Path(text)
-        if not path.is_file():
+        if not path.exists() or path.is_dir():  # a FIFO or a device is refused by the bounded reader
             path = shipped_file(text, "plan")
         if path is None:
             raise DiffquantError(

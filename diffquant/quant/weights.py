@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
@@ -47,6 +47,30 @@ from diffquant.schema import key
 
 METHODS = ("rtn", "gptq", "hqq")
 _BOOL = "a boolean (YAML true or false)"
+# The options each method reads. One rule for the rest (:func:`unused_option`): an option the chosen method
+# does not read is refused, never silently ignored (``{method: rtn, damp: 0.5}`` ran plain rtn).
+_COMMON = ("method", "bits", "group_size", "sym", "modules", "exclude")
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "rtn": _COMMON,
+    "hqq": _COMMON,
+    "gptq": (*_COMMON, "act_order", "damp", "block"),
+}
+
+
+def unused_option(method: str, given: Iterable[str]) -> str | None:
+    """The message for the first option in ``given`` (the keys a plan's ``weights`` section sets) that
+    ``method`` does not read, naming the methods that do; None when every option is read."""
+    for name in given:
+        if name in METHOD_OPTIONS.get(method, METHOD_OPTIONS["gptq"]):
+            continue
+        readers = [m for m, options in METHOD_OPTIONS.items() if name in options]
+        if not readers:
+            continue  # not an option at all: the schema names the allowed keys
+        return (
+            f"weights.{name}: a {' / '.join(readers)} option, which method {method} does not read; remove it "
+            f"(or method: {readers[0]})"
+        )
+    return None
 
 
 def _group_size(value: Any) -> str | None:
@@ -89,9 +113,14 @@ class WeightsSpec:
             self.sym = self.method != "hqq"
         if self.method == "hqq" and self.sym:
             raise DiffquantError("weights.sym: hqq optimises the zero point, so it is asymmetric: sym false")
-        for name in ("act_order",):
-            if getattr(self, name) and self.method != "gptq":
-                raise DiffquantError(f"weights.{name}: a gptq option (method is {self.method})")
+        # built in Python, a field set away from its default is a given option (a plan's section also names
+        # the keys it sets: diffquant.quant.plan applies the same rule to them)
+        changed = [
+            f.name for f in fields(self) if f.default is not MISSING and getattr(self, f.name) != f.default
+        ]
+        problem = unused_option(self.method, changed)
+        if problem is not None:
+            raise DiffquantError(problem)
 
     @property
     def grid(self) -> WeightGrid:

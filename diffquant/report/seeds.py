@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffquant.errors import DiffquantError
+from diffquant.schema import require_plain_name
 
 Z = 2.0
 SEED_NAME = re.compile(r"^(?P<group>.+)-s(?P<seed>\d+)$")
@@ -66,6 +67,12 @@ def seed_groups(
         seen: dict[str, str] = {}
         groups: dict[str, list[str]] = {}
         for group, members in explicit.items():
+            require_plain_name(group, "", "seeds")  # a group names rows and files, as a model does
+            if not members:  # a group of no seeds would be a row of nothing (mean of an empty list)
+                raise DiffquantError(
+                    f"seeds.{group}: expected at least one of the recipe's models ({', '.join(names)}), "
+                    "got an empty list"
+                )
             for m in members:
                 if m not in names:
                     raise DiffquantError(
