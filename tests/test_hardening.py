@@ -990,6 +990,10 @@ def test_kv_cache_that_quantizes_nothing_is_refused(tmp_path):
                 f"r.yaml: task bpb, plan {plan_file}: the kv_cache keeps 2 sink(s)"
             )
             assert "nothing would be quantized" in str(err.value) and "seq_len >= 12" in str(err.value)
+            out = tmp_path / "e"  # diffquant eval refuses it the same way, before its folder is claimed
+            code = main(["eval", "init:baseline:tiny", "--task", f"bpb:tokens=64,seq_len={window},decode=2",
+                         "--plan", str(plan_file), "--out", str(out)])  # fmt: skip
+            assert code == 2 and not out.exists()
         text = tmp_path / "t.txt"
         text.write_text("Differential attention cancels common-mode noise. " * 8)
         logger = logging.getLogger("diffquant")  # the CLI may stop propagation: listen on it directly
