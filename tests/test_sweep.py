@@ -185,8 +185,8 @@ def _tiny(raw: dict, text: str, folder: Path) -> dict:
     for task in raw.get("eval", {}).get("tasks", []):
         if task.get("type", "bpb") in ("bpb", "ppl"):
             task.update(data=text, tokens=256, seq_len=64)
-            if task.get("decode") is not None:
-                task["decode"] = 8
+            if task.get("decode") is not None:  # windows longer than the plans' 128-token full-precision
+                task.update(decode=8, seq_len=160)  # window: a shorter one would quantize nothing (refused)
         elif task["type"] == "retrieval":
             task.update(samples_per_depth=1, context_bytes=96, depths=[0, 100])
     return raw
