@@ -762,6 +762,8 @@ def _fifo_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["profile", "init:baseline:tiny", "--data", str(data), "--tokens", "64", "--seq-len", "32",
           "--out", out], f"{data / 'b.txt'}: is a FIFO (named pipe), not a regular file; expected a text file"),
         (["info", f"hf:{hf}"], f"{hf / 'config.json'}: is a FIFO"),
+        (["eval", "init:baseline:tiny", "--task", f"mc:path={fifo}", "--out", out],
+         f"{fifo}: is a FIFO (named pipe), not a regular file; expected a multiple-choice file"),
     ]  # fmt: skip
     return cases
 
@@ -1105,3 +1107,22 @@ def test_lmeval_task_files_are_read_bounded(tmp_path):
         str(got[0])
         == f"{(piped / 'task.yaml').resolve()}: is a FIFO (named pipe), not a regular file; expected a YAML task file (lm-eval)"
     )
+
+
+def test_a_too_deep_safetensors_header_or_cell_record_is_one_line(tmp_path):
+    """JSON the project reads back from files (a safetensors header, a sweep's cell records) nested deeper
+    than Python's recursion limit was a RecursionError traceback: one line naming the file instead."""
+    import struct
+
+    from diffquant.eval.sweep import _read_records
+    from diffquant.io.safetensors_source import _Header
+
+    deep = b"[" * 50_000 + b"]" * 50_000
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(DiffquantError, match="not a readable safetensors file") as err:
+        _Header(st)
+    assert str(st) in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "cells-rank0.jsonl").write_bytes(deep + b"\n")
+    with pytest.raises(DiffquantError, match="nested too deep"):
+        _read_records(tmp_path, None)

@@ -38,6 +38,7 @@ from diffquant.errors import DiffquantError
 from diffquant.eval.perplexity import _check_int, _model_device, gather_logprobs
 from diffquant.io.artifacts import jsonl_records
 from diffquant.progress import progress as show_progress
+from diffquant.textfiles import MAX_TEXT_BYTES, read_text_bounded
 
 TARGET_DELIMITER = " "
 
@@ -106,12 +107,9 @@ def load_mc_jsonl(path: str | Path) -> list[MCItem]:
     label; blank lines are skipped. Context and endings go through :func:`preprocess`. Any bad line is a
     one-line DiffquantError naming ``file:line`` and the problem."""
     path = Path(path).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DiffquantError(f"multiple-choice file {str(path)!r}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DiffquantError(f"multiple-choice file {str(path)!r}: cannot read: {exc}") from None
+    if not path.exists():
+        raise DiffquantError(f"multiple-choice file {str(path)!r}: no such file")
+    text = read_text_bounded(path, MAX_TEXT_BYTES, "multiple-choice file (JSONL)")  # no FIFO, no /dev/zero
     items = []
     for lineno, record in jsonl_records(text, str(path)):
         items.append(_item_from_record(record, f"{path}:{lineno}"))

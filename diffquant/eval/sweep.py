@@ -62,6 +62,7 @@ from diffquant.progress import progress as show_progress
 from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 from diffquant.stream import choose_stream, evaluate_streamed, stream_mode, stream_skeleton
 from diffquant.stream.placement import Placement, load_placed
+from diffquant.textfiles import MAX_JSON_BYTES, read_bytes_bounded
 
 NONE_PLAN = "none"
 # A sweep loads each model once and runs every cell on a copy of it (:class:`_Runner`); False reloads the
@@ -148,10 +149,7 @@ def read_cells(out: Path, log: Callable[[str], None] | None = None) -> dict[str,
 def _read_records(out: Path, log: Callable[[str], None] | None) -> list[dict[str, Any]]:
     records = []
     for path in sorted(out.glob("cells-rank*.jsonl")):
-        try:
-            lines = path.read_bytes().split(b"\n")
-        except OSError as err:
-            raise DiffquantError(f"{path}: cannot read cell records ({err.strerror or err})") from None
+        lines = read_bytes_bounded(path, MAX_JSON_BYTES, "file of cell records").split(b"\n")
         tail = lines.pop()  # b"" when the file ends with a newline, else a record cut short
         for lineno, line in enumerate(lines, start=1):
             if not line.strip():
@@ -161,6 +159,8 @@ def _read_records(out: Path, log: Callable[[str], None] | None) -> list[dict[str
                 problem = None if _is_record(record) else "not a cell record"
             except ValueError as err:
                 problem = f"invalid JSON: {getattr(err, 'msg', None) or type(err).__name__}"
+            except RecursionError:
+                problem = "nested too deep"
             if problem is not None:
                 raise DiffquantError(
                     f"{path}:{lineno}: damaged cell record ({problem}); an interrupted write only cuts the "

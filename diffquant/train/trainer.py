@@ -39,7 +39,7 @@ from diffquant.models import ATTENTION_KINDS, PRESETS, DecoderLM, ModelConfig, p
 from diffquant.models.config import VARIANT_FIELDS
 from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from diffquant.progress import outside_bars, progress
-from diffquant.schema import AssignStyle, check, key
+from diffquant.schema import AssignStyle, check, key, plain_name
 from diffquant.shipped import resolve as resolve_shipped
 from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
@@ -149,8 +149,8 @@ class TrainConfig:
 
 
 def _run_name(value: Any) -> str | None:
-    ok = isinstance(value, str) and value not in ("", ".", "..") and not set("/\\") & set(value)
-    return None if ok else "a non-empty name without '/' or '\\' (it names the run folder)"
+    """The run folder's name (runs/train/NAME): a plain name, the rule every recipe name follows."""
+    return plain_name(value)
 
 
 def _one_of(value: Any, names: tuple[str, ...], words: str | None = None) -> str | None:
