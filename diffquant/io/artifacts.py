@@ -6,6 +6,7 @@ half-written JSON behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError
 
 from diffquant.errors import DiffquantError
 from diffquant.io import fetch
@@ -182,7 +185,7 @@ def write_folder_atomic(out_dir: str | Path, write: Callable[[Path], None], over
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        write(tmp)
+        _fill(tmp, path, write)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; give the folder the usual mode
         for file in tmp.rglob("*"):  # safetensors writes 0600; every file gets the usual mode too
             if file.is_file() and not file.is_symlink():
@@ -201,3 +204,46 @@ def write_folder_atomic(out_dir: str | Path, write: Callable[[Path], None], over
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _fill(tmp: Path, path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)``, with a full disk (or a file-size limit, a read-only file system, a quota) refused in one
+    line naming the file as it would have been called in ``path``: the writers of every checkpoint (save,
+    quantize, export, the streamed quantize) share this, so none of them ends in safetensors' own traceback.
+    The caller removes ``tmp``, so nothing half-written stays."""
+    try:
+        write(tmp)
+    except OSError as err:
+        if err.errno not in _DISK_ERRNOS:
+            raise
+        where = _final_name(err.filename, tmp, path)
+        raise DiffquantError(f"{where}: {err.strerror or err} (nothing was written)") from None
+    except SafetensorError as err:  # its I/O error as text; the file unnamed (and removed)
+        reason = str(err).rpartition("I/O error: ")[2] or str(err)
+        raise DiffquantError(f"{path}: {reason} while writing its tensors (nothing was written)") from None
+
+
+# No space, file too large (RLIMIT_FSIZE), quota exceeded, read-only file system, input/output error.
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def tensor_write_error(err: SafetensorError, file: Path) -> BaseException:
+    """safetensors' error while writing ``file`` as the OSError it stands for (its reason, errno and the file
+    it was writing), so that :func:`write_folder_atomic` names the file; an error that is not an I/O error
+    (a bug, not the disk) is returned as it is."""
+    text = str(err)
+    if "I/O error: " not in text:
+        return err
+    reason = text.rpartition("I/O error: ")[2]
+    code = reason.rpartition("(os error ")[2].rstrip(")")
+    return OSError(int(code) if code.isdigit() else errno.EIO, reason, str(file))
+
+
+def _final_name(filename: Any, tmp: Path, path: Path) -> Path:
+    """A file in the temporary folder by the name it would have had in ``path`` (the folder when unnamed)."""
+    if filename is None:
+        return path
+    try:
+        return path / Path(os.fsdecode(filename)).relative_to(tmp)
+    except ValueError:
+        return Path(os.fsdecode(filename))
