@@ -669,6 +669,7 @@ class GGUFFile:
                 )
             self.tensors.append(self._tensor_info(name, dims, raw_type, start + offset, names))
         _check_disjoint(self.tensors)
+        _check_packed(self.tensors, start, alignment, self._size)
 
     def _tensor_info(
         self, name: str, dims: tuple[int, ...], raw_type: int, offset: int, names: set[str]
@@ -784,6 +785,39 @@ def _check_disjoint(tensors: Sequence[GGUFTensorInfo]) -> None:
                 f"tensors {name} (bytes {start} to {end - 1}) and {next_name} (bytes {next_start} to "
                 f"{next_end - 1}) overlap; each tensor needs a byte range of its own"
             )
+
+
+def _check_packed(tensors: Sequence[GGUFTensorInfo], start: int, alignment: int, size: int) -> None:
+    """The data section as llama.cpp lays it out: in offset order, each tensor starts where the previous one
+    ends rounded up to the alignment (the first at the section's start ``start``, and the file of ``size``
+    bytes ends with the last one's padding). A tensor whose type field was rewritten to a smaller type
+    (Q8_0 -> Q5_0) keeps its offset but reads fewer bytes, leaving a gap no writer leaves, and its bytes would
+    be decoded as another format (NaN and noise): a gap larger than the padding is refused, naming the tensor
+    before it. (A larger type overlaps the next tensor: :func:`_check_disjoint`.)"""
+    expected, before = start, None
+    for info in sorted((t for t in tensors if t.n_bytes), key=lambda t: t.offset):
+        if info.offset > expected:
+            where = _tensor_end(before) if before is not None else f"the data section starts at byte {start}"
+            raise MalformedGGUF(
+                f"{where}, but the next tensor {info.name} starts at byte {info.offset}: "
+                f"{info.offset - expected} bytes more than the padding to the alignment {alignment}; {_PACKED}"
+            )
+        expected, before = -(-(info.offset + info.n_bytes) // alignment) * alignment, info
+    if before is not None and size > expected:
+        raise MalformedGGUF(
+            f"{_tensor_end(before)}, the last tensor, but the file goes on to byte {size}: "
+            f"{size - expected} bytes more than the padding to the alignment {alignment}; {_PACKED}"
+        )
+
+
+_PACKED = "tensors are packed back to back, so a type or shape in the tensor table is wrong"
+
+
+def _tensor_end(info: GGUFTensorInfo) -> str:
+    return (
+        f"tensor {info.name} ({info.tensor_type.name}, shape {list(info.shape)}) ends at byte "
+        f"{info.offset + info.n_bytes}"
+    )
 
 
 # ========================================================================================= tokenizer
