@@ -152,20 +152,21 @@ def test_shard_lost_mid_run_is_named_and_nothing_is_written(tmp_path, monkeypatc
 
 def test_streamed_run_maps_no_shard_it_is_not_reading(folder, monkeypatch):
     """Headers are parsed, not mapped: under ``ulimit -v`` every shard of a checkpoint larger than the
-    limit mapped at once would not fit (only the stage being read maps its files)."""
+    limit mapped at once would not fit; a stage reads its own tensors' bytes, mapping nothing (issue 44)."""
     opened: list[str] = []
-    real = executor.safe_open
+    real = safetensors_source.safe_open
 
     def spy(path, *a, **k):
         opened.append(Path(path).name)
         return real(path, *a, **k)
 
-    monkeypatch.setattr(executor, "safe_open", spy)
     monkeypatch.setattr(safetensors_source, "safe_open", spy)
     with executor.open_streamed(folder) as streamed:
         assert opened == []  # opening checks every header without mapping a file
         streamed.materialise(["layers.0."])
-    assert opened == ["model.safetensors"]
+        weight = streamed.model.layers[0].attn.q_proj.weight
+        assert torch.equal(weight, load_model(folder).layers[0].attn.q_proj.weight)
+    assert opened == []  # read by offset, not mapped
     with pytest.raises(DiffquantError, match="truncated"):
         data = (folder / "model.safetensors").read_bytes()
         cut = folder.parent / "cut"

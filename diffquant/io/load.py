@@ -7,6 +7,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import resource  # POSIX: the address-space limit
+except ImportError:  # pragma: no cover - Windows
+    resource = None  # type: ignore[assignment]
+
 from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer, model_tokenizer, resolve_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import read_json
@@ -148,3 +153,92 @@ def check_model_spec(spec: str | Path, name: str, tokenizer: str | Path | None =
                 f"{what} {length} exceeds the max_seq_len {config.max_seq_len} of {name} ({spec})"
             )
     return config, tok
+
+
+# ============================================================ memory this process may still use
+def available_bytes(device: str | torch.device = "cpu") -> int:
+    """Memory a model could use on ``device`` now: free CUDA memory; on the CPU the least of MemAvailable
+    (/proc/meminfo), the room left under this process's address-space limit (RLIMIT_AS minus VmSize) and
+    under its memory cgroup's limit (v1 or v2, minus the usage that is not reclaimable page cache). A
+    container or ``ulimit -v`` caps a run long before the machine's free memory does."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    found = [n for n in (_meminfo("MemAvailable"), _address_space_left(), _cgroup_left()) if n is not None]
+    return min(found) if found else 1 << 62  # unknown: never stream by default
+
+
+def _meminfo(field: str, path: str = "/proc/meminfo") -> int | None:
+    """A ``kB`` field of /proc/meminfo or /proc/self/status, in bytes."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _address_space_left() -> int | None:
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    used = _meminfo("VmSize", "/proc/self/status") or 0
+    return max(0, soft - used)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _cgroup_left(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """Limit minus non-reclaimable usage of this process's memory cgroup (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``; v1's "no limit" is a huge number, taken as none)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            folder, limit_file, usage_file, cache_key = (
+                root / path.lstrip("/"),
+                "memory.max",
+                "memory.current",
+                "inactive_file",
+            )
+        elif "memory" in controllers.split(","):
+            folder, limit_file, usage_file = (
+                root / "memory" / path.lstrip("/"),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+            cache_key = "total_inactive_file"
+        else:
+            continue
+        if not (folder / limit_file).exists():  # a container sees its own cgroup at the mount's root
+            folder = root if controllers == "" else root / "memory"
+        limit, usage = _read_int(folder / limit_file), _read_int(folder / usage_file)
+        if limit is None or usage is None or limit >= 1 << 60:
+            continue
+        cache = 0
+        try:
+            for stat in (folder / "memory.stat").read_text().splitlines():
+                name, _, value = stat.partition(" ")
+                if name == cache_key and value.strip().isdigit():
+                    cache = int(value)
+        except OSError:
+            pass
+        return max(0, limit - max(0, usage - cache))
+    return None

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -59,11 +61,50 @@ class TensorSource:
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
             raise DiffquantError(f"{self._files[key]}: tensor {key} is unreadable ({err})") from None
 
+    def read(self, keys: list[str], when: str = "") -> dict[str, torch.Tensor]:
+        """The tensors ``keys``, each file opened once for all of its keys. From a header-only source
+        (:func:`open_tensors` ``headers_only``) each tensor's bytes are read at its offset into a tensor of
+        its own, with nothing mapped; a file gone, cut short or rewritten since its header was read is one
+        line naming it (``when``: words for the message, e.g. " in the middle of the run")."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self._files[key], []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for names in by_file.values():
+            handle = self._handles[names[0]]
+            if isinstance(handle, _Header):
+                out.update(handle.read(names, when))
+            else:
+                out.update((key, self.get(key)) for key in names)
+        return out
+
+
+# safetensors' dtype tags, as torch dtypes (a tensor's bytes are read as these, little-endian)
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
 
 class _Header:
     """A safetensors file's header, parsed without mapping the file: what a :class:`TensorSource` asks of
-    an open handle (keys, shapes, dtypes). A process under an address-space limit (``ulimit -v``) cannot
-    map every shard of a checkpoint larger than the limit at once, but it can read their headers."""
+    an open handle (keys, shapes, dtypes), and the tensors read by offset (:meth:`read`).
+
+    A process under an address-space limit (``ulimit -v``) cannot map every shard of a checkpoint larger
+    than the limit at once, nor even one shard of a checkpoint whose shards are each as large as what the
+    limit leaves once torch is imported (a 1B model's 500 MB shards under 2.5 GB): a streamed run reads
+    only the bytes of the tensors of the stage it runs, into tensors of their own. Each entry's byte range
+    is checked against the file's size and against its dtype and shape, so a read never goes astray."""
 
     def __init__(self, file: Path) -> None:
         self.file = file
@@ -76,12 +117,23 @@ class _Header:
                 size = file.stat().st_size
                 if n > min(size - 8, 100 * 2**20):
                     raise ValueError(f"header length {n} does not fit the file's {size} bytes")
-                header = json.loads(f.read(n))
+                raw = f.read(n)
+                header = json.loads(raw)  # at most 100 MiB; too deep a nesting is a RecursionError
+        except RecursionError:  # JSON nested deeper than Python's recursion limit
+            raise DiffquantError(
+                f"{file}: not a readable safetensors file (its header nests too deep)"
+            ) from None
         except (OSError, ValueError, UnicodeDecodeError) as err:
             raise DiffquantError(f"{file}: not a readable safetensors file ({err})") from None
+        except RecursionError:
+            raise DiffquantError(
+                f"{file}: not a readable safetensors file (header nested too deep)"
+            ) from None
         if not isinstance(header, dict):
             raise DiffquantError(f"{file}: not a readable safetensors file (header is not an object)")
+        self.head = head + raw  # compared before each read: the file must still be the one parsed
         self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.ranges: dict[str, tuple[int, int]] = {}  # key -> (first byte, end) in the file
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
@@ -91,13 +143,16 @@ class _Header:
                     tuple(int(d) for d in entry["shape"]),
                     entry["data_offsets"],
                 )
+                start, end = int(start), int(end)
             except (KeyError, TypeError, ValueError):
                 raise DiffquantError(f"{file}: tensor {key}: malformed header entry") from None
             if not 0 <= start <= end <= size - 8 - n:
                 raise DiffquantError(
                     f"{file}: tensor {key} ends at byte {8 + n + end}, past the file's {size} bytes (truncated?)"
                 )
+            _check_extent(file, key, str(dtype), shape, end - start)
             self.entries[key] = (str(dtype), shape)
+            self.ranges[key] = (8 + n + start, 8 + n + end)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -106,9 +161,32 @@ class _Header:
         return _Header._Slice(*self.entries[key])
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        # Mapped for this one read only (see the class docstring).
+        return self.read([key])[key]
+
+    def read(self, keys: list[str], when: str = "") -> dict[str, torch.Tensor]:
+        """The tensors ``keys``, their bytes read at their offsets through one unbuffered handle (nothing
+        mapped, nothing copied twice); the file must still start with the header parsed, and hold every
+        byte, else a one-line DiffquantError naming it."""
+        if sys.byteorder != "little" or any(self.entries[k][0] not in _DTYPES for k in keys):
+            return self._mapped(keys)  # a dtype torch reads only through safetensors (or a big-endian host)
+        out: dict[str, torch.Tensor] = {}
+        try:
+            with open(self.file, "rb", buffering=0) as f:
+                if _read_exactly(f, 0, len(self.head)) != self.head:
+                    raise OSError(0, "its header changed since the run began (the file was replaced)")
+                for key in keys:
+                    dtype, shape = self.entries[key]
+                    start, end = self.ranges[key]
+                    data = torch.empty(end - start, dtype=torch.uint8)
+                    _read_into(f, start, data)
+                    out[key] = data.view(_DTYPES[dtype]).reshape(shape)
+        except OSError as err:
+            raise DiffquantError(f"{self.file}: shard unreadable{when} ({err.strerror or err})") from None
+        return out
+
+    def _mapped(self, keys: list[str]) -> dict[str, torch.Tensor]:
         with safe_open(str(self.file), framework="pt", device="cpu") as handle:
-            return handle.get_tensor(key)
+            return {key: handle.get_tensor(key) for key in keys}
 
     class _Slice:
         def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
@@ -121,13 +199,52 @@ class _Header:
             return list(self._shape)
 
 
+def _check_extent(file: Path, key: str, dtype: str, shape: tuple[int, ...], n_bytes: int) -> None:
+    """A tensor's byte range must hold exactly its shape in its dtype (what safetensors checks when it maps
+    a file; a header-only reader checks it itself, before reading by offset)."""
+    if any(d < 0 for d in shape):
+        raise DiffquantError(f"{file}: tensor {key}: malformed header entry (shape {list(shape)})")
+    if dtype not in _DTYPES:  # read through safetensors, which checks it
+        return
+    want = math.prod(shape) * _DTYPES[dtype].itemsize
+    if n_bytes != want:
+        raise DiffquantError(
+            f"{file}: tensor {key}: its byte range holds {n_bytes} bytes, but shape {list(shape)} of {dtype} "
+            f"needs {want}"
+        )
+
+
+def _read_exactly(f: BinaryIO, offset: int, n: int) -> bytes:
+    f.seek(offset)
+    data = bytearray(n)
+    _fill(f, memoryview(data), offset)
+    return bytes(data)
+
+
+def _read_into(f: BinaryIO, offset: int, data: torch.Tensor) -> None:
+    f.seek(offset)
+    _fill(f, memoryview(data.numpy()).cast("B"), offset)
+
+
+def _fill(f: BinaryIO, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``f`` (a read may return fewer bytes than asked: loop); the end of the file before
+    the view is full is an OSError saying where."""
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise OSError(0, f"it ends at byte {offset + done}, inside a tensor's data (cut short?)")
+        done += got
+
+
 @contextlib.contextmanager
 def open_tensors(
     folder: Path, device: str | torch.device = "cpu", *, headers_only: bool = False
 ) -> Iterator[TensorSource]:
     """Open ``model.safetensors`` or every shard named by ``model.safetensors.index.json``, lazily.
-    ``headers_only``: parse the headers and map no file (each ``get`` maps its file for that read; what a
-    layer-streamed run needs, holding only one layer of a checkpoint larger than its address space)."""
+    ``headers_only``: parse the headers and map no file (each ``get`` / ``read`` reads its tensors' bytes
+    at their offsets; what a layer-streamed run needs, holding only one layer of a checkpoint larger than
+    its address space)."""
     source = TensorSource()
     with contextlib.ExitStack() as stack:
         single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE

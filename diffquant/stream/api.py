@@ -27,6 +27,7 @@ from diffquant.stream.executor import (
     open_streamed,
     prepare_whole_load,
     resolve_stream_spec,
+    stream_load_bytes,
     weights_bytes,
     whole_load_bytes,
     would_stream,
@@ -230,9 +231,9 @@ def choose_stream(
     """Whether model ``spec`` runs layer-streamed under ``mode``: ``off`` never; ``on`` always (a specifier
     that cannot stream is a one-line DiffquantError saying why); ``auto`` when :func:`would_stream` says its
     whole load does not fit ``device`` (said in one line on stderr; a model that fits, or cannot stream, runs
-    whole). A model to run whole whose load's peak (:func:`whole_load_bytes`: weights and temporaries)
-    exceeds the memory left (:func:`available_bytes`) is a one-line DiffquantError here, before anything
-    is read."""
+    whole). A model to run whole whose load's peak (:func:`whole_load_bytes`: weights and temporaries), or a
+    model to stream whose largest stage (:func:`stream_load_bytes`), exceeds the memory left
+    (:func:`available_bytes`) is a one-line DiffquantError here, before anything is read."""
     mode = stream_mode(mode)
     if mode == "off":
         _check_fits(spec, device, what)
@@ -242,13 +243,31 @@ def choose_stream(
             resolve_stream_spec(spec)
         except NotStreamable as err:
             raise DiffquantError(f"{what} on: {err}") from None
+        _check_stream_fits(spec, device, f"{what} on")
         return True
     streams, size, reason = would_stream(spec, device)
     if streams:
+        _check_stream_fits(spec, device, f"{what} auto")
         print(f"diffquant: {spec}: {reason} ({what} auto)", file=sys.stderr)
     else:
         _check_fits(spec, device, what, size)
     return streams
+
+
+def _check_stream_fits(spec: str | Path, device: str | torch.device, what: str) -> None:
+    """Refuse, in one line, a streamed run whose peak (:func:`stream_load_bytes`: the largest stage with its
+    read temporaries, and room for a learned tokenizer) exceeds the memory this process can still use
+    (:func:`available_bytes`), as :func:`_check_fits` refuses a whole load: under ``ulimit -v`` the run
+    would otherwise end in an allocation failure deep inside it, or in an abort of a native library (the
+    Rust tokenizer's) with no message at all."""
+    need, stage = stream_load_bytes(spec, device)
+    room = available_bytes(device)
+    if need > room:
+        raise DiffquantError(
+            f"{spec}: a streamed run ({what}) needs {need / 2**30:.2f} GiB at once (stage {stage}: its "
+            f"weights with their read temporaries, and the tokenizer's) but this process can use "
+            f"{room / 2**30:.2f} GiB on {torch.device(device)}; use a machine or device with more memory"
+        )
 
 
 def _check_fits(spec: str | Path, device: str | torch.device, what: str, weights: int | None = None) -> None:

@@ -2,10 +2,11 @@
 
 The model is built on the meta device (a skeleton: module tree, taps, config, no weights). Stages run in
 order: the embedding over every batch of windows, then for each decoder layer its weights are read from
-the safetensors file(s) (memory-mapped by ``safe_open``; HF checkpoints re-laid out by the converter's
-transforms), every batch's hidden states go through it, and its weights are released; the final norm and
-LM head come last. Hidden states wait between stages in a :class:`HiddenStore` (CPU tensors, or files past
-a byte budget). Peak memory is one layer's weights plus the hidden states of all windows.
+the safetensors file(s) (each tensor's bytes at its offset, no file mapped; HF checkpoints re-laid out by
+the converter's transforms), every batch's hidden states go through it, and its weights are released; the
+final norm and LM head come last. Hidden states wait between stages in a :class:`HiddenStore` (CPU
+tensors, or files past a byte budget). Peak memory is one layer's weights plus the hidden states of all
+windows.
 
 Everything the whole-model run attaches works unchanged, because the skeleton holds the same modules under
 the same names: a :class:`~diffquant.profile.profiler.Profiler` hooks the same taps (each batch begun with
@@ -33,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from diffquant.data.scoring import head_slice
+from diffquant.data.tokenizer import ByteTokenizer
 from diffquant.errors import DiffquantError
-from diffquant.heap import release_freed_memory
+from diffquant.heap import map_blocks_from, release_freed_memory
 from diffquant.io.artifacts import read_json
 from diffquant.io.assemble import FLOAT_DTYPES, check_float_dtype, check_layer_count, check_source
 from diffquant.io.checkpoint import read_config, read_tokenizer, read_trained_seq_len
@@ -50,7 +52,13 @@ from diffquant.io.convert_hf import (
 )
 from diffquant.io.fetch import resolve_fetch
 from diffquant.io.gguf_source import GGUFCheckpoint, read_gguf_checkpoint
-from diffquant.io.load import peek_config
+from diffquant.io.load import (  # noqa: F401 (the memory helpers: public here too)
+    _address_space_left,
+    _cgroup_left,
+    _meminfo,
+    available_bytes,
+    peek_config,
+)
 from diffquant.io.quantized import is_quantized
 from diffquant.io.safetensors_source import TensorSource, checkpoint_folder, open_tensors
 from diffquant.models.config import ModelConfig
@@ -68,14 +76,36 @@ from diffquant.quant.rotate import RotateSpec, StageRotation, drop_online, prepa
 from diffquant.quant.weights import GptqStats, fill_data_free, gptq_stage, model_stages
 from diffquant.zoo import zoo_path
 
-try:
-    import resource  # POSIX: the address-space limit
-except ImportError:  # pragma: no cover - Windows
-    resource = None  # type: ignore[assignment]
-
 Transform = Callable[[torch.Tensor], torch.Tensor]
 # Hidden states kept in memory before the store spills batches to files (None: never spill).
 DEFAULT_HIDDEN_BUDGET: int | None = None
+# Blocks this large get their own mapping in a streamed run (see open_streamed); quantize's threshold too.
+STAGE_BLOCK_THRESHOLD = 1 << 20
+
+
+# ============================================================================================ skeleton
+class _NoMetaInit(TorchFunctionMode):
+    """Random initialisation of meta tensors skipped: ``normal_`` on a meta tensor runs torch's Python
+    decomposition, whose first use imports dynamo, inductor, sympy and Triton (~340 MB of address space,
+    measured with Triton installed) to compute nothing. A streamed run never initialises a weight (each is
+    read from the files), and under an address-space limit that is room a stage's weights need."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
+        if func in _INIT_OPS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+_INIT_OPS = frozenset({torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.Tensor.normal_})
+
+
+def meta_skeleton(config: ModelConfig) -> DecoderLM:
+    """A :class:`DecoderLM` of ``config`` on the meta device (module tree, taps, no weights), in eval mode,
+    built without running any initialisation (:class:`_NoMetaInit`)."""
+    with _NoMetaInit(), torch.device("meta"):
+        return DecoderLM(config).eval()
 
 
 # ============================================================================================ sources
@@ -170,8 +200,7 @@ def resolve_stream_spec(spec: str | Path) -> StreamSpec:
         )
     config = read_config(folder)
     _check_layers(folder, config, "native")
-    with torch.device("meta"):
-        skeleton = DecoderLM(config)
+    skeleton = meta_skeleton(config)
     keys = [k for k in skeleton.state_dict() if not (config.tie_embeddings and k == "lm_head.weight")]
     return StreamSpec(
         text,
@@ -270,6 +299,64 @@ def whole_load_bytes(
     return size + sum(f.stat().st_size for f in files)
 
 
+# Kept free for a learned tokenizer's encoding of one document of the text in a streamed run: measured,
+# 35 MB at once for a WikiText-2 test article with SmolLM2's tokenizer, an allocation its Rust library
+# cannot fail without aborting the process (SIGABRT, no message), so it is reserved with room to spare.
+# (A byte-level tokenizer allocates in Python and torch, whose failures are one line.)
+TOKENIZER_RESERVE_BYTES = 128 << 20
+
+
+def stream_load_bytes(spec: str | Path, device: str | torch.device = "cpu") -> tuple[int, str]:
+    """(bytes, stage name): the address space a streamed run of ``spec`` needs at its peak beyond what this
+    process holds now, and the stage that sets it, from the file headers: the largest stage's weights in
+    memory (as :func:`weights_bytes` ``in_memory`` counts them: the files' dtypes, a GGUF dequantized to
+    float32) plus its read temporaries (the largest tensor once more: a re-layout or cast copy; GGUF: the
+    dequantization's chunk temporaries, and the tokenizer rebuilt from the header when the run opens the
+    file, :data:`GGUF_METADATA_FACTOR` x its metadata) plus, for a learned tokenizer,
+    :data:`TOKENIZER_RESERVE_BYTES`. Activations (batch x window, set by the task) are not counted: their
+    allocation failures are torch's, one line. On CUDA, the largest stage's weights (what goes to the
+    device). What :func:`~diffquant.stream.api.choose_stream` compares with :func:`available_bytes` before
+    a streamed run starts."""
+    resolved = resolve_stream_spec(spec)
+    per_tensor = _tensor_memory_bytes(resolved)
+    stages: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    for native, size in per_tensor.items():
+        name = _stage_of(native, resolved.config)
+        for stage in name:
+            stages[stage] = stages.get(stage, 0) + size
+            largest[stage] = max(largest.get(stage, 0), size)
+    top = max(stages, key=lambda k: stages[k] + largest[k])
+    if torch.device(device).type != "cpu":
+        return stages[top], top
+    learned = resolved.tokenizer is not None and not isinstance(resolved.tokenizer, ByteTokenizer)
+    extra = largest[top] + (TOKENIZER_RESERVE_BYTES if learned else 0)
+    if resolved.gguf is not None:
+        metadata = min((t.offset for t in resolved.gguf.header.tensors), default=0)
+        extra += CHUNK_ELEMENTS * (1 + 4 + 4) + GGUF_METADATA_FACTOR * metadata
+    return stages[top] + extra, top
+
+
+def _tensor_memory_bytes(resolved: StreamSpec) -> dict[str, int]:
+    """Native key -> bytes in memory of the tensor it reads (float32 for a GGUF's dequantized tensors)."""
+    if resolved.gguf is not None:
+        by_name = {t.name: t for t in resolved.gguf.header.tensors}
+        return {n: by_name[s].n_elements * 4 for n, s in resolved.key_map.items() if s in by_name}
+    with open_tensors(resolved.folder, headers_only=True) as source:
+        present = set(source.keys())
+        return {n: _tensor_bytes(source, s) for n, s in resolved.key_map.items() if s in present}
+
+
+def _stage_of(native: str, config: ModelConfig) -> tuple[str, ...]:
+    """The stages that read tensor ``native`` (a tied embedding: the embedding and the head)."""
+    layer = re.match(r"layers\.(\d+)\.", native)
+    if layer is not None:
+        return (f"layers.{layer[1]}",)
+    if native.startswith("embed."):
+        return ("embed", "head") if config.tie_embeddings else ("embed",)
+    return ("head",)
+
+
 def prepare_whole_load() -> None:
     """Pay the one-time cost of building a model before the room for a load is measured: the first random
     initialisation on the meta device imports torch's meta kernels (with Triton installed, ~260 MiB of
@@ -279,107 +366,22 @@ def prepare_whole_load() -> None:
         nn.init.normal_(torch.empty(1))
 
 
-def available_bytes(device: str | torch.device = "cpu") -> int:
-    """Memory a model could use on ``device`` now: free CUDA memory; on the CPU the least of MemAvailable
-    (/proc/meminfo), the room left under this process's address-space limit (RLIMIT_AS minus VmSize) and
-    under its memory cgroup's limit (v1 or v2, minus the usage that is not reclaimable page cache). A
-    container or ``ulimit -v`` caps a run long before the machine's free memory does."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    found = [n for n in (_meminfo("MemAvailable"), _address_space_left(), _cgroup_left()) if n is not None]
-    return min(found) if found else 1 << 62  # unknown: never stream by default
-
-
-def _meminfo(field: str, path: str = "/proc/meminfo") -> int | None:
-    """A ``kB`` field of /proc/meminfo or /proc/self/status, in bytes."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _address_space_left() -> int | None:
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    used = _meminfo("VmSize", "/proc/self/status") or 0
-    return max(0, soft - used)
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
-
-
-def _cgroup_left(
-    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
-) -> int | None:
-    """Limit minus non-reclaimable usage of this process's memory cgroup (v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``; v1's "no limit" is a huge number, taken as none)."""
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.count(":") < 2:
-            continue
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2 unified hierarchy
-            folder, limit_file, usage_file, cache_key = (
-                root / path.lstrip("/"),
-                "memory.max",
-                "memory.current",
-                "inactive_file",
-            )
-        elif "memory" in controllers.split(","):
-            folder, limit_file, usage_file = (
-                root / "memory" / path.lstrip("/"),
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-            )
-            cache_key = "total_inactive_file"
-        else:
-            continue
-        if not (folder / limit_file).exists():  # a container sees its own cgroup at the mount's root
-            folder = root if controllers == "" else root / "memory"
-        limit, usage = _read_int(folder / limit_file), _read_int(folder / usage_file)
-        if limit is None or usage is None or limit >= 1 << 60:
-            continue
-        cache = 0
-        try:
-            for stat in (folder / "memory.stat").read_text().splitlines():
-                name, _, value = stat.partition(" ")
-                if name == cache_key and value.strip().isdigit():
-                    cache = int(value)
-        except OSError:
-            pass
-        return max(0, limit - max(0, usage - cache))
-    return None
-
-
 def would_stream(
     spec: str | Path, device: str | torch.device = "cpu", budget_bytes: int | None = None
 ) -> tuple[bool, int, str]:
     """For ``--stream auto``: (stream?, weight bytes, reason in words). A model streams when a whole load's
     peak (:func:`whole_load_bytes`: the weights in memory, for a GGUF dequantized to float32, plus the
     load's temporaries) does not fit in ``budget_bytes`` (default: 80 % of :func:`available_bytes` of
-    ``device``, measured after :func:`prepare_whole_load`) and its specifier is streamable. The bytes
+    ``device``, measured after :func:`prepare_whole_load` where the load may fit: a model that streams
+    anyway is not made to pay it) and its specifier is streamable. The bytes
     returned are the weights' in memory (``weights_bytes(in_memory=True)``)."""
     weights = weights_bytes(spec, in_memory=True)
     peak = whole_load_bytes(spec, device, weights=weights)
     if budget_bytes is None:
-        prepare_whole_load()
         budget_bytes = int(0.8 * available_bytes(device))
+        if peak <= budget_bytes:  # paying the one-time cost can only lower the room: only when it may fit
+            prepare_whole_load()
+            budget_bytes = int(0.8 * available_bytes(device))
     size = f"weights {weights / 2**30:.2f} GiB (a whole load {peak / 2**30:.2f} GiB)"
     if peak <= budget_bytes:
         return False, weights, f"{size} fit the budget {budget_bytes / 2**30:.2f} GiB"
@@ -465,8 +467,7 @@ class StreamedModel:
         self.spec = resolved
         self.source = source
         self.device = device
-        with torch.device("meta"):
-            self.model = DecoderLM(resolved.config).eval()
+        self.model = meta_skeleton(resolved.config)
         self.dtype = check_source(self.model, source, resolved.key_map, dtype, resolved.optional)
         self.model.tokenizer = resolved.tokenizer
         self.model.trained_seq_len = resolved.trained_seq_len
@@ -526,27 +527,28 @@ class StreamedModel:
         return {n: s for n, s in self.spec.key_map.items() if n.startswith(tuple(prefixes))}
 
     def materialise(self, prefixes: Sequence[str]) -> int:
-        """Read the weights under ``prefixes`` (``layers.3.``, ``embed.``) onto the device; their bytes."""
+        """Read the weights under ``prefixes`` (``layers.3.``, ``embed.``) onto the device; their bytes.
+
+        Only the stage's own tensors are read, each into a tensor of its own, at its offset in its file: no
+        shard is mapped (a whole 500 MB shard mapped to read one 100 MB layer out of it does not fit under
+        an address-space limit that holds the layer), and file pages read stay in the page cache, not in
+        this process's resident set. GGUF: each tensor's byte range, dequantized a chunk at a time."""
         state = {}
-        by_file: dict[Path, list[tuple[str, str]]] = {}
-        for native, src in self._keys(prefixes).items():
-            if isinstance(self.source, GGUFTensors):
+        keys = self._keys(prefixes)
+        if isinstance(self.source, GGUFTensors):
+            for native, src in keys.items():
                 # get reads and dequantizes only this tensor's byte range, through a file it opens and
                 # closes itself (plain reads, nothing mapped); its errors are one line naming the file.
                 state[native] = self._place(native, self.source.get(src))
-                continue
-            by_file.setdefault(self.source.file(src), []).append((native, src))
-        for file, keys in by_file.items():
-            # A short-lived mapping per stage: pages read through the long-lived handles would stay
-            # resident (file-backed RSS) until the run ends, growing the peak to the whole checkpoint.
-            try:
-                handle = safe_open(str(file), framework="pt", device="cpu")
-            except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-                # A shard gone (or cut short) since the run began: named, and the run writes nothing.
-                raise DiffquantError(f"{file}: shard unreadable in the middle of the run ({err})") from None
-            with handle:
-                for native, src in keys:
-                    state[native] = self._read(handle, file, native, src)
+        else:
+            # A shard gone, cut short or replaced since the run began: named, and the run writes nothing.
+            read = self.source.read(sorted(set(keys.values())), " in the middle of the run")
+            used: set[str] = set()
+            for native, src in keys.items():
+                tensor = read[src] if src not in used else read[src].clone()  # two weights, two tensors
+                used.add(src)
+                state[native] = self._place(native, tensor)
+            del read
         self.model.load_state_dict(state, strict=False, assign=True)
         if self.config.tie_embeddings:
             self.model.lm_head.weight = self.model.embed.weight
@@ -555,13 +557,6 @@ class StreamedModel:
         fill_data_free([self.model.get_submodule(p.rstrip(".")) for p in prefixes])
         size = sum(t.numel() * t.element_size() for t in state.values())
         return size
-
-    def _read(self, handle: Any, file: Path, native: str, src: str) -> torch.Tensor:
-        try:
-            tensor = handle.get_tensor(src)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            raise DiffquantError(f"{file}: tensor {src} is unreadable ({err})") from None
-        return self._place(native, tensor)
 
     def _place(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
         """Re-laid out (the converter's transform), cast and moved, as the whole-model load does it."""
@@ -773,6 +768,12 @@ def open_streamed(
             f"plan {plan.name}: {what} is not supported in a streamed run (fake-quant rules only)"
         )
     device = torch.device(device)
+    # Each stage's weights, freed when the next is read, are blocks of tens of MB: glibc's default would serve
+    # them from its heaps after the first free (its threshold for own mappings rises to 32 MiB), and a
+    # thread's heap grows by a 64 MiB reservation per stage it cannot reuse (measured on a 20-layer 1B model:
+    # +67 MB of address space per layer, 2.34 GB by the head under a 2.5 GB limit). Mapped, each is
+    # returned whole when freed.
+    map_blocks_from(STAGE_BLOCK_THRESHOLD)
     # Headers only: no shard stays mapped (under ``ulimit -v`` a checkpoint larger than the limit could
     # not map all its shards at once); each stage maps its own files while it is read.
     with resolved.open_source(dtype) as source:  # layer counts: checked by resolve / the GGUF's open
@@ -802,6 +803,7 @@ __all__ = [
     "open_streamed",
     "resolve_stream_spec",
     "prepare_whole_load",
+    "stream_load_bytes",
     "weights_bytes",
     "whole_load_bytes",
     "would_stream",
