@@ -21,6 +21,7 @@ from diffquant.errors import DiffquantError
 from diffquant.heap import map_blocks_from
 from diffquant.io import load_model
 from diffquant.io.artifacts import library_versions
+from diffquant.io.load import available_bytes
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.quantized import is_quantized, save_quantized
 from diffquant.io.runfolder import claim_checkpoint_folder, claim_files_only
@@ -104,6 +105,7 @@ def _quantize_into(
         # The float model rotated alike (exact), so each site compares rotated with rotated activations.
         rotate_model(reference, plan.rotate)
     windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
+    check_calibration_memory(plan, windows, reference.config.d_model, model_dtype(reference), device)
     with torch.no_grad():
         calibrated = calibrate(model, windows.calib, batch_size=batch_size)
         if getattr(model, "smooth_factors", None) is not None:
@@ -197,6 +199,54 @@ def split_windows(
     calib, held_out = windows[:n_calib], windows[n_calib:]
     same = held_out.shape[0] == 0
     return Windows(calib, calib if same else held_out, same)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes its hidden states in: its first floating parameter's."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def check_calibration_memory(
+    plan: QuantPlan,
+    windows: Windows,
+    d_model: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    streamed: bool = False,
+) -> None:
+    """Refuse, in one line and before calibrating, calibration windows whose hidden states cannot be held.
+
+    Calibration tokens are bounded by what the source holds (:func:`split_windows`), but a large source
+    (the default text of a byte-level model holds 11.9M tokens) still asks for more than memory when the
+    run keeps a hidden state per calibration token: GPTQ runs stage by stage over all calibration windows
+    at once, and a streamed run keeps every window's hidden states between stages (the static-scale stream;
+    with GPTQ a second stream, and the report's float and quantized streams of the held-out windows).
+    Measured: ``--calib-tokens 1e12`` on a tiny model grew to the address-space limit (or the OOM killer)
+    in GPTQ's first stage. ``tokens x d_model x bytes`` per stream is compared with the memory this
+    process can still use (:func:`~diffquant.io.load.available_bytes`)."""
+    gptq = plan.weights is not None and plan.weights.needs_data
+    per_token = d_model * torch.empty((), dtype=dtype).element_size()
+    if streamed:
+        calib_streams = (1 + gptq) if plan.uses_static else 0
+        need = per_token * (calib_streams * windows.calib.numel() + 2 * windows.held_out.numel())
+    else:
+        calib_streams = int(gptq)
+        need = per_token * windows.calib.numel() * calib_streams
+    if not calib_streams:
+        return
+    room = available_bytes(device)
+    if need <= room:
+        return
+    held = need - per_token * calib_streams * windows.calib.numel()
+    fit = max(0, (room - held) // (per_token * calib_streams))
+    what = "GPTQ holds" if not streamed else "a streamed quantize holds"
+    raise DiffquantError(
+        f"calibration tokens (--calib-tokens, recipe data.calib.tokens): {windows.calib.numel():,} tokens, "
+        f"{what} a hidden state of {per_token:,} bytes per token at once ({need / 2**30:.2f} GiB), more "
+        f"than the {room / 2**30:.2f} GiB this process can use on {torch.device(device)}; ask for at most "
+        f"{fit:,} tokens"
+    )
 
 
 def quantize_meta(

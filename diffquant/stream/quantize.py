@@ -49,6 +49,7 @@ from diffquant.io.artifacts import write_folder_atomic
 from diffquant.io.checkpoint import write_config
 from diffquant.io.options import parse_device, parse_dtype
 from diffquant.io.quantize import (
+    check_calibration_memory,
     check_quantize_target,
     check_seq_len,
     quantize_meta,
@@ -106,6 +107,8 @@ def quantize_streamed(
         calib_data = calib_data or default_text([tok], "calib")
         applied = streamed.applied
         windows = split_windows(calib_data, calib_tokens, eval_tokens, seq_len, tok, device)
+        d_model, hidden_dtype = streamed.config.d_model, streamed.dtype
+        check_calibration_memory(plan, windows, d_model, hidden_dtype, device, streamed=hidden_budget is None)
         # static scales or gptq weights (smoothing and backends, the plan's other readers of calibration
         # text, do not stream)
         static = plan.uses_static
