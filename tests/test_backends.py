@@ -168,6 +168,77 @@ def test_quanto_qint4_groupwise_affine_without_cpp_build(in_features: int) -> No
     assert (err <= bound).all(), f"max excess {(err - bound).max():.3g}"
 
 
+_REFUSED = "This is not allowed since there's already a kernel registered from python overriding unpack"
+
+
+def _torch_2_11_impl(real):
+    """Library.impl as torch 2.8 - 2.11 have it: a key that already has a Python kernel (quanto's) is refused
+    unless ``allow_override=True`` (the GPU machine's torch 2.11 refused diffquant's override, issue 45)."""
+
+    def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False, allow_override=False):
+        if not allow_override and f"{self.ns}/{op_name}/{dispatch_key}" in torch.library._impls:
+            raise RuntimeError(
+                f"{_REFUSED}'s behavior for {dispatch_key} dispatch key and {self.ns} namespace."
+            )
+        return real(self, op_name, fn, dispatch_key, with_keyset=with_keyset, allow_override=True)
+
+    return impl
+
+
+def _torch_2_7_impl(real):
+    """Library.impl before torch 2.8: no allow_override, a key with a Python kernel is always refused."""
+
+    def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False):
+        if f"{self.ns}/{op_name}/{dispatch_key}" in torch.library._impls:
+            raise RuntimeError(
+                f"{_REFUSED}'s behavior for {dispatch_key} dispatch key and {self.ns} namespace."
+            )
+        return real(self, op_name, fn, dispatch_key, with_keyset=with_keyset, allow_override=True)
+
+    return impl
+
+
+@pytest.mark.parametrize(("api", "ours"), [(_torch_2_11_impl, ["CPU", "CUDA"]), (_torch_2_7_impl, [])])
+def test_quanto_unpack_override_on_each_torch_library_api(monkeypatch, api, ours) -> None:
+    """The pure-torch unpack replaces quanto's Python-registered kernel where torch allows it (2.8 on, asked
+    with allow_override), keeps quanto's where torch cannot (before 2.8), and registers once per process
+    (the second call changes nothing). Either way qint4 weights unpack to quanto's reference."""
+    import optimum.quanto  # noqa: F401 (registers quanto's kernels, as the first to_quanto does)
+
+    from diffquant.quant.backends import quanto
+
+    monkeypatch.setattr(quanto, "_UNPACK_LIBRARY", None)
+    monkeypatch.setattr(quanto, "UNPACK_KEYS", [], raising=False)
+    for key in ("CPU", "CUDA"):  # quanto registers CUDA only on a CUDA machine: as if it had
+        torch.library._impls.add(f"quanto/unpack/{key}")
+    monkeypatch.setattr(torch.library.Library, "impl", api(torch.library.Library.impl))
+    quanto.register_pure_torch_unpack()
+    library = quanto._UNPACK_LIBRARY
+    try:
+        assert library is not None and list(quanto.UNPACK_KEYS) == ours
+        quanto.register_pure_torch_unpack()  # once per process
+        assert quanto._UNPACK_LIBRARY is library and list(quanto.UNPACK_KEYS) == ours
+        packed = torch.tensor([[0x21, 0xF0], [0x7E, 0x03]], dtype=torch.uint8)
+        expected = torch.tensor([[1, 0], [14, 3], [2, 15], [7, 0]], dtype=torch.uint8)  # low nibbles first
+        if ours:
+            assert torch.equal(torch.ops.quanto.unpack(packed, 4), expected)
+        assert torch.equal(quanto._pure_torch_unpack(packed, 4), expected)
+    finally:
+        library._destroy()
+
+
+def test_quanto_unpack_override_raises_other_errors(monkeypatch) -> None:
+    from diffquant.quant.backends import quanto
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("some other registration failure")
+
+    monkeypatch.setattr(quanto, "_UNPACK_LIBRARY", None)
+    monkeypatch.setattr(torch.library.Library, "impl", broken)
+    with pytest.raises(RuntimeError, match="some other registration failure"):
+        quanto.register_pure_torch_unpack()
+
+
 def e4m3_round(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round to float8 e4m3fn (3 mantissa bits, min normal 2**-6, subnormal step 2**-9, max 448), RNE.
 

@@ -23,7 +23,8 @@ Everything here is built in fp32 (weights are copied to fp32 before quantization
 fp32 activations, outputs are fp32. The source ``nn.Linear`` is never modified.
 
 Gotchas handled here: quanto's ``qint4`` unpack op is a C++ extension JIT-built on first use (~50 s, needs a
-compiler); :func:`register_pure_torch_unpack` replaces it with a bit-identical torch implementation.
+compiler); :func:`register_pure_torch_unpack` replaces it with a bit-identical torch implementation, on
+every torch that allows replacing quanto's Python-registered kernel (2.8 on; older ones keep quanto's).
 Not handled (callers must know): ``qint4`` modules fail under ``torch.inference_mode()`` (quanto sets version
 counters on its packed tensors): use ``torch.no_grad()``.
 """
@@ -31,6 +32,7 @@ counters on its packed tensors): use ``torch.no_grad()``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterator
 
@@ -41,6 +43,7 @@ from diffquant.errors import DiffquantError
 __all__ = [
     "QUANTO_ACTIVATIONS",
     "QUANTO_WEIGHTS",
+    "UNPACK_KEYS",
     "load_quanto_state",
     "quanto_calibration",
     "quanto_state",
@@ -76,13 +79,20 @@ def _pure_torch_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def register_pure_torch_unpack() -> None:
-    """Make quanto's int4/int2 unpack use :func:`_pure_torch_unpack` on CPU and CUDA (idempotent).
+    """Make quanto's int4/int2 unpack use :func:`_pure_torch_unpack` on CPU and CUDA (once per process).
 
     Why: quanto registers a C++ extension kernel for ``quanto::unpack`` whose first call JIT-compiles it
     (~50 s on 2 cores, needs g++/nvcc, writes into site-packages). The torch version is bit-identical and fast
     enough for the weight sizes here. Must run after ``optimum.quanto`` is imported, since that import
-    registers the kernel being overridden; torch's one-off "Overriding a previously registered kernel"
+    registers the kernels being overridden; torch's one-off "Overriding a previously registered kernel"
     warning is expected and silenced.
+
+    quanto registers its kernels from Python (``torch.library.impl``), and torch refuses a second Python
+    kernel for the same (namespace, op, dispatch key) unless told: torch 2.8 - 2.11 raise "already a kernel
+    registered from python" without ``allow_override=True`` (the GPU machine's torch 2.11 did, issue 45),
+    later ones override by default, and before 2.8 there is no way to override. So the override is asked for
+    where torch has the flag; where torch refuses anyway, quanto's own kernel stays for that key (correct,
+    it JIT-builds on first use) and :data:`UNPACK_KEYS` says which keys run the torch version.
     """
     global _UNPACK_LIBRARY
     if _UNPACK_LIBRARY is not None:
@@ -93,8 +103,28 @@ def register_pure_torch_unpack() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for dispatch_key in ("CPU", "CUDA"):
-            library.impl("unpack", _pure_torch_unpack, dispatch_key)
+            if _override_unpack(library, dispatch_key):
+                UNPACK_KEYS.append(dispatch_key)
     _UNPACK_LIBRARY = library
+
+
+#: Dispatch keys whose ``quanto::unpack`` is :func:`_pure_torch_unpack` (the others keep quanto's kernel).
+UNPACK_KEYS: list[str] = []
+
+
+def _override_unpack(library: torch.library.Library, dispatch_key: str) -> bool:
+    """Register :func:`_pure_torch_unpack` for ``dispatch_key``; False where torch refuses to replace the
+    Python kernel quanto registered there (torch < 2.8: no ``allow_override``)."""
+    override = (
+        {"allow_override": True} if "allow_override" in inspect.signature(library.impl).parameters else {}
+    )
+    try:
+        library.impl("unpack", _pure_torch_unpack, dispatch_key, **override)
+    except RuntimeError as err:
+        if "already a kernel registered from python" not in str(err):
+            raise
+        return False
+    return True
 
 
 def _check_names(weights: str, activations: str | None) -> tuple[str, str | None]:
