@@ -212,10 +212,8 @@ def _recorder():
 _LMEVAL_NAMES = sorted(p.stem for p in LMEVAL_DIR.glob("*.yaml"))
 
 
-# one shipped task in the normal suite (a run of lm-eval takes seconds), the others marked slow
-@pytest.mark.parametrize(
-    "name", [n if n == "wikitext_local" else pytest.param(n, marks=pytest.mark.slow) for n in _LMEVAL_NAMES]
-)
+@pytest.mark.slow  # two lm-eval runs per task: seconds each
+@pytest.mark.parametrize("name", _LMEVAL_NAMES)
 def test_an_lmeval_task_of_a_shipped_name_on_the_include_path_is_the_one_that_runs(name, tmp_path):
     pytest.importorskip("lm_eval")
     from diffquant.eval.lmeval import check_lmeval, run_lmeval
