@@ -380,6 +380,26 @@ def test_a_shard_cut_short_or_replaced_mid_run_is_named(tmp_path):
         assert streamed.materialise(["layers.0."]) > 0
 
 
+def test_a_safetensors_entry_whose_bytes_do_not_match_its_shape_is_refused(tmp_path):
+    """Reading by offset trusts each entry's byte range: one that holds fewer (or more) bytes than its shape
+    and dtype need is refused when the header is read (safetensors checks this when it maps a file)."""
+    import struct
+
+    from diffquant.io.safetensors_source import _Header
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}).encode()
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(DiffquantError) as excinfo:
+        _Header(file)
+    assert str(excinfo.value) == (
+        f"{file}: tensor w: its byte range holds 12 bytes, but shape [2, 2] of F32 needs 16"
+    )
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}).encode()
+    file.write_bytes(struct.pack("<Q", len(header)) + header + bytes(range(16)))
+    assert _Header(file).read(["w"])["w"].view(torch.uint8).flatten().tolist() == list(range(16))
+
+
 # ======================================================================================= fetch (7, 8)
 CONTENT = b"GGUF" + bytes(range(256)) * 4
 
