@@ -347,17 +347,24 @@ def _perplexities(results: dict) -> list[float]:
 @pytest.mark.slow
 def test_a_streamed_skeleton_imports_no_compiler_stack(tmp_path):
     """Building the meta skeleton ran ``normal_`` on meta tensors, whose decomposition imports dynamo,
-    inductor, sympy and Triton (~340 MB of address space) to compute nothing: a streamed run must not."""
+    inductor, sympy and Triton (~340 MB of address space) to compute nothing: neither a streamed run nor a
+    native checkpoint's whole load (with its fit check) does."""
     folder = save_checkpoint(load_model("init:diff_v2:tiny"), tmp_path / "m")
+    heavy = "sorted(m for m in ('torch._dynamo', 'torch._inductor', 'triton', 'sympy') if m in sys.modules)"
     code = (
         "import sys\n"
         "from diffquant.stream import executor\n"
         f"with executor.open_streamed({str(folder)!r}) as s:\n"
         "    s.materialise(['layers.0.'])\n"
-        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'triton', 'sympy') if m in sys.modules))\n"
+        f"print({heavy})\n"
+        "from diffquant.io import load_model\n"
+        "from diffquant.stream import choose_stream\n"
+        f"assert not choose_stream({str(folder)!r}, 'off')\n"  # the whole-load fit check
+        f"load_model({str(folder)!r})\n"  # and the whole load of a native checkpoint
+        f"print({heavy})\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.split() == ["[]", "[]"]
 
 
 def test_a_shard_cut_short_or_replaced_mid_run_is_named(tmp_path):

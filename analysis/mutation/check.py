@@ -3022,7 +3022,7 @@ MUTANTS = [
     ),
     M(
         "io44: the skeleton initialised on meta (imports the compiler stack)",
-        "diffquant/stream/executor.py",
+        "diffquant/io/checkpoint.py",
         "        if func in _INIT_OPS and isinstance(target, torch.Tensor) and target.is_meta:\n",
         "        if False:\n",
         ("tests/test_hardening_io.py::test_a_streamed_skeleton_imports_no_compiler_stack",),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from diffquant.data.tokenizer import BYTE, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
@@ -31,6 +32,30 @@ FORMAT = "diffquant-native"
 FORMAT_VERSION = 1
 META_KEYS = ("config", "format", "format_version", "tokenizer")  # what write_config writes, all it reads
 _FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
+
+
+class _NoMetaInit(TorchFunctionMode):
+    """Random initialisation of meta tensors skipped: ``normal_`` on a meta tensor runs torch's Python
+    decomposition, whose first use imports dynamo, inductor, sympy and Triton (~340 MB of address space,
+    measured with Triton installed) to compute nothing. A loaded model never keeps an initialised weight
+    (each is read from the files), and under an address-space limit that is room the weights need."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
+        if func in _INIT_OPS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+_INIT_OPS = frozenset({torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.Tensor.normal_})
+
+
+def meta_skeleton(config: ModelConfig) -> DecoderLM:
+    """A :class:`DecoderLM` of ``config`` on the meta device (module tree, taps, no weights), in eval mode,
+    built without running any initialisation (:class:`_NoMetaInit`)."""
+    with _NoMetaInit(), torch.device("meta"):
+        return DecoderLM(config).eval()
 
 
 def save_checkpoint(
@@ -153,8 +178,7 @@ def load_checkpoint(
                         f"{weights}: tensor {key} has dtype {kind}, expected a floating dtype "
                         f"({', '.join(_FLOAT_TAGS)})"
                     )
-            with torch.device("meta"):
-                model = DecoderLM(config)
+            model = meta_skeleton(config)
             expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             if config.tie_embeddings:
                 expected.pop("lm_head.weight", None)

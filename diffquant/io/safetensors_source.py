@@ -125,10 +125,6 @@ class _Header:
             ) from None
         except (OSError, ValueError, UnicodeDecodeError) as err:
             raise DiffquantError(f"{file}: not a readable safetensors file ({err})") from None
-        except RecursionError:
-            raise DiffquantError(
-                f"{file}: not a readable safetensors file (header nested too deep)"
-            ) from None
         if not isinstance(header, dict):
             raise DiffquantError(f"{file}: not a readable safetensors file (header is not an object)")
         self.head = head + raw  # compared before each read: the file must still be the one parsed

@@ -279,7 +279,7 @@ def _check_fits(spec: str | Path, device: str | torch.device, what: str, weights
     caller has them already."""
     weights = weights_bytes(spec, in_memory=True) if weights is None else weights
     size = whole_load_bytes(spec, device, weights=weights)
-    prepare_whole_load()
+    prepare_whole_load(spec)
     room = available_bytes(device)
     if size > room:
         hint = f"run it with {what} on" if _streamable(spec) else "use a machine or device with more memory"

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from diffquant.data.scoring import head_slice
 from diffquant.data.tokenizer import ByteTokenizer
@@ -43,7 +42,7 @@ from diffquant.errors import DiffquantError
 from diffquant.heap import map_blocks_from, release_freed_memory
 from diffquant.io.artifacts import read_json
 from diffquant.io.assemble import FLOAT_DTYPES, check_float_dtype, check_layer_count, check_source
-from diffquant.io.checkpoint import read_config, read_tokenizer, read_trained_seq_len
+from diffquant.io.checkpoint import meta_skeleton, read_config, read_tokenizer, read_trained_seq_len
 from diffquant.io.convert_gguf import CHUNK_ELEMENTS, GGUF_LAYER_PATTERN, GGUFTensors
 from diffquant.io.convert_hf import (
     _folder_tokenizer,
@@ -64,7 +63,6 @@ from diffquant.io.safetensors_source import TensorSource, checkpoint_folder, ope
 from diffquant.models.config import ModelConfig
 from diffquant.models.hf_names import hf_key_map
 from diffquant.models.taps import Tap
-from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
@@ -81,31 +79,6 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 DEFAULT_HIDDEN_BUDGET: int | None = None
 # Blocks this large get their own mapping in a streamed run (see open_streamed); quantize's threshold too.
 STAGE_BLOCK_THRESHOLD = 1 << 20
-
-
-# ============================================================================================ skeleton
-class _NoMetaInit(TorchFunctionMode):
-    """Random initialisation of meta tensors skipped: ``normal_`` on a meta tensor runs torch's Python
-    decomposition, whose first use imports dynamo, inductor, sympy and Triton (~340 MB of address space,
-    measured with Triton installed) to compute nothing. A streamed run never initialises a weight (each is
-    read from the files), and under an address-space limit that is room a stage's weights need."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
-        if func in _INIT_OPS and isinstance(target, torch.Tensor) and target.is_meta:
-            return target
-        return func(*args, **kwargs)
-
-
-_INIT_OPS = frozenset({torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.Tensor.normal_})
-
-
-def meta_skeleton(config: ModelConfig) -> DecoderLM:
-    """A :class:`DecoderLM` of ``config`` on the meta device (module tree, taps, no weights), in eval mode,
-    built without running any initialisation (:class:`_NoMetaInit`)."""
-    with _NoMetaInit(), torch.device("meta"):
-        return DecoderLM(config).eval()
 
 
 # ============================================================================================ sources
@@ -237,8 +210,7 @@ def weights_bytes(spec: str | Path, *, in_memory: bool = False) -> int:
         resolved = resolve_stream_spec(spec)
     except NotStreamable:
         config = peek_config(spec)  # a bad specifier: the loader's one-line error
-        with torch.device("meta"):
-            return DecoderLM(config).num_parameters() * 4
+        return meta_skeleton(config).num_parameters() * 4
     if resolved.gguf is not None:
         return resolved.gguf.memory_bytes() if in_memory else resolved.gguf.file_bytes()
     with open_tensors(resolved.folder, headers_only=True) as source:
@@ -357,13 +329,21 @@ def _stage_of(native: str, config: ModelConfig) -> tuple[str, ...]:
     return ("head",)
 
 
-def prepare_whole_load() -> None:
+def prepare_whole_load(spec: str | Path | None = None) -> None:
     """Pay the one-time cost of building a model before the room for a load is measured: the first random
     initialisation on the meta device imports torch's meta kernels (with Triton installed, ~260 MiB of
     address space: measured on this project's environment), which :func:`available_bytes` would otherwise
-    count as room the load then does not find."""
+    count as room the load then does not find. ``spec``: nothing to pay when its whole load builds no
+    initialised meta skeleton (a native or quantized folder, ``zoo:``: :func:`~diffquant.io.checkpoint.
+    meta_skeleton`; ``init:`` initialises on the device itself), so such a run never imports them."""
+    if spec is not None and str(spec).partition(":")[0] not in META_INIT_SCHEMES:
+        return
     with torch.device("meta"):
         nn.init.normal_(torch.empty(1))
+
+
+# The specifiers whose loaders assemble a model initialised on the meta device (io/assemble.py).
+META_INIT_SCHEMES = ("hf", "gguf", "fetch", "unilm")
 
 
 def would_stream(
@@ -380,7 +360,7 @@ def would_stream(
     if budget_bytes is None:
         budget_bytes = int(0.8 * available_bytes(device))
         if peak <= budget_bytes:  # paying the one-time cost can only lower the room: only when it may fit
-            prepare_whole_load()
+            prepare_whole_load(spec)
             budget_bytes = int(0.8 * available_bytes(device))
     size = f"weights {weights / 2**30:.2f} GiB (a whole load {peak / 2**30:.2f} GiB)"
     if peak <= budget_bytes:

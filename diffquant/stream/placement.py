@@ -42,6 +42,7 @@ from diffquant.data.tokenizer import model_tokenizer
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
 from diffquant.io.assemble import check_float_dtype, check_source
+from diffquant.io.checkpoint import meta_skeleton
 from diffquant.io.fetch import resolve_fetch
 from diffquant.io.quantized import is_quantized
 from diffquant.io.safetensors_source import open_tensors
@@ -356,8 +357,7 @@ def load_placed(
     # Headers only: each tensor maps its file for its own read, so no shard stays mapped (a checkpoint
     # larger than the process's address-space limit can still be placed).
     with open_tensors(resolved.folder, headers_only=True) as source:
-        with torch.device("meta"):
-            model = DecoderLM(config)
+        model = meta_skeleton(config)
         dtype = check_source(model, source, resolved.key_map, dtype, resolved.optional)
         model = model.to(dtype).eval()  # meta: the sizes a strategy weighs are the loaded dtype's
         if isinstance(placement.device_map, str):
