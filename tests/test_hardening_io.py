@@ -244,6 +244,42 @@ def test_a_learned_tokenizer_reserves_room_for_its_encoder(tmp_path):
     assert executor.TOKENIZER_RESERVE_BYTES >= 64 << 20  # the measured 35 MB encode, with room to spare
 
 
+SMOLLM2_UNDER_LIMIT = """
+import resource, sys
+from diffquant.cli import main
+from diffquant.stream.executor import _meminfo
+vm = _meminfo('VmSize', '/proc/self/status')
+resource.setrlimit(resource.RLIMIT_AS, (vm + 250 * 2**20, resource.RLIM_INFINITY))
+sys.exit(main(['--quiet', 'eval', 'fetch:smollm2', '--stream', 'auto', '--task', 'ppl:tokens=256,seq_len=128',
+               '--out', sys.argv[1]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_smollm2_stream_auto_under_a_small_address_space_is_refused_in_one_line(tmp_path):
+    """Issue 44 item 6: `--stream auto` under `ulimit -v` with torch imported and 250 MB left streamed
+    SmolLM2 and died in an allocation (a MemoryError line, then dynamo's atexit traceback) or, with a little
+    more room, in the Rust tokenizer's abort (SIGABRT, no message). Its largest stage (the tied embedding,
+    113 MB dequantized, with its temporaries and the tokenizer's reserve) does not fit: one line, exit 2."""
+    try:
+        fetch.fetch_smollm2(quiet=True)
+    except fetch.FetchUnavailable as err:
+        pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched: {err}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SMOLLM2_UNDER_LIMIT, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_line(proc.stderr)
+    assert line.startswith("diffquant eval: error: fetch:smollm2: a streamed run (stream auto) needs "), line
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------- shards larger than the budget (9)
 def _random_hf_llama(folder: Path, *, d: int, ffn: int, layers: int, shards: int, vocab: int = 512) -> Path:
     """A random HF Llama written shard by shard (each shard's layers contiguous, as HF lays them out), so
