@@ -122,6 +122,11 @@ def test_calibration_memory_bound_is_exact_at_the_boundary(tiny, text, monkeypat
         io_quantize.check_calibration_memory(plan, windows, 96, torch.float32, "cpu")
     rtn = QuantPlan.from_dict({"name": "r", "weights": {"method": "rtn", "bits": 4, "group_size": "channel"}})
     io_quantize.check_calibration_memory(rtn, windows, 96, torch.float32, "cpu")  # no calibration: no bound
+    # a sweep's cell: the planned model itself says d_model and dtype (bfloat16: half the bytes per token)
+    model = load_model(tiny, dtype=torch.bfloat16)
+    monkeypatch.setattr(io_quantize, "available_bytes", lambda device="cpu": 640 * 96 * 2 - 1)
+    with pytest.raises(DiffquantError, match="192 bytes per token .* ask for at most 639 tokens"):
+        io_quantize.check_model_calibration(plan, model, windows.calib)
 
 
 # ============================================================================ full disk (6, second part)

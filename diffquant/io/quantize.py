@@ -249,6 +249,14 @@ def check_calibration_memory(
     )
 
 
+def check_model_calibration(plan: QuantPlan, model: nn.Module, windows: torch.Tensor) -> None:
+    """:func:`check_calibration_memory` for ``model`` (whole, planned) about to be calibrated on ``windows``
+    (N, L): what a sweep's cell checks before :func:`~diffquant.quant.calibrate.calibrate`."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    whole = Windows(windows, windows[:0], False)
+    check_calibration_memory(plan, whole, model.config.d_model, model_dtype(model), device)
+
+
 def quantize_meta(
     checkpoint: str,
     plan_spec: str,
