@@ -44,16 +44,20 @@ from zero, does not saturate (500 -> 256) and flushes subnormals; fp32 -> bf16 t
 * e4m3 (OCP OFP8, max 448, 3 mantissa bits, subnormal quantum 2^-9): clamp to +-448, take the binade exponent
   e = floor(log2 |y|) from the float bits, clamp e to [-6, 8], and round y / 2^(e-3) half-to-even, exactly
   as :class:`diffquant.quant.formats.ElementFormat` does. On a GPU the rounded value is then cast to
-  ``tl.float8e4nv`` (exact, it is on the codebook) so that P @ V runs as an fp8 tensor-core product.
+  ``tl.float8e4nv`` (exact, it is on the codebook), so that the single-pass P @ V runs as an fp8 tensor-core
+  product; the two-pass P @ V and Q K^T of fp8 codes take exact products instead (see ``_dot``: Hopper's fp8
+  tensor cores do not accumulate in fp32).
 
 Interpreter notes (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (triton#11584), so when
 interpreting every tile is upcast to fp32 before ``tl.dot`` (exact: bf16 and e4m3 values are fp32 values, and
-int8 dot products stay below 2^24 for d <= 128). Compiled, bf16 / int8 / fp8 tiles go to the tensor cores as
-they are (int8 x int8 -> int32; 8-bit products only when the reduction dim is >= 32, else through bf16, which
-is exact for int8 codes and e4m3 values), and fp32 tiles use ``input_precision="ieee"`` (TF32 would lose the
-1e-4 match; use bf16 inputs or ``pv="bf16"`` for speed). Every variant compiles for sm_90 with Triton 3.7
-(checked offline with ``triton.compile``, and the RNE add pair survives into the PTX); none has been run on a
-GPU yet: ``pytest -m gpu`` with TRITON_INTERPRET=0 does that.
+int8 dot products stay below 2^24 for d <= 128). Compiled, bf16 / int8 tiles go to the tensor cores as they
+are (int8 x int8 -> int32 when the reduction dim is >= 32, else through bf16, which is exact for int8 codes
+and e4m3 values), e4m3 tiles only in the single-pass P @ V (elsewhere through bf16: ``_dot``), and fp32 tiles
+use ``input_precision="ieee"`` (TF32 would lose the 1e-4 match; use bf16 inputs or ``pv="bf16"`` for speed).
+Every variant compiles for sm_90 (checked offline with ``triton.compile``: the RNE add pair survives into the
+PTX, and tests/test_kernels.py checks which wgmma each variant issues). On an H200 (torch 2.11, Triton 3.6,
+issue 45) every bf16 case of ``pytest -m gpu`` passed; the fp32 cases that used fp8 tensor cores in exact
+paths failed, which ``_dot`` now avoids (a GPU run confirms it).
 """
 
 from __future__ import annotations
@@ -115,13 +119,22 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, NATIVE8: tl.constexpr):
-    """a @ b with fp32 accumulation, exact for the operand types used here.
+def _dot(a, b, UPCAST: tl.constexpr, NATIVE8: tl.constexpr, FAST8: tl.constexpr):
+    """a @ b with fp32 accumulation: exact products, fp32 sums, except for e4m3 tiles with FAST8.
 
     Interpreter (UPCAST): fp32 operands, since its bf16 dot is wrong. Compiled: fp32 tiles in IEEE fp32 (not
-    TF32); bf16 / fp16 on the tensor cores; int8 -> int32 and e4m3 -> fp32 tensor-core products when the
-    reduction dim is >= 32 (NATIVE8), else the codes go through bf16, which holds every int8 code and every
-    e4m3 value exactly (a conservative choice for the narrow 8-bit MMA shapes, at 2x the MMA cost).
+    TF32); bf16 / fp16 on the tensor cores; int8 -> int32 tensor-core products when the reduction dim is >= 32
+    (NATIVE8; exact); e4m3 tiles on the fp8 tensor cores only with FAST8 (and NATIVE8). Otherwise the codes go
+    through bf16, which holds every int8 code and every e4m3 value exactly (2x the 8-bit MMA cost).
+
+    Why FAST8: Hopper's fp8 MMA does not accumulate in fp32. It sums in fixed point aligned to the largest
+    addend (the running sum included) and truncates ~14 bits below it (DeepSeek-V3 report, 3.3.2), and
+    Triton lets it accumulate a whole tile that way on sm_90 (``max_num_imprecise_acc`` defaults to 2^30).
+    So fp8 products are only used where the kernel promises SageAttention's statistical equivalence (the
+    single-pass P V); Q K^T of fp8 codes and the two-pass P V, which promise the reference's numbers, keep
+    exact products (issue 45: the GPU's fp32 tests of exactly those, qk-fp8 and the pv-fp8 / sage two-pass
+    runs, failed by the margin this accumulation gives; an emulation of it in the interpreter reproduces the
+    failures, see tests/test_kernels.py::test_fp8_tensor_core_accumulation_is_kept_out_of_exact_paths).
     """
     # one return at the end: the compiler visits code after a constexpr branch's return too
     if UPCAST:
@@ -130,7 +143,7 @@ def _dot(a, b, UPCAST: tl.constexpr, NATIVE8: tl.constexpr):
         out = tl.dot(a, b.to(tl.float32), input_precision="ieee")
     elif a.dtype == tl.int8 and NATIVE8:
         out = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-    elif a.dtype == tl.float8e4nv and NATIVE8:
+    elif a.dtype == tl.float8e4nv and NATIVE8 and FAST8:
         out = tl.dot(a, b)
     elif a.dtype == tl.int8 or a.dtype == tl.float8e4nv:
         out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
@@ -148,7 +161,7 @@ def _logits(
 
     Quantized Q/K: the tiles hold codes, the logit is dot(codes) * scale_q * scale_k / sqrt(d).
     """
-    s = _dot(q, tl.trans(k), UPCAST, NATIVE8)
+    s = _dot(q, tl.trans(k), UPCAST, NATIVE8, False)  # exact: the logits of the same codes as the reference
     if QK_MODE != 0:  # noqa: SIM108 (constexpr branches, one compiled)
         s = s * (qs * sm_scale)[:, None] * ks[None, :]
     else:
@@ -176,16 +189,16 @@ def _pv(
             p8 = _round_e4m3(p * 448.0)
         if not UPCAST:
             p8 = p8.to(tl.float8e4nv)  # exact: p8 is on the e4m3 codebook
-        out = _dot(p8, v, UPCAST, NATIVE8)
+        out = _dot(p8, v, UPCAST, NATIVE8, not TWO_PASS)  # fp8 tensor cores in the single (Sage) pass only
     elif PV_MODE == 1:
         pb = _round_bf16(p)
         vb = _round_bf16(v.to(tl.float32))
         if not UPCAST:
             pb = pb.to(tl.bfloat16)  # exact, as above
             vb = vb.to(tl.bfloat16)
-        out = _dot(pb, vb, UPCAST, NATIVE8)
+        out = _dot(pb, vb, UPCAST, NATIVE8, False)
     else:
-        out = _dot(p, v, UPCAST, NATIVE8)
+        out = _dot(p, v, UPCAST, NATIVE8, False)
     return out
 
 
