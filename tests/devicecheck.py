@@ -112,7 +112,11 @@ class FakeCuda(torch.Tensor):
     elem: torch.Tensor
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor) -> FakeCuda:
+    def __new__(cls, elem: torch.Tensor, requires_grad: bool | None = None) -> Any:
+        if (
+            requires_grad is not None
+        ):  # type(param)(data, requires_grad=...) (accelerate): a Parameter of data
+            return torch.nn.Parameter(elem, requires_grad)
         assert not isinstance(elem, FakeCuda) and elem.device.type == "cpu", elem.device
         out = torch.Tensor._make_wrapper_subclass(
             cls,

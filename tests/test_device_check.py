@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffquant.cli import main
 from diffquant.io import save_checkpoint
 from diffquant.kernels import native
-from diffquant.profile import attention_metrics, profile_model, stats
+from diffquant.profile import Profiler, attention_metrics, profile_model, stats
 from diffquant.profile.maps import capture_maps
 from diffquant.profile.sinks import sink_rate_summary, sink_rates
 from diffquant.quant import schemes
@@ -187,12 +187,42 @@ def test_profile_on_cuda_equals_the_cpu_profile(kind, torch_paths):
     assert cuda == cpu
 
 
+# ------------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
+def test_triton_kernel_runs_on_cuda_for_a_plan_it_implements(kind):
+    """On CUDA a DIFF layer under ``qk-int8-pv-fp8`` runs the fused kernel (docs/kernels.md), as
+    ``diffquant info`` plans: the P quantizers on its map taps are the kernel's own, not observers (they
+    used to send it down the explicit path). A hook on a map still takes the explicit path, where maps exist.
+    On the fake device the kernel runs in Triton's interpreter: the CPU's forced-kernel numbers."""
+    from diffquant.kernels.dispatch import path_summary, planned_paths
+    from diffquant.quant.plan import apply_plan, preset
+
+    model = tiny_model(kind, head_dim=16)
+    apply_plan(model, preset("qk-int8-pv-fp8"))
+    ids = _windows(2, 32)
+    with torch.no_grad():
+        model.set_kernel("triton")
+        forced = model(ids)
+        model.set_kernel("auto")
+        with fake_cuda():
+            model.to("cuda")
+            out = model(ids.to("cuda")).cpu()
+            ran = path_summary(model)
+            with Profiler(model, sites="kind:probs", attention=False):
+                model(ids.to("cuda"))
+            watched = path_summary(model)
+            model.to("cpu")
+    assert ran == planned_paths(model, cuda=True) == {"triton": 2}
+    assert torch.equal(out, forced)
+    assert watched == {"explicit": 2}
+
+
 # ------------------------------------------------------------------------------------- the commands
 @contextlib.contextmanager
-def _as_cuda(cuda: bool):
+def _as_cuda(cuda: bool, device: tuple[str, ...]):
     if cuda:
         with fake_cuda():
-            yield ["--device", "cuda"]
+            yield list(device)
     else:
         yield []
 
@@ -238,13 +268,13 @@ def _checkpoints(tmp_path, kinds, max_seq_len=64):
     return paths, str(data)
 
 
-def _both(tmp_path, argv):
-    """``diffquant ARGV --out cpu`` and ``diffquant ARGV --out cuda --device cuda``: their run folders."""
+def _both(tmp_path, argv, device=("--device", "cuda")):
+    """``diffquant ARGV --out cpu`` and ``diffquant ARGV --out cuda DEVICE``: their run folders."""
     states = []
     for cuda in (False, True):
         out = tmp_path / ("cuda" if cuda else "cpu")
-        with _as_cuda(cuda) as device:
-            assert main([*argv, "--out", str(out), *device]) == 0
+        with _as_cuda(cuda, device) as where:
+            assert main([*argv, "--out", str(out), *where]) == 0
         states.append(_run_folder_state(out))
     return states
 
@@ -315,6 +345,46 @@ def test_eval_command_on_cuda(tmp_path, torch_paths, monkeypatch, task, plans):
     argv = ["eval", *paths, "--task", task.format(data=data, mc=mc), "--plan", *plans, *calib]
     cpu, cuda = _both(tmp_path, argv)
     assert cuda == cpu and cpu["cells-rank0.jsonl"]
+
+
+MIXED_MAP = "{embed: 0, layers.0: 0, layers.1: cpu, norm: cpu, lm_head: 0}"
+
+
+@pytest.mark.slow
+def test_device_mapped_profile_and_eval_on_cuda(tmp_path, torch_paths, monkeypatch):
+    """`--device-map` with the embedding and the first block on cuda:0 and the rest on the CPU (accelerate runs
+    those on the GPU, moving their weights in): profile and a decode-mode eval through a quantized KV cache
+    give the CPU run's artifacts."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    paths, data = _checkpoints(tmp_path, ("diff_v2",))
+    argv = ["profile", *paths, "--data", data, "--tokens", "64", "--seq-len", "32"]
+    cpu, cuda = _both(tmp_path / "profile", argv, ("--device-map", MIXED_MAP))
+    assert cuda == cpu and "table5.json" in cpu
+    task = f"ppl:data={data},tokens=96,seq_len=48,decode=20"
+    argv = ["eval", *paths, "--task", task, "--plan", "kv2-g8-r8", "w8a8"]
+    cpu, cuda = _both(tmp_path / "eval", argv, ("--device-map", MIXED_MAP))
+    assert cuda == cpu and cpu["cells-rank0.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["diff_v2", "gated"])
+def test_train_on_cuda(tmp_path, monkeypatch, kind):
+    """`diffquant train` with ``device: cuda``: batches, bf16 autocast, the loss, logging, validation bpb,
+    checkpoints, resume and the final export and card run with the model on the device. The backward pass
+    is not checked (autograd asks a real CUDA device for a stream: here it is a no-op, so no gradient and
+    no optimizer update happen)."""
+    from test_train import _cfg
+
+    from diffquant.train.trainer import train
+
+    cfg = _cfg(tmp_path, "cuda", kind=kind, device="cuda", steps=4, eval_every=2, checkpoint_every=2)
+    with fake_cuda():
+        monkeypatch.setattr(torch.Tensor, "backward", lambda self, *args, **kwargs: None)
+        train(cfg, stop_after=3, log=lambda message: None)
+        out = train(cfg, resume=True, log=lambda message: None)
+    card = json.loads((out / "final" / "card.json").read_text())
+    log = (out / "log.csv").read_text().splitlines()
+    assert card["steps"] == 4 and math.isfinite(card["val_bpb"]) and len(log) == 5  # header + 4 steps
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]
 
 
 def test_devicecheck_leaves_torch_as_it_was():

@@ -374,7 +374,7 @@ class Attention(nn.Module):
         """The Triton kernel's CoreQuant when this call should run it (prefill on CUDA, or forced), else None."""
         if cache is not None or self.kernel == "off" or (self.kernel == "auto" and not x.is_cuda):
             return None
-        if self._maps_observed() and self.kernel == "auto":
+        if self._maps_hooked() and self.kernel == "auto":
             return None  # someone watches the maps: they only exist on the explicit path
 
         return dispatch.kernel_core(self)
@@ -390,6 +390,15 @@ class Attention(nn.Module):
 
     def _maps_observed(self) -> bool:
         return self.path != "fused" and any(tap.active for tap in self._map_taps())
+
+    def _maps_hooked(self) -> bool:
+        """A hook watches a map (a profiler, capture_maps): the maps exist only on the explicit path. Map
+        quantizers alone do not count: the kernel implements those it accepts (dispatch.kernel_core), such as
+        the fp8 P of the ``qk-int8-pv-fp8`` preset, which used to send every such layer down the explicit
+        path on CUDA (issue 45)."""
+        return self.path != "fused" and any(
+            tap._forward_hooks or tap._forward_pre_hooks for tap in self._map_taps()
+        )
 
     def _fused(self, components, v, lam, pos0: int, sink: torch.Tensor | None = None) -> torch.Tensor:
         t, s = components[0][0].shape[2], components[0][1].shape[2]
