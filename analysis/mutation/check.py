@@ -3081,6 +3081,104 @@ MUTANTS = [
         "        return Path(os.fsdecode(filename))\n",
         ("tests/test_hardening_io.py::test_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing",),
     ),
+    # --- issue 45: device-correct stages (tests/devicecheck.py's fake CUDA device), the quanto override, the
+    # fp8 tensor cores kept out of the kernel's exact paths, the kernel on CUDA for plans it implements
+    M(
+        "device45: _histogram folds with the CPU table",
+        "diffquant/profile/stats.py",
+        "        0, _fold_on(fine.device), fine\n",
+        "        0, _FOLD, fine\n",
+        ("tests/test_device_check.py::test_histogram_and_row_moments_run_on_cuda",),
+    ),
+    M(
+        "device45: _histogram's bins allocated on the CPU",
+        "diffquant/profile/stats.py",
+        "    dense = torch.zeros(2 * SLOTS, dtype=torch.int64, device=fine.device).index_add_(\n",
+        "    dense = torch.zeros(2 * SLOTS, dtype=torch.int64).index_add_(\n",
+        ("tests/test_device_check.py::test_histogram_and_row_moments_run_on_cuda",),
+    ),
+    M(
+        "device45: row counts on the CPU",
+        "diffquant/profile/stats.py",
+        "        n = torch.full((rows.shape[0],), float(width), dtype=torch.float64, device=rows.device)\n",
+        "        n = torch.full((rows.shape[0],), float(width), dtype=torch.float64)\n",
+        (
+            "tests/test_device_check.py::test_histogram_and_row_moments_run_on_cuda",
+            "tests/test_device_check.py::test_profile_on_cuda_equals_the_cpu_profile",
+        ),
+    ),
+    M(
+        "device45: SmoothQuant factors left on the host",
+        "diffquant/quant/smoothquant.py",
+        "        s = torch.as_tensor(factors[norm_name]).to(norm.weight.device, torch.float64)\n",
+        "        s = torch.as_tensor(factors[norm_name]).to(torch.float64)\n",
+        ("tests/test_device_check.py::test_quantize_command_on_cuda[w8a8-smoothquant]",),
+    ),
+    M(
+        "device45: the intervention's finding pass feeds host windows",
+        "diffquant/eval/interventions.py",
+        "                model(windows[start : start + batch_size].to(device))\n",
+        "                model(windows[start : start + batch_size])\n",
+        (
+            "tests/test_device_check.py::test_eval_command_on_cuda[bpb:data={data},tokens=64,seq_len=32,intervene=mean-plans0]",
+        ),
+    ),
+    M(
+        "device45: training batches left on the host",
+        "diffquant/train/trainer.py",
+        "        ids = data.batch(step, cfg.batch_size).to(device)\n",
+        "        ids = data.batch(step, cfg.batch_size)\n",
+        ("tests/test_device_check.py::test_train_on_cuda",),
+    ),
+    M(
+        "device45: map quantizers keep the kernel off on CUDA",
+        "diffquant/models/attention.py",
+        '        if self._maps_hooked() and self.kernel == "auto":\n',
+        '        if self._maps_observed() and self.kernel == "auto":\n',
+        ("tests/test_device_check.py::test_triton_kernel_runs_on_cuda_for_a_plan_it_implements",),
+    ),
+    M(
+        "device45: a hooked map runs the kernel",
+        "diffquant/models/attention.py",
+        '        if self._maps_hooked() and self.kernel == "auto":\n',
+        '        if False and self.kernel == "auto":\n',
+        ("tests/test_device_check.py::test_triton_kernel_runs_on_cuda_for_a_plan_it_implements",),
+    ),
+    M(
+        "kernel45: fp8 tensor cores in the two-pass P V",
+        "diffquant/kernels/triton_diff.py",
+        "        out = _dot(p8, v, UPCAST, NATIVE8, not TWO_PASS)",
+        "        out = _dot(p8, v, UPCAST, NATIVE8, True)",
+        ("tests/test_kernels.py::test_fp8_tensor_core_accumulation_is_kept_out_of_exact_paths",),
+    ),
+    M(
+        "kernel45: fp8 tensor cores for Q K^T of fp8 codes",
+        "diffquant/kernels/triton_diff.py",
+        "    s = _dot(q, tl.trans(k), UPCAST, NATIVE8, False)",
+        "    s = _dot(q, tl.trans(k), UPCAST, NATIVE8, True)",
+        ("tests/test_kernels.py::test_fp8_tensor_core_accumulation_is_kept_out_of_exact_paths",),
+    ),
+    M(
+        "kernel45: the single pass loses the fp8 tensor cores",
+        "diffquant/kernels/triton_diff.py",
+        "        out = _dot(p8, v, UPCAST, NATIVE8, not TWO_PASS)",
+        "        out = _dot(p8, v, UPCAST, NATIVE8, False)",
+        ("tests/test_kernels.py::test_single_pass_fp8_keeps_the_fp8_tensor_cores",),
+    ),
+    M(
+        "quanto45: override asked without allow_override",
+        "diffquant/quant/backends/quanto.py",
+        '        {"allow_override": True} if "allow_override" in inspect.signature(library.impl).parameters else {}\n',
+        "        {}\n",
+        ("tests/test_backends.py::test_quanto_unpack_override_on_each_torch_library_api",),
+    ),
+    M(
+        "quanto45: every registration error swallowed",
+        "diffquant/quant/backends/quanto.py",
+        '        if "already a kernel registered from python" not in str(err):\n            raise\n',
+        '        if "already a kernel registered from python" not in str(err):\n            pass\n',
+        ("tests/test_backends.py::test_quanto_unpack_override_raises_other_errors",),
+    ),
 ]
 
 
