@@ -614,9 +614,8 @@ def test_init_on_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monke
     import errno
     import pathlib
 
+    import safetensors.torch
     from safetensors import SafetensorError
-
-    from diffquant.io import checkpoint
 
     def full_weights(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
@@ -625,7 +624,7 @@ def test_init_on_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if which == "weights":
-        monkeypatch.setattr(checkpoint, "save_file", full_weights)
+        monkeypatch.setattr(safetensors.torch, "save_file", full_weights)
     else:
         monkeypatch.setattr(pathlib.Path, "write_text", full_text)
     out = tmp_path / "model"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import safetensors.torch
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
@@ -140,8 +141,7 @@ def test_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing(
 ):
     """safetensors' own error type (what a full disk gives inside ``save_file``) from the shared checkpoint
     writer: one line naming the output folder, exit 2, no folder and no temporary sibling left."""
-    monkeypatch.setattr(checkpoint, "save_file", _full_disk_save_file)
-    monkeypatch.setattr(convert_hf, "save_file", _full_disk_save_file)
+    monkeypatch.setattr(safetensors.torch, "save_file", _full_disk_save_file)  # every writer saves through it
     out = tmp_path / "out"
     if command == "quantize":
         plan = _plan(tmp_path, "method: rtn, bits: 4, group_size: channel")
@@ -150,8 +150,7 @@ def test_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing(
         argv = ["export", str(tiny), str(out), "--to", command.split("-")[1]]
     assert main(argv) == 2
     err = _one_line(capsys.readouterr().err)
-    # the weights file where the writer names it (native checkpoints), else the folder
-    named = f"{out / 'model.safetensors'}:" if command != "export-hf" else f"{out}:"
+    named = f"{out / 'model.safetensors'}:"  # the file being written (the weights come first)
     assert f"error: {named} No space left on device (os error 28)" in err and "nothing was written" in err
     assert _left_behind(out) == []
 
@@ -654,3 +653,16 @@ def _padded_file_loads(tmp_path: Path, tok_files) -> None:
     ends = sorted((t.offset, t.offset + t.n_bytes) for t in header.tensors)
     assert any(end % 64 for _, end in ends)  # some tensor really is followed by padding
     assert all(-(-end // 64) * 64 == start for (_, end), (start, _) in zip(ends, ends[1:], strict=False))
+
+
+def test_an_eval_sweep_bounds_calibration_by_memory_too(tmp_path, capsys, monkeypatch, tiny, text):
+    """The same bound in a sweep's cell (``eval --plan`` with a GPTQ plan): refused in one line before the
+    model is calibrated, not grown into the OOM killer."""
+    per_token = read_config(tiny).d_model * 4
+    monkeypatch.setattr(io_quantize, "available_bytes", lambda device="cpu": 1000 * per_token + 7)
+    plan = _plan(tmp_path, "method: gptq, bits: 4, group_size: channel")
+    argv = ["eval", str(tiny), "--plan", str(plan), "--task", "bpb:tokens=128,seq_len=64"]
+    argv += ["--calib-data", str(text), "--calib-tokens", "1000000000000", "--calib-seq-len", "64"]
+    assert main([*argv, "--out", str(tmp_path / "e")]) == 2
+    err = _one_line(capsys.readouterr().err.splitlines()[-1] + "\n")
+    assert "calibration tokens (--calib-tokens" in err and "ask for at most 1,000 tokens" in err, err

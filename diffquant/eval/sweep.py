@@ -54,6 +54,7 @@ from diffquant.io.artifacts import (
     write_text_atomic,
 )
 from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.quantize import check_model_calibration
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
 from diffquant.names import PLAN_FILE
@@ -340,7 +341,9 @@ class _Runner:
             plan = copy.deepcopy(self.plans[cell.plan])  # the plan the cell's ident was computed from
             apply_plan(model, plan)
             if plan.uses_static:
-                calibrate(model, self.calibration_windows(model.tokenizer), batch_size=self.spec.batch_size)
+                windows = self.calibration_windows(model.tokenizer)
+                check_model_calibration(plan, model, windows)  # one line, not the OOM killer, past memory
+                calibrate(model, windows, batch_size=self.spec.batch_size)
         return model.eval()
 
     def _fresh(self, name: str):

@@ -227,6 +227,18 @@ def _fill(tmp: Path, path: Path, write: Callable[[Path], None]) -> None:
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 
+def save_tensors(tensors: dict[str, Any], file: Path) -> None:
+    """``safetensors.torch.save_file`` (format "pt"), whose I/O error (a full disk) becomes the OSError
+    naming ``file`` that :func:`write_folder_atomic` turns into one line: every checkpoint writer saves its
+    tensors through here."""
+    from safetensors.torch import save_file  # noqa: PLC0415 (torch, not needed by the rest of this module)
+
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except SafetensorError as err:
+        raise tensor_write_error(err, file) from None
+
+
 def tensor_write_error(err: SafetensorError, file: Path) -> BaseException:
     """safetensors' error while writing ``file`` as the OSError it stands for (its reason, errno and the file
     it was writing), so that :func:`write_folder_atomic` names the file; an error that is not an I/O error

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from diffquant.data.tokenizer import BYTE, ByteTokenizer, HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import read_json, tensor_write_error, write_folder_atomic
+from diffquant.io.artifacts import read_json, save_tensors, write_folder_atomic
 from diffquant.io.convert_hf import check_layer_count
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
@@ -78,10 +77,7 @@ def save_checkpoint(
         tensors = {k: v.detach().contiguous() for k, v in (state or model.state_dict()).items()}
         if model.config.tie_embeddings:
             tensors.pop("lm_head.weight", None)  # safetensors stores no aliases; tied on load
-        try:
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        except SafetensorError as err:  # a full disk: the one-line refusal names the weights file
-            raise tensor_write_error(err, tmp / WEIGHTS_FILE) from None
+        save_tensors(tensors, tmp / WEIGHTS_FILE)  # a full disk: the one-line refusal names the weights file
         if extra is not None:
             extra(tmp)
 

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from diffquant.data.tokenizer import HFTokenizer, load_tokenizer
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import read_json, write_folder_atomic
+from diffquant.io.artifacts import read_json, save_tensors, write_folder_atomic
 from diffquant.io.assemble import (  # noqa: F401 (FLOAT_DTYPES: public here too)
     FLOAT_DTYPES,
     Transform,
@@ -562,7 +561,7 @@ def export_hf(model: DecoderLM, out_dir: str | Path, overwrite: bool = False) ->
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / WEIGHTS_FILE)
         if isinstance(tokenizer, HFTokenizer):
             tokenizer.save(tmp)
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffquant.errors import DiffquantError
-from diffquant.io.artifacts import read_json
+from diffquant.io.artifacts import read_json, save_tensors
 from diffquant.io.checkpoint import load_checkpoint, save_checkpoint
 from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE, PLAN_FILE, STATE_FILE, WEIGHTS_FILE
@@ -100,7 +100,7 @@ def write_quant_files(
     doc = {"format": PLAN_FORMAT, "plan": model.quant_plan.to_dict(), "transforms": applied_transforms(model)}
     doc["meta"] = meta
     (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
-    save_file(quant_state(model), str(folder / STATE_FILE), metadata={"format": "pt"})
+    save_tensors(quant_state(model), folder / STATE_FILE)
     for name, data in (documents or {}).items():
         (folder / name).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
