@@ -666,3 +666,16 @@ def test_an_eval_sweep_bounds_calibration_by_memory_too(tmp_path, capsys, monkey
     assert main([*argv, "--out", str(tmp_path / "e")]) == 2
     err = _one_line(capsys.readouterr().err.splitlines()[-1] + "\n")
     assert "calibration tokens (--calib-tokens" in err and "ask for at most 1,000 tokens" in err, err
+
+
+def test_cache_folders_are_private_under_any_umask(tmp_path):
+    """Issue 44 item 1: under ``umask 000`` the cache folders were created world-writable (anyone could then
+    swap a cached file, and the native loader refuses such a cache every run): 0700, whatever the umask."""
+    old = os.umask(0)
+    try:
+        target, cached = fetch._cache_target(tmp_path / "a" / "cache", "m", "f.bin", 3, "0" * 64, False)
+    finally:
+        os.umask(old)
+    assert not cached and target.parent == tmp_path / "a" / "cache" / "m"
+    for folder in (tmp_path / "a", tmp_path / "a" / "cache", target.parent):
+        assert oct(folder.stat().st_mode & 0o777) == oct(0o700), folder

@@ -112,10 +112,25 @@ def _cache_target(
             f"diffquant fetch {name}: {target} is damaged (sha256 {got}): fetching it again", file=sys.stderr
         )
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        private_folders(folder)
     except OSError as err:
         raise DiffquantError(f"{folder}: cannot create the cache folder ({err.strerror or err})") from None
     return target, False
+
+
+def private_folders(folder: Path) -> None:
+    """Create ``folder`` and its missing parents 0700 whatever the umask (under ``umask 000`` a plain mkdir
+    makes the cache world-writable, and anyone could then swap a cached file or a native library); folders
+    that exist keep their mode."""
+    missing = []
+    probe = Path(os.path.abspath(folder))
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)
+            os.chmod(path, 0o700)
 
 
 def _hash_file(path: Path) -> str:
@@ -183,7 +198,7 @@ def _partial_area(folder: Path) -> Iterator[Path]:
     SIGTERM included (turned into an exit that unwinds); what a SIGKILL leaves is removed by the next fetch
     on this host (folders of processes that are gone)."""
     area = folder / PARTIAL
-    area.mkdir(exist_ok=True)
+    private_folders(area)
     _remove_stale(area)
     work = Path(tempfile.mkdtemp(prefix=f"{_host()}-{os.getpid()}-", dir=area))
     try:
