@@ -11,6 +11,7 @@ tests/test_quant.py::test_fake_quant_fast_path_is_bit_identical compare those wi
 import contextlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,15 +292,40 @@ def test_profile_command_on_cuda(tmp_path, torch_paths, monkeypatch):
         assert cuda == cpu and "table5.json" in cpu
 
 
+OBSERVERS_PLAN = """name: observers
+description: static scales by percentile, MSE and abs-max
+rules:
+  - sites: ["kind:logits"]
+    scheme: {format: int8, granularity: head, calibration: percentile}
+  - weights: ["layers.*"]
+    scheme: int4:channel
+  - sites: ["layers.*.input"]
+    scheme: {format: int8, granularity: tensor, calibration: mse}
+  - sites: ["kind:v"]
+    scheme: {format: fp8_e4m3, granularity: head, calibration: absmax}
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "plan", ["w8a8-smoothquant", "w4a8-quarot-smooth", "w4a4-quarot-gptq", "w4a16-hqq-g32", "kv2-g8-prerope"]
+    "plan",
+    [
+        "w8a8-smoothquant",
+        "w4a8-quarot-smooth",
+        "w4a4-quarot-gptq",
+        "w4a16-hqq-g32",
+        "kv2-g8-prerope",
+        "observers",
+    ],
 )
 def test_quantize_command_on_cuda(tmp_path, torch_paths, monkeypatch, plan):
     """`diffquant quantize --device cuda`: observers, fake quant, SmoothQuant, rotation, GPTQ / HQQ, static
     scales, the KV cache and the error report give the CPU run's checkpoint and report."""
     monkeypatch.setenv("DIFFQUANT_QUIET", "1")
     (path,), data = _checkpoints(tmp_path, ("diff_v2",))
+    if plan == "observers":
+        (tmp_path / "observers.yaml").write_text(OBSERVERS_PLAN)
+        plan = str(tmp_path / "observers.yaml")
     argv = [
         "quantize",
         path,
@@ -324,12 +350,16 @@ def test_quantize_command_on_cuda(tmp_path, torch_paths, monkeypatch, plan):
         ("ppl:data={data},tokens=96,seq_len=48,decode=20", ["kv2-g8-r8", "w4a8-quarot"]),
         ("retrieval:needles=1,queries=1,depths=[50],samples_per_depth=1,context_bytes=20", ["kv2-g8-r8"]),
         ("mc:path={mc}", ["w8a8-smoothquant"]),
+        ("lmeval:tasks=lambada_local,path={lambada},limit=3,num_fewshot=0", ["w8a8"]),
     ],
 )
 def test_eval_command_on_cuda(tmp_path, torch_paths, monkeypatch, task, plans):
     """`diffquant eval --device cuda` on every task type (perplexity with an intervention, decode through a
-    quantized KV cache, needle retrieval, multiple choice): the CPU run's cells."""
+    quantized KV cache, needle retrieval, multiple choice, the lm-eval adapter): the CPU run's cells."""
+    if task.startswith("lmeval"):
+        pytest.importorskip("lm_eval")
     monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    lambada = Path(__file__).parent / "data" / "lmeval" / "lambada.jsonl"
     paths, data = _checkpoints(tmp_path, ("diff_v1", "sink"), max_seq_len=160)
     mc = tmp_path / "mc.jsonl"
     mc.write_text(
@@ -342,7 +372,15 @@ def test_eval_command_on_cuda(tmp_path, torch_paths, monkeypatch, task, plans):
         )
     )
     calib = ["--calib-data", data, "--calib-tokens", "64", "--calib-seq-len", "32"]
-    argv = ["eval", *paths, "--task", task.format(data=data, mc=mc), "--plan", *plans, *calib]
+    argv = [
+        "eval",
+        *paths,
+        "--task",
+        task.format(data=data, mc=mc, lambada=lambada),
+        "--plan",
+        *plans,
+        *calib,
+    ]
     cpu, cuda = _both(tmp_path, argv)
     assert cuda == cpu and cpu["cells-rank0.jsonl"]
 
