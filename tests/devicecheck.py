@@ -6,27 +6,36 @@ same device", on a CPU every tensor is on the CPU. Inside :func:`fake_cuda`:
 
 * ``FakeCuda`` tensors report ``device == cuda:0`` (``is_cuda``, ``.device.type == "cuda"``) and hold a real
   CPU tensor, so every computation runs for real on the CPU with real values (``.item()``, ``.tolist()``,
-  ``nonzero``, ``bincount`` and every other data-dependent op work, unlike torch's FakeTensorMode);
-* every aten op that gets a FakeCuda tensor (the ``__torch_dispatch__`` below) checks its tensor arguments by
-  CUDA's rule and raises CUDA's error text when a FakeCuda tensor meets a CPU tensor of one or more dims
-  (0-dim CPU tensors are allowed, as CUDA allows CPU scalars; the cross-device copies ``copy_`` / ``.to`` and
-  CPU index tensors in ``x[idx]`` / ``x[idx] = v`` are allowed, as on CUDA); then it runs the op on the CPU
-  data and wraps its tensor results again, unless the op was asked for the CPU (``.cpu()``, ``.to("cpu")``);
-* a ``TorchFunctionMode`` turns ``device="cuda"`` (factories: ``torch.zeros / empty / full / arange /
-  tensor / ...``, ``x.new_zeros(device=...)``), ``x.to("cuda")``, ``x.cuda()`` and ``module.to("cuda")``
-  into FakeCuda tensors; a CUDA factory given a CPU ``generator`` raises, as on CUDA; ``.numpy()`` of a
-  FakeCuda tensor raises as for a CUDA tensor; ``.tolist()`` returns the values;
+  ``nonzero``, ``bincount`` and every other data-dependent op work, unlike torch's FakeTensorMode, and the
+  numbers equal a CPU run's);
+* every aten op that gets a FakeCuda tensor (``__torch_dispatch__``) checks its tensor arguments by CUDA's
+  rule and raises CUDA's error text when a FakeCuda tensor meets a CPU tensor of one or more dims (0-dim CPU
+  tensors are allowed, as CUDA allows CPU scalars; the cross-device copies ``copy_`` / ``.to`` and CPU index
+  tensors in ``x[idx]`` / ``x[idx] = v`` are allowed, as on CUDA); then it runs the op on the CPU data and
+  wraps its tensor results again, unless the op was asked for the CPU (``.cpu()``, ``.to("cpu")``);
+* a ``TorchFunctionMode`` turns ``device="cuda"`` (``torch.zeros / empty / full / arange / tensor / ...``,
+  ``x.new_zeros(device=...)``), ``x.to("cuda")``, ``x.cuda()`` and ``module.to("cuda")`` (parameters swapped
+  in place: tied weights stay tied) into FakeCuda tensors, and routes the few Python bindings that would ask
+  a CPU build for a CUDA device guard (indexing, ``copy_``, ``~``, ``contiguous`` ...) through the dispatcher;
+  tensors torch's C++ allocates on CUDA (a Python scalar in ``torch.where``, SDPA's temporaries) come from
+  Python kernels for the CUDA key of ``empty`` / ``empty_strided``; a CUDA factory given a CPU ``generator``
+  raises, ``.numpy()`` of a FakeCuda tensor raises, as on CUDA;
 * ``torch.cuda.is_available()`` says True (``device_count`` 1, ``synchronize`` / ``empty_cache`` no-ops,
-  ``mem_get_info`` a fixed 64 GiB) so code that branches on CUDA takes its CUDA branch;
+  ``mem_get_info`` a fixed 64 GiB) so code that branches on CUDA takes its CUDA branch, and
+  ``torch.autocast("cuda")`` acts on FakeCuda tensors (their key set holds AutocastCUDA: bf16 for real);
+* safetensors reads ``device="cuda"`` onto FakeCuda tensors and writes them from their CPU data; Triton's
+  interpreter launches kernels on their CPU data (a CPU tensor among CUDA ones raises, as a launch would);
 * the native C passes (``diffquant/kernels/native.py``, CPU pointers through ctypes) refuse FakeCuda tensors:
   a caller that does not test the device first fails here, as it would crash on a GPU.
 
-What it cannot see: CUDA numerics (TF32 / reduced-precision matmuls, atomics' summation order, fp8 hardware
-conversion), Triton or flash-attn kernels on a real GPU (Triton runs in its interpreter on CPU copies),
-streams and asynchrony (a missing ``synchronize``), memory (sizes, fragmentation, out-of-memory), autocast's
-CUDA dtype choices (``torch.autocast("cuda")`` stays off on a CPU build), several GPUs (one logical device,
-cuda:0; a cuda:0 / cuda:1 mix is not checked), and ops that reach a real CUDA device without a tensor
-argument (``torch.cuda.Stream``, CUDA generators, ``torch.cuda.*`` calls other than the ones above).
+What it cannot see: CUDA numerics (TF32, the fp8 tensor cores' accumulation, atomics' summation order,
+SDPA's CUDA kernels: a "cuda" tensor on a CPU build takes SDPA's math kernel, so a CPU reference must too),
+compiled Triton or flash-attn kernels, streams and asynchrony (a missing ``synchronize``), memory (sizes,
+fragmentation, out-of-memory), several GPUs (one logical device, cuda:0; a cuda:0 / cuda:1 mix is not
+checked), ops that reach a real CUDA device without a tensor argument (``torch.cuda.Stream``, CUDA
+generators, ``torch.cuda.*`` calls other than the ones above), and autograd: recording a graph on a CUDA
+tensor asks the device for a stream, which aborts a CPU build, so FakeCuda tensors never require grad and an
+op that would record one raises (a training step's backward pass is not checked).
 """
 
 from __future__ import annotations
