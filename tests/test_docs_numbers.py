@@ -11,7 +11,6 @@ exists and finds the block by its command. The pages not audited yet are listed 
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
@@ -52,20 +51,23 @@ def _items(kind: str) -> list[Numbers]:
 
 
 # ------------------------------------------------------------------------------------------ derivers
-def _kv_smollm2(path: Path, shown: Rows) -> Rows:
-    """docs/kv-cache.md, SmolLM2: decode perplexity and its change, greedy retrieval at ~1K / ~2K, per plan
-    of the kv-cache run (results.csv of its sweep)."""
-    with path.open() as f:
-        rows = {(r["plan"], r["task"], r["metric"]): r for r in csv.DictReader(f)}
-    plans = list(dict.fromkeys(plan for plan, _, _ in rows))
-    shown_plans = [re.sub(r"^`?([\w-]+)`?.*", r"\1", row[0]) for row in shown[1:]]
-    assert sorted(shown_plans) == sorted(plans), (shown_plans, plans)
-    out: Rows = [["plan", "decode ppl", "change", "greedy retrieval ~1K", "~2K"]]
-    for plan in shown_plans:
-        ppl = rows[(plan, "ppl-decode", "perplexity")]
-        delta = None if plan == "none" else float(ppl["delta"])
-        greedy = [float(rows[(plan, task, "acc_greedy")]["value"]) for task in ("needles-1k", "needles-2k")]
-        out.append([Name(plan), float(ppl["value"]), delta, *greedy])
+def _kv_vs_transformers(path: Path, shown: Rows) -> Rows:
+    """docs/kv-cache.md, diffquant's cache against transformers' QuantizedCache (vs_transformers.py): per
+    configuration its grouping, decode perplexity, change ± 2 paired s.e. and the change per window."""
+    doc = json.loads(path.read_text())
+    out: Rows = [
+        ["cache", "keys", "values", "group", "decode ppl", "change ± 2 s.e.", "window 0", "window 1"]
+    ]
+    out.append([Name("none"), None, None, None, doc["unquantized"]["perplexity"], None, None, None])
+    for name, r in doc["configs"].items():
+        s = r["settings"]
+        if r["engine"] == "hf":
+            keys, values = ("token" if s[f"axis_{k}"] == 0 else "channel" for k in ("key", "value"))
+            group = s["q_group_size"]
+        else:
+            keys, values, group = s["keys"], s["values"], s["group"]
+        row = [Name(name), f"per {keys}", f"per {values}", float(group), r["perplexity"]]
+        out.append([*row, (r["change"], r["two_se"]), *r["per_window"]])
     return out
 
 
@@ -174,7 +176,7 @@ def _markdown_table(path: Path, shown: Rows) -> Rows:
 
 
 DERIVERS: dict[str, Callable[[Path, Rows], Rows]] = {
-    "analysis/kvcache/smollm2/results.csv": _kv_smollm2,
+    "analysis/kvcache/vs_transformers.json": _kv_vs_transformers,
     "analysis/kvcache/paired.json": _kv_zoo_paired,
     "analysis/kvcache/bench-float32.json": _kv_bench,
     "analysis/rotate/outliers.json": _rotate_outliers,
@@ -260,6 +262,66 @@ def test_a_checked_block_is_found_by_its_test(item):
     assert test.is_file(), f"{item.where()}: {item.mark.test} is not there"
     words = " ".join(prompt[2:].split()[:3])
     assert words in test.read_text(), f"{item.where()}: {item.mark.test} does not look for {words!r}"
+
+
+# ------------------------------------------------------------------------------------------ prose tied to a run
+def _sci(x: float) -> str:
+    """1.4e-4 as the prose writes it (Python's 1.4e-04 without the exponent's zero)."""
+    return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{x:.1e}")
+
+
+def test_the_kv_cache_page_says_what_vs_transformers_measured():
+    """docs/kv-cache.md's comparison with transformers: every number its prose quotes, and every 'beyond' /
+    'within' two standard errors it states, from analysis/kvcache/vs_transformers.json."""
+    doc = json.loads((ROOT / "analysis/kvcache/vs_transformers.json").read_text())
+    c, p = doc["configs"], doc["pairs"]
+    text = " ".join((DOCS / "kv-cache.md").read_text().split())
+
+    def pair(name: str) -> str:
+        return f"{p[name]['mean_nll_diff']:+.5f} ± {p[name]['two_se']:.5f}"
+
+    same = [r for r in p.values() if "same_inputs_max_gap" in r]
+    kv4 = p["hf-quanto-k-1-g32 vs dq-kv4"]
+    phrases = [
+        f"head and token: {c['hf-quanto']['change']:+.4f}, against {c['hf-quanto-k-1']['change']:+.4f} with keys",
+        f"{c['hf-quanto-k-1-g32']['change']:+.4f} with KIVI's groups of 32; diffquant's cache with the default's "
+        f"grouping gives {c['dq-token-g64']['change']:+.4f}",
+        f"(transformers, groups of 64: {pair('hf-quanto vs hf-quanto-k-1')} nats per token; diffquant, groups of "
+        f"32: {pair('dq-token-keys vs dq-kv4')})",
+        f"({pair('hf-quanto-k-1 vs hf-quanto-k-1-g32')}, keys per channel)",
+        f"`axis_key=-1, q_group_size=32` ({c['hf-quanto-k-1-g32']['change']:+.4f} here)",
+        f"still end {kv4['ppl_diff']:+.4f} apart in perplexity",
+        f"by up to {_sci(doc['unquantized']['transformers_max_nll_gap'])} per token",
+        f"by at most {kv4['max_nll_gap_before_first_flush']:.4f} nats per token before the first flush, up to "
+        f"{kv4['max_nll_gap']:.2f} after",
+        f"the mean NLL difference is {pair('hf-quanto-k-1-g32 vs dq-kv4')}, within two paired standard errors",
+        f"pairs end {p['hf-quanto vs dq-token-g64']['ppl_diff']:+.4f} and "
+        f"{p['hf-quanto-k-1 vs dq-channel-g64']['ppl_diff']:+.4f} apart",
+        f"within {_sci(max(r['same_inputs_max_gap'] for r in same))} of each other",
+        f"end {abs(kv4['ppl_diff']):.4f} apart in perplexity on 2 of these windows, where two paired standard "
+        f"errors of the `kv4` change are {c['dq-kv4']['two_se']:.4f}",
+    ]
+    assert [phrase for phrase in phrases if phrase not in text] == []
+    # the verdicts: per-token keys beyond noise, group size and the same-cache pairs within it
+    for name in ("hf-quanto vs hf-quanto-k-1", "dq-token-keys vs dq-kv4"):
+        assert p[name]["mean_nll_diff"] > p[name]["two_se"], name
+    assert (
+        abs(p["hf-quanto-k-1 vs hf-quanto-k-1-g32"]["mean_nll_diff"])
+        < p["hf-quanto-k-1 vs hf-quanto-k-1-g32"]["two_se"]
+    )
+    assert all(abs(r["mean_nll_diff"]) < r["two_se"] for r in same)
+    token_keys = {
+        n for n, r in c.items() if r["settings"].get("keys", r["settings"].get("axis_key")) in ("token", 0)
+    }
+    assert (
+        {n for n, r in c.items() if r["change"] > r["two_se"]}
+        == token_keys
+        == {
+            "hf-quanto",
+            "dq-token-g64",
+            "dq-token-keys",
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------ the comparison itself
