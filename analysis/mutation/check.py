@@ -2799,6 +2799,20 @@ MUTANTS = [
         "        if False and _git(",
         ("tests/test_docs_numbers.py::test_a_made_up_commit_is_reported",),
     ),
+    M(
+        "docs numbers: the transformers comparison's change read as its perplexity",
+        "tests/test_docs_numbers.py",
+        '        out.append([*row, (r["change"], r["two_se"]), *r["per_window"]])',
+        '        out.append([*row, (r["perplexity"], r["two_se"]), *r["per_window"]])',
+        ("tests/test_docs_numbers.py::test_a_from_table_is_what_its_committed_file_gives",),
+    ),
+    M(
+        "docs numbers: the KV benchmark's MiB from bytes / 1e6",
+        "tests/test_docs_numbers.py",
+        'r["bytes"] / 2**20',
+        'r["bytes"] / 1e6',
+        ("tests/test_docs_numbers.py::test_a_from_table_is_what_its_committed_file_gives",),
+    ),
     # --- issue 44 (hostile input, round 3): plain names, the bounded read, the nesting bound, the unused-option
     # rule, the idle KV cache, tokenizer config types
     M(
