@@ -143,15 +143,17 @@ def save_tiny_llama(folder, *, context: int, **config):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        tie_word_embeddings=False,
-        **config,
+        **{
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": context,
+            "tie_word_embeddings": False,
+            **config,
+        }
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()

@@ -117,7 +117,7 @@ def test_eval_help_lists_exactly_the_task_types_that_run(capsys):
     assert all(TASK_TYPES[name].params is params for name, params in TASK_TYPE_PARAMS.items())
     text = _help(["eval"], capsys)
     assert (
-        "types and their keys: bpb (data, tokens, seq_len, stride, windows, decode, intervene, intervene_layer); ppl ("
+        "types and their keys: bpb (data, tokens, seq_len, stride, windows, decode, bos, intervene, intervene_layer); ppl ("
         in text
     )
     assert "lmeval (tasks [required], path, limit," in text

@@ -127,3 +127,29 @@ def test_token_ids_equal_transformers(gemma3, gemma3_tokenizer):
     assert tok.add_bos == ref.add_bos_token is True
     assert tok.vocab_size == len(ref) == 262_144
     assert tok.encode("Hello  world\n\n x", bos=True) == ref("Hello  world\n\n x").input_ids
+
+
+@pytest.mark.parametrize("bos", ["stream", "window", "none"])
+def test_each_bos_convention_equals_transformers(gemma3, gemma3_transformers, gemma3_tokenizer, bos):
+    """The ``bos`` task key on the real model: 2 disjoint windows of 512 tokens of WikiText-2 test, windows
+    built here from transformers' tokenizer by the convention, scored by transformers' own loss."""
+    from diffquant.eval.perplexity import evaluate_bpb
+
+    _, model = gemma3
+    tok, n, seq = gemma3_tokenizer, 2, 512
+    ids = tok(WIKITEXT.read_text(encoding="utf-8")[:20_000], add_special_tokens=False).input_ids
+    if bos == "stream":
+        windows = torch.tensor([tok.bos_token_id, *ids][: n * seq]).view(n, seq)
+    elif bos == "none":
+        windows = torch.tensor(ids[: n * seq]).view(n, seq)
+    else:
+        body = torch.tensor(ids[: n * (seq - 1)]).view(n, seq - 1)
+        windows = torch.cat([torch.full((n, 1), tok.bos_token_id), body], dim=1)
+    with torch.no_grad():
+        losses = [gemma3_transformers(w[None], labels=w[None]).loss.item() for w in windows]
+    theirs = math.exp(sum(losses) / n)
+    ours = evaluate_bpb(model, "wikitext2:test", max_tokens=n * seq, seq_len=seq, windows="disjoint", bos=bos)
+    print(
+        f"\nGemma-3-270M ppl (2 x 512, bos {bos}): ours {ours['perplexity']:.4f}, transformers {theirs:.4f}"
+    )
+    assert ours["bos"] == bos and ours["perplexity"] == pytest.approx(theirs, rel=1e-4)

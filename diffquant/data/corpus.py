@@ -260,7 +260,7 @@ def _check_count(source: str, name: str, value: object) -> None:
 
 
 def token_stream(
-    source: str, max_tokens: int | None = None, tokenizer: Tokenizer | None = None
+    source: str, max_tokens: int | None = None, tokenizer: Tokenizer | None = None, *, bos: bool = True
 ) -> torch.Tensor:
     """The first ``max_tokens`` ids (1-D, long) of ``source``'s token stream; ``None`` for all of it.
 
@@ -269,10 +269,11 @@ def token_stream(
     sequence that :func:`token_windows` cuts into rows and that perplexity evaluation slides over, so
     both see the same tokens for the same source. Documents are read only until ``max_tokens`` are
     there; a shorter source yields what it has, and a warning says how many tokens that is.
-    ``tokenizer`` defaults to :class:`ByteTokenizer`.
+    ``tokenizer`` defaults to :class:`ByteTokenizer`; ``bos=False`` frames the documents without BOS (a
+    perplexity task's ``bos: none`` or ``window``).
     """
     tokenizer = tokenizer or ByteTokenizer()
-    stream = _stream(source, max_tokens, tokenizer)
+    stream = _stream(source, max_tokens, tokenizer, bos)
     if max_tokens is not None:
         _warn_short(source, tokenizer, stream.numel(), max_tokens)
     return stream
@@ -298,14 +299,14 @@ def _warn_short(source: str, tokenizer: Tokenizer, have: int, wanted: int) -> No
 _SHORT_WARNED: set[tuple[str, str, int]] = set()
 
 
-def _stream(source: str, max_tokens: int | None, tokenizer: Tokenizer) -> torch.Tensor:
+def _stream(source: str, max_tokens: int | None, tokenizer: Tokenizer, bos: bool = True) -> torch.Tensor:
     """:func:`token_stream` without the warning (:func:`token_windows` asks for whole windows)."""
     if max_tokens is not None:
         _check_count(source, "max_tokens", max_tokens)
     pieces: list[torch.Tensor] = []
     have = 0
     for doc in iter_documents(source):
-        ids = torch.tensor(tokenizer.frame(doc.text), dtype=torch.long)
+        ids = torch.tensor(tokenizer.frame(doc.text, bos=bos), dtype=torch.long)
         pieces.append(ids)
         have += ids.numel()
         if max_tokens is not None and have >= max_tokens:

@@ -69,10 +69,11 @@ class Tokenizer(ABC):
     def fingerprint(self) -> str:
         """sha256 naming the exact mapping text -> ids (recorded next to results)."""
 
-    def frame(self, text: str) -> list[int]:
-        """One document of a stream: ``[BOS]`` (when the model expects it) + ids + ``[EOS]`` (when there is
-        one), so documents stay separated as in pretraining."""
-        return self.encode(text, bos=self.add_bos and self.bos_id is not None, eos=self.eos_id is not None)
+    def frame(self, text: str, bos: bool = True) -> list[int]:
+        """One document of a stream: ``[BOS]`` (when the model expects it and ``bos``) + ids + ``[EOS]``
+        (when there is one), so documents stay separated as in pretraining."""
+        bos = bos and self.add_bos and self.bos_id is not None
+        return self.encode(text, bos=bos, eos=self.eos_id is not None)
 
     def describe(self) -> str:
         return f"{self.name} ({self.vocab_size:,} ids)"

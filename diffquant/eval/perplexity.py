@@ -56,6 +56,8 @@ from diffquant.errors import DiffquantError
 from diffquant.models.transformer import DecoderLM
 from diffquant.progress import progress as show_progress
 
+# Which windows of a perplexity evaluation start with BOS (:func:`evaluate_bpb`'s ``bos``; the task key).
+BOS_CONVENTIONS = ("stream", "window", "none")
 _check_settings = check_settings  # the old private names
 _batches = window_batches
 
@@ -180,6 +182,7 @@ def evaluate_bpb(
     tokenizer: Tokenizer | None = None,
     evaluate: Callable[..., dict[str, Any]] | None = None,
     decode: int | None = None,
+    bos: str = "stream",
 ) -> dict[str, Any]:
     """Token perplexity and bits per byte of ``model`` on the first ``max_tokens`` tokens of ``source``.
 
@@ -200,8 +203,24 @@ def evaluate_bpb(
     arguments), e.g. with the layer-streamed run of a weightless skeleton
     (:func:`diffquant.stream.evaluate_streamed`). ``decode``: decode-mode perplexity (see
     :func:`evaluate_stream`); it needs a model with ``new_cache()`` and a window longer than decode + 1.
+
+    ``bos`` says which windows start with BOS (for a tokenizer that adds one; :data:`BOS_CONVENTIONS`):
+    ``stream`` (default) frames each document as its tokenizer does, so only the window holding a
+    document's start begins with BOS (GPTQ's, llm-compressor's and HF's perplexity scripts: the joined text
+    tokenized once); ``window`` puts BOS before every disjoint window, BOS + seq_len - 1 text tokens (what a
+    model trained with BOS per document expects); ``none`` adds no BOS. The three score the same number of
+    targets per window (seq_len - 1; a BOS is never a target). Recorded as ``bos`` in the result.
     """
     _check_int("max_tokens", max_tokens, 2)
+    if bos not in BOS_CONVENTIONS:
+        raise DiffquantError(f"bos {bos!r}: expected one of {', '.join(BOS_CONVENTIONS)}")
+    if bos == "window":
+        if stride is not None or windows == "chained":
+            raise DiffquantError(
+                "bos 'window' puts BOS before each disjoint window; it excludes "
+                + ("a stride" if stride is not None else "windows 'chained'")
+            )
+        windows = "disjoint"
     window = _check_settings(model, seq_len, stride, batch_size, windows)  # fail before reading any data
     if decode is not None:
         _check_int("decode", decode, 1, min(window, max_tokens) - 2)
@@ -211,7 +230,9 @@ def evaluate_bpb(
             )
         _warn_idle_kv_cache(model, min(window, max_tokens))
     tokenizer = tokenizer or model_tokenizer(model)
-    stream = token_stream(source, max_tokens, tokenizer)
+    stream = token_stream(source, max_tokens, tokenizer, bos=bos == "stream")
+    if bos == "window":
+        stream = bos_per_window(stream, min(window, max_tokens), tokenizer)
     if stream.numel() < min(window, max_tokens):
         # as profile and calibration refuse it (token_windows): scoring the whole text in one shorter
         # window would report a number for seq_len `window` that no window of that length produced
@@ -220,7 +241,7 @@ def evaluate_bpb(
         )
     # decode mode runs the whole model here (a streamed ``evaluate`` was refused above)
     extra: dict[str, Any] = {} if decode is None else {"decode": decode}
-    return (evaluate or evaluate_stream)(
+    out = (evaluate or evaluate_stream)(
         model,
         stream,
         tokenizer=tokenizer,
@@ -231,3 +252,16 @@ def evaluate_bpb(
         progress=progress,
         **extra,
     )
+    return {**out, "bos": bos}
+
+
+def bos_per_window(stream: torch.Tensor, length: int, tokenizer: Tokenizer) -> torch.Tensor:
+    """``stream`` (framed without BOS) re-cut into whole windows of ``length``, each BOS + the next
+    length - 1 tokens, concatenated: disjoint windows of ``length`` over the result each start with BOS."""
+    if tokenizer.bos_id is None:
+        raise DiffquantError(f"bos 'window': tokenizer {tokenizer.name} has no BOS token")
+    body = length - 1
+    n = stream.numel() // body
+    rows = stream[: n * body].view(n, body)
+    first = torch.full((n, 1), tokenizer.bos_id, dtype=stream.dtype, device=stream.device)
+    return torch.cat([first, rows], dim=1).reshape(-1)

@@ -84,6 +84,12 @@ class TextParams:
     # decode-mode perplexity: prefill this many tokens of each window, then one token per forward through the
     # KV cache (where a plan's kv_cache acts); only the targets the decode steps predict are scored
     decode: int | None = key(None, min=1)
+    # which windows start with BOS (for a tokenizer that adds one): 'stream' frames each document of the text
+    # as its tokenizer does (BOS at each document's start, so only the window holding it starts with BOS: the
+    # convention of GPTQ / llm-compressor / HF's perplexity guide, which tokenize the joined text once),
+    # 'window' puts BOS before every window (BOS + seq_len - 1 text tokens: what a model trained with BOS per
+    # document expects; disjoint windows), 'none' adds no BOS anywhere
+    bos: Literal["stream", "window", "none"] = key("stream")
     # Sun et al. 2024's intervention: set the massive activations of the layer where they appear to 0 or to
     # their mean (diffquant.eval.interventions); intervene_layer picks the layer (default: the first with any)
     intervene: Literal["zero", "mean"] | None = key(None)

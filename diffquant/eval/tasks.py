@@ -170,6 +170,7 @@ def _text_metrics(model, p, data, tokenizer, batch_size, progress):
         tokenizer=tokenizer,
         evaluate=getattr(model, "stream_eval", None),  # a skeleton the sweep streams (diffquant.stream)
         decode=p["decode"],
+        bos=p["bos"],
     )
 
 
