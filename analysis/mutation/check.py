@@ -3193,6 +3193,28 @@ MUTANTS = [
         '        if "already a kernel registered from python" not in str(err):\n            pass\n',
         ("tests/test_backends.py::test_quanto_unpack_override_raises_other_errors",),
     ),
+    # --- issue 47 item 1: which windows start with BOS
+    M(
+        "bos47: a window's BOS pushes out its last text token",
+        "diffquant/eval/perplexity.py",
+        "    body = length - 1\n",
+        "    body = length\n",
+        ("tests/test_bos.py",),
+    ),
+    M(
+        "bos47: bos none still frames documents with BOS",
+        "diffquant/data/tokenizer.py",
+        "        bos = bos and self.add_bos and self.bos_id is not None\n",
+        "        bos = self.add_bos and self.bos_id is not None\n",
+        ("tests/test_bos.py",),
+    ),
+    M(
+        "bos47: bos window keeps the stream's own BOS",
+        "diffquant/eval/perplexity.py",
+        '    stream = token_stream(source, max_tokens, tokenizer, bos=bos == "stream")\n',
+        '    stream = token_stream(source, max_tokens, tokenizer, bos=bos != "none")\n',
+        ("tests/test_bos.py",),
+    ),
 ]
 
 
