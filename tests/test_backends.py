@@ -228,6 +228,8 @@ def test_quanto_unpack_override_on_each_torch_library_api(monkeypatch, api, ours
 
 
 def test_quanto_unpack_override_raises_other_errors(monkeypatch) -> None:
+    import optimum.quanto  # noqa: F401 (imported first: its own registrations must not meet the broken impl)
+
     from diffquant.quant.backends import quanto
 
     def broken(self, *args, **kwargs):
