@@ -11,6 +11,7 @@ exists and finds the block by its command. The pages not audited yet are listed 
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -169,6 +170,18 @@ def _gptq_bench(path: Path, shown: Rows) -> Rows:
     return out
 
 
+def _bos_gemma3(path: Path, shown: Rows) -> Rows:
+    """docs/results.md, the BOS conventions on Gemma-3 (analysis/bos/run.sh's eval results.csv)."""
+    metrics: dict[str, dict[str, float]] = {}
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            metrics.setdefault(r["task"].removeprefix("bos-"), {})[r["metric"]] = float(r["value"])
+    out: Rows = [["bos", "perplexity", "bits per byte", "targets", "bytes"]]
+    for bos, m in metrics.items():
+        out.append([Name(bos), m["perplexity"], m["bits_per_byte"], m["n_tokens_scored"], m["n_bytes"]])
+    return out
+
+
 def _markdown_table(path: Path, shown: Rows) -> Rows:
     """A table a script wrote as Markdown (analysis/zoo/summarize.py's zoo.md): the same cells."""
     item = next(item for item in numbers(path) if item.kind == "table")
@@ -184,6 +197,7 @@ DERIVERS: dict[str, Callable[[Path, Rows], Rows]] = {
     "analysis/gptq/why_w4a4.json": _gptq_why_w4a4,
     "analysis/gptq/bench.json": _gptq_bench,
     "analysis/zoo/zoo.md": _markdown_table,
+    "analysis/bos/gemma3/results.csv": _bos_gemma3,
 }
 
 
