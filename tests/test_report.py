@@ -265,6 +265,25 @@ def test_plans_explained_from_the_plans_themselves(tmp_path):
     )
 
 
+def test_the_report_states_each_tasks_settings_bos_included(tmp_path):
+    """Which windows start with BOS (and the other settings of a task) change what a number means: the report
+    lists every task's settings as sweep.json records them."""
+    task = {
+        "type": "ppl",
+        "name": "ppl-w",
+        "tokens": 4096,
+        "seq_len": 1024,
+        "windows": "disjoint",
+        "bos": "window",
+    }
+    run = _synthetic_run(
+        tmp_path, {"ppl-w": (task, "perplexity", False, {"A": {p: {"perplexity": 2.0} for p in SWEEP_PLANS}})}
+    )
+    text = write_report(run, figures=[])[0].read_text()
+    assert "**The tasks: what each one reads**" in text
+    assert "| ppl-w | ppl | tokens 4096, seq_len 1024, windows disjoint, bos window |" in text
+
+
 def test_summary_flags_results_near_chance(tmp_path, mc_file):
     # chance = 1/4 (from the items file); A is 0.27 +- 0.03 (within 2 standard errors), B 0.70
     text = _summary(_synthetic_run(tmp_path, _mc(mc_file, {"A": (0.27, 0.03), "B": (0.70, 0.03)})))

@@ -170,6 +170,15 @@ def results_grid(results: dict[str, Any], sweep: dict[str, Any] | None) -> str |
         return None
 
 
+def describe_task(task: dict[str, Any]) -> list[str]:
+    """[label, type, its settings as 'key value'] of a task as sweep.json records it (every key, defaults
+    included: which windows start with BOS, how windows are cut, what data is read are part of a number's
+    meaning)."""
+    kind = str(task.get("type", "?"))
+    settings = ", ".join(f"{k} {v}" for k, v in task.items() if k not in ("type", "name") and v is not None)
+    return [str(task.get("name") or kind), kind, settings or "defaults"]
+
+
 def describe_plan(name: str, plan: dict[str, Any] | None) -> str:
     """What a plan does, in words, from the plan itself (sweep.json holds each plan's content): its own
     description, then each rule as 'SITES -> scheme' (:func:`diffquant.quant.schemes.describe`), weight
@@ -332,6 +341,10 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
             sec.blocks.append(("Model x plan grid (as `diffquant eval` prints it)", grid))
         else:
             sec.text += " (The sweep description could not be read, so no grid is shown.)"
+        tasks = ((art.sweep or {}).get("spec") or {}).get("tasks")
+        if isinstance(tasks, list) and tasks:
+            rows = [describe_task(t) for t in tasks if isinstance(t, dict)]
+            sec.tables.append(("The tasks: what each one reads", ["task", "type", "settings"], rows))
         plans = ((art.sweep or {}).get("spec") or {}).get("plans")
         if isinstance(plans, dict) and plans:
             rows = [[name, describe_plan(name, plan)] for name, plan in plans.items()]
