@@ -561,13 +561,21 @@ def _cuda_factories() -> torch.library.Library:
     return lib
 
 
+def _drop_fakes(cache: dict) -> None:
+    for key in [k for k, v in cache.items() if isinstance(v, FakeCuda)]:
+        del cache[key]
+
+
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[None]:
     """Inside: ``"cuda"`` placements make FakeCuda tensors, CPU / CUDA mixes raise, torch.cuda says there is
     one device, and the native passes refuse CUDA tensors (see the module docstring)."""
     from diffquant.kernels import native
+    from diffquant.profile import stats
 
     with contextlib.ExitStack() as stack:
+        # caches keyed by device keep no FakeCuda tensor past the block (a real cuda:0 would find it there)
+        stack.callback(_drop_fakes, stats._FOLDS)
         for name, stub in _CUDA_STUBS.items():
             stack.enter_context(_patched(torch.cuda, name, stub))
         # CUDA factories reach the dispatcher, and there _cuda_factories

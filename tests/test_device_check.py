@@ -433,3 +433,7 @@ def test_devicecheck_leaves_torch_as_it_was():
     assert (torch.cuda.is_available, torch.cuda._lazy_init, native.pass1, stats.native.pass1) == before
     assert torch.cuda.is_available() == available
     assert not torch.__future__.get_swap_module_params_on_conversion()
+    with fake_cuda():
+        stats._histogram(torch.ones(4, device="cuda"), None)
+        assert any(isinstance(t, FakeCuda) for t in stats._FOLDS.values())
+    assert not any(isinstance(t, FakeCuda) for t in stats._FOLDS.values())
