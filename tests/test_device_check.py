@@ -27,6 +27,10 @@ from diffquant.profile.maps import capture_maps
 from diffquant.profile.sinks import sink_rate_summary, sink_rates
 from diffquant.quant import schemes
 
+# The stand-in is for machines without a GPU: where a real one is, `pytest -m gpu` and the GPU kit run the
+# stages on it (tests/devicecheck.py replaces CUDA's allocator kernels while it is active).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a real CUDA device is here")
+
 
 @pytest.fixture
 def torch_paths(monkeypatch):
