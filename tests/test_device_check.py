@@ -389,6 +389,22 @@ def test_eval_command_on_cuda(tmp_path, torch_paths, monkeypatch, task, plans):
     assert cuda == cpu and cpu["cells-rank0.jsonl"]
 
 
+@pytest.mark.slow
+def test_streamed_quantize_and_eval_on_cuda(tmp_path, torch_paths, monkeypatch):
+    """Streamed runs (`--stream on`: one decoder layer at a time on the device): GPTQ's quantize and a sweep
+    with plans give the CPU run's artifacts."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    (path,), data = _checkpoints(tmp_path, ("diff_v1",))
+    calib = ["--calib-data", data, "--calib-tokens", "128"]
+    argv = ["quantize", path, "--plan", "w4a8-gptq", *calib, "--seq-len", "32", "--eval-tokens", "64"]
+    cpu, cuda = _both(tmp_path / "quantize", [*argv, "--stream", "on"])
+    assert cuda == cpu and "quant_report.json" in cpu
+    task = f"bpb:data={data},tokens=128,seq_len=32"
+    argv = ["eval", path, "--task", task, "--plan", "w8a8", "w4a8-gptq", *calib, "--calib-seq-len", "32"]
+    cpu, cuda = _both(tmp_path / "eval", [*argv, "--stream", "on"])
+    assert cuda == cpu and cpu["cells-rank0.jsonl"]
+
+
 MIXED_MAP = "{embed: 0, layers.0: 0, layers.1: cpu, norm: cpu, lm_head: 0}"
 
 
