@@ -114,18 +114,26 @@ def test_every_class_has_a_merge_check():
 # ------------------------------------------------------------------------------------------ accumulators
 @pytest.mark.parametrize("round_trip", [False, True], ids=["live", "json"])
 @pytest.mark.parametrize("relabel", [False, True], ids=["same-site", "relabelled"])
-def test_every_accumulator_merges_two_halves_into_the_one_pass_state(round_trip, relabel):
+@pytest.mark.parametrize("later_first", [False, True], ids=["a-then-b", "b-then-a"])
+def test_every_accumulator_merges_two_halves_into_the_one_pass_state(round_trip, relabel, later_first):
+    """Half A (samples 0-1) and half B (2-3) merged, either into the other; the merged-in half as another
+    site's, relabelled: then every entry it brings (top-k, massive, the first non-finite value, which
+    comes from samples 0-1) must carry this site's name."""
     x, ids = _activation()
     x = _planted(x)
     one = _stats(SITE, x, ids, 0)
-    a = _stats(SITE, x[:2], ids[:2], 0)
-    b = _stats(OTHER if relabel else SITE, x[2:], ids[2:], 2)
+    halves = [(slice(0, 2), 0), (slice(2, 4), 2)]
+    if later_first:
+        halves.reverse()
+    (rows_a, off_a), (rows_b, off_b) = halves
+    a = _stats(SITE, x[rows_a], ids[rows_a], off_a)
+    b = _stats(OTHER if relabel else SITE, x[rows_b], ids[rows_b], off_b)
     if round_trip:
         a, b = (SiteStats.from_dict(json.loads(json.dumps(s.to_dict()))) for s in (a, b))
     merged = a.merge(b, relabel=relabel)
     want, got = one.to_dict(), merged.to_dict()
     assert want["nan_count"] == 2 and want["posinf_count"] == 2 and want["neginf_count"] == 1
-    assert want["first_nonfinite"]["loc"]["sample"] == 0  # in half A; B's first is a later sample
+    assert want["first_nonfinite"]["loc"]["sample"] == 0
     assert_state_equal(want, got)
     # B's entries really are in the merged state (the largest magnitudes of the layer lie in both halves)
     samples = {e["loc"]["sample"] for e in got["top"]}
@@ -133,14 +141,27 @@ def test_every_accumulator_merges_two_halves_into_the_one_pass_state(round_trip,
 
 
 def test_fused_histograms_merge_pending_and_folded_counts_alike():
-    """A state read (its dense counts folded) merged with a fresh one, and the other way round."""
+    """States read (their dense counts folded into the sparse bins) and updated again (counts pending)
+    merged either way: every count, the zero bin's included (exact zeros planted in both halves), is the
+    one pass's."""
     x, ids = _activation("diff_v2")
+    x = x.clone()
+    x[0, 3, :10] = 0.0
+    x[2, 5, :7] = 0.0
+    x[3, 1, :4] = 0.0
     one = _stats(SITE, x, ids, 0)
-    for fold_a, fold_b in ((True, False), (False, True), (True, True)):
-        a, b = _stats(SITE, x[:2], ids[:2], 0), _stats(SITE, x[2:], ids[2:], 2)
-        for s, fold in ((a, fold_a), (b, fold_b)):
-            if fold:
-                s.to_dict()  # reading the histogram folds its pending counts
+    assert one.to_dict()["hist"]["zero"] == 21
+
+    def half(rows: range, fold: bool) -> SiteStats:
+        s = SiteStats(SITE, "resid", topk=12, massive_cap=6)
+        for r in rows:
+            s.update(x[r : r + 1], tokens=ids[r : r + 1], sample_offset=r)
+            if fold and r == rows[0]:
+                s.to_dict()  # reading the histogram folds its pending counts; the next update is pending
+        return s
+
+    for fold_a, fold_b in ((True, False), (False, True), (True, True), (False, False)):
+        a, b = half(range(0, 2), fold_a), half(range(2, 4), fold_b)
         a.merge(b)
         assert_state_equal(one.to_dict(), a.to_dict())
 

@@ -3215,6 +3215,176 @@ MUTANTS = [
         '    stream = token_stream(source, max_tokens, tokenizer, bos=bos != "none")\n',
         ("tests/test_bos.py",),
     ),
+    # --- issue 47 item 4: tests that bite where planted bugs survived (tests/test_bite_*.py)
+    M(
+        "bite47: gptq Hessian of mlp.down from its input before the online R4",
+        "diffquant/quant/weights.py",
+        "handles.append(linear.input.register_forward_pre_hook(hook(i)))",
+        "handles.append(linear.register_forward_pre_hook(hook(i)))",
+        ("tests/test_bite_composed.py",),
+    ),
+    M(
+        "bite47: the linear_in tap before the online rotation",
+        "diffquant/models/attention.py",
+        "            x = self.input_rotation(x)\n        return F.linear(self.input(x), weight, self.bias)",
+        "            x = self.input_rotation(self.input(x))\n            return F.linear(x, weight, self.bias)\n"
+        "        return F.linear(self.input(x), weight, self.bias)",
+        (
+            "tests/test_bite_composed.py::test_gptq_codes_with_every_rotation_place_are_those_of_the_rotated_activations",
+        ),
+    ),
+    M(
+        "bite47: smoothing act-scales from the first calibration batch only",
+        "diffquant/quant/calibrate.py",
+        "scales = smoothquant.collect_act_scales(model, windows, batch_size=batch_size)",
+        "scales = smoothquant.collect_act_scales(model, windows[:batch_size], batch_size=batch_size)",
+        (
+            "tests/test_bite_composed.py::test_smoothing_and_gptq_after_every_rotation_place_read_the_rotated_activations",
+        ),
+    ),
+    M(
+        "bite47: gated head_out tapped before the gate",
+        "diffquant/models/attention.py",
+        "        gate = self._gate(x)\n        if gate is not None:\n"
+        "            out = (out.to(gate.dtype) * gate).to(out.dtype)\n        out = self.head_out(out)",
+        "        out = self.head_out(out)\n        gate = self._gate(x)\n        if gate is not None:\n"
+        "            out = (out.to(gate.dtype) * gate).to(out.dtype)",
+        ("tests/test_bite_taps.py",),
+    ),
+    M(
+        "bite47: mlp act tap on the gate's activation alone",
+        "diffquant/models/transformer.py",
+        "y = self.down(self.act(g * self.up(x)))",
+        "y = self.down(self.act(g) * self.up(x))",
+        ("tests/test_bite_taps.py",),
+    ),
+    M(
+        "bite47: logits tap before the 1/sqrt(d) scale",
+        "diffquant/models/attention.py",
+        '.transpose(-1, -2)) * self.scale\n                logits = getattr(self, "logits" + suffix)(logits, valid)',
+        '.transpose(-1, -2))\n                logits = getattr(self, "logits" + suffix)(logits, valid) * self.scale',
+        ("tests/test_bite_taps.py",),
+    ),
+    M(
+        "bite47: --plan prefers a shipped plan to a local file of its name",
+        "diffquant/quant/plan.py",
+        "if not path.exists() or path.is_dir():",
+        'if shipped_file(text, "plan") is not None or not path.exists() or path.is_dir():',
+        ("tests/test_bite_lookup.py::test_a_local_file_of_a_shipped_name_wins_in_every_spelling",),
+    ),
+    M(
+        "bite47: a shipped training recipe or plan name wins over a local file",
+        "diffquant/shipped/__init__.py",
+        "    if path.exists():\n        return path",
+        '    if path.exists() and (kind == "run" or shipped_file(spec, kind) is None):\n        return path',
+        ("tests/test_bite_lookup.py::test_a_local_file_of_a_shipped_name_wins_in_every_spelling",),
+    ),
+    M(
+        "bite47: lm-eval include paths before the shipped tasks (shipped ones override)",
+        "diffquant/eval/lmeval.py",
+        "        paths.append(path)\n    return paths",
+        "        paths.insert(0, path)\n    return paths",
+        (
+            "tests/test_bite_lookup.py::test_an_lmeval_task_of_a_shipped_name_on_the_include_path_is_the_one_that_runs",
+        ),
+    ),
+    M(
+        "bite47: lm-eval task scan keeps the first file of a name (the shipped one)",
+        "diffquant/eval/lmeval.py",
+        "configs[name] = (cfg, file.resolve())",
+        "configs.setdefault(name, (cfg, file.resolve()))",
+        (
+            "tests/test_bite_lookup.py::test_an_lmeval_task_of_a_shipped_name_on_the_include_path_is_the_one_that_runs",
+        ),
+    ),
+    M(
+        "bite47: zero bytes only for BOS / EOS / PAD, not every special",
+        "diffquant/data/tokenizer.py",
+        'special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}',
+        "special = {self.bos_id, self.eos_id, self.pad_id}",
+        ("tests/test_bite_spm.py",),
+    ),
+    M(
+        "bite47: SentencePiece control tokens added as plain tokens",
+        "diffquant/io/gguf_spm.py",
+        "tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])",
+        "tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in control])",
+        ("tests/test_bite_spm.py",),
+    ),
+    M(
+        "bite47: device map matches a block by name prefix (layers.1 takes layers.10)",
+        "diffquant/stream/placement.py",
+        'candidates = [m for m in mapping if m == unit or m == "" or unit.startswith(m + ".")]',
+        'candidates = [m for m in mapping if m == unit or m == "" or unit.startswith(m)]',
+        ("tests/test_bite_misc.py::test_a_map_places_each_block_by_its_own_name",),
+    ),
+    M(
+        "bite47: device map places a tensor by the first digit of its block",
+        "diffquant/stream/placement.py",
+        'return "layers." + rest.partition(".")[0]',
+        'return "layers." + rest[0]',
+        ("tests/test_bite_misc.py::test_a_map_places_each_block_by_its_own_name",),
+    ),
+    M(
+        "bite47: GGUF norm shift applied after the cast to the target dtype",
+        "diffquant/io/convert_gguf.py",
+        "                    if key in self._shifts:\n"
+        "                        values = values + np.float32(self._shifts[key])\n"
+        "                    flat[first : first + n].copy_(torch.from_numpy(values))",
+        "                    flat[first : first + n].copy_(torch.from_numpy(values))\n"
+        "                    if key in self._shifts:\n"
+        "                        flat[first : first + n] += self._shifts[key]",
+        ("tests/test_bite_misc.py::test_a_gguf_read_in_another_dtype_is_the_float32_read_cast",),
+    ),
+    M(
+        "bite47: streamed GGUF source ignores the requested dtype",
+        "diffquant/io/gguf_source.py",
+        "yield gguf_tensors(self.header, self.file, self.config, dtype or DEFAULT_DTYPE)",
+        "yield gguf_tensors(self.header, self.file, self.config, DEFAULT_DTYPE)",
+        ("tests/test_bite_misc.py::test_a_gguf_read_in_another_dtype_is_the_float32_read_cast",),
+    ),
+    M(
+        "bite47: GGUF memory estimate in float32 whatever the dtype",
+        "diffquant/io/gguf_source.py",
+        "size = torch.empty((), dtype=dtype or DEFAULT_DTYPE).element_size()",
+        "size = torch.empty((), dtype=DEFAULT_DTYPE).element_size()",
+        ("tests/test_bite_misc.py::test_a_gguf_read_in_another_dtype_is_the_float32_read_cast",),
+    ),
+    M(
+        "bite47: GGUF rope scaling read but not put in the config",
+        "diffquant/io/convert_gguf.py",
+        '"rope_scaling": rope_scaling,',
+        '"rope_scaling": None,',
+        ("tests/test_bite_misc.py::test_gguf_linear_rope_scaling_reaches_the_global_layers_and_the_logits",),
+    ),
+    M(
+        "bite47: lm-eval is_greedy when any continuation token is the argmax",
+        "diffquant/eval/lmeval.py",
+        "bool((scored.argmax(dim=-1) == target).all())",
+        "bool((scored.argmax(dim=-1) == target).any())",
+        ("tests/test_bite_misc.py::test_lmeval_requests_equal_hflm_at_the_edges",),
+    ),
+    M(
+        "bite47: the first non-finite value merged without relabelling",
+        "diffquant/profile/accumulators.py",
+        "first = None if other.first is None else copy_entry(other.first, loc)",
+        "first = None if other.first is None else copy_entry(other.first)",
+        ("tests/test_bite_merge.py",),
+    ),
+    M(
+        "bite47: fused histogram merge drops the other's folded zero bin",
+        "diffquant/profile/accumulators.py",
+        "            self._zero += other._zero\n            _add_counts(self._pos, other._pos)",
+        "            _add_counts(self._pos, other._pos)",
+        ("tests/test_bite_merge.py",),
+    ),
+    M(
+        "bite47: merged profiles count the last profile's samples",
+        "diffquant/profile/profiler.py",
+        "                self.meta[key] += other.meta[key]",
+        "                self.meta[key] = other.meta[key]",
+        ("tests/test_bite_merge.py",),
+    ),
 ]
 
 
