@@ -6,7 +6,7 @@ A page says where a table's or an output block's numbers come from with a commen
 ``<!-- checked by: tests/FILE.py -->``). Here: every such table or block of the audited pages carries one;
 a ``from:`` table is re-derived from its committed file by the deriver below and compared with the page cell
 by cell, to the digits printed; a past measurement names a commit of this history; a ``checked by:`` test
-exists and finds the block by its command. The pages not audited yet are listed in AUDITED's comment.
+exists and finds the block by its command. Every page is audited (AUDITED).
 """
 
 from __future__ import annotations
@@ -34,12 +34,11 @@ from docpages import (
     marks,
     measured,
     numbers,
+    pages,
 )
 
-# the pages whose tables and output blocks have been traced to a run (README.md, docs/commands.md,
-# docs/checkpoints.md, docs/streaming.md, docs/kernels.md, docs/recipes.md and docs/DESIGN.md not yet)
-AUDITED = [DOCS / name for name in ("kv-cache.md", "results.md", "rotation.md", "weights.md", "models.md")]
-AUDITED.append(DOCS / "device-maps.md")
+# every page: README.md and docs/*.md (a new page's tables and output blocks need their marks too)
+AUDITED = pages()
 
 Rows = list[list[Any]]
 
