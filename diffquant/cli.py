@@ -333,7 +333,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig.load(recipe, args.set)
     if args.out:
         cfg.out = args.out
-    with lock_folder(cfg.out):  # one writer per output folder, as every other command
+    with lock_folder(cfg.out_folder):  # one writer per output folder (runs/train/NAME by default)
         train(
             cfg,
             resume=args.resume,

@@ -87,9 +87,7 @@ def test_run_and_train_commands_hand_on_the_local_recipe(tmp_path, monkeypatch):
     monkeypatch.setattr(diffquant.recipes, "run_recipe", lambda recipe, *a, **k: seen.append(recipe["name"]))
     monkeypatch.setattr(diffquant.train.trainer, "train", lambda cfg, **k: seen.append(cfg.name))
     for command, kind, name in (("run", "run", "smollm2"), ("train", "train", "zoo-diff_v2")):
-        # train: --out given (without it and without `out:` in the recipe, `diffquant train` fails today:
-        # lock_folder(None), reported in issue 47's note)
-        out = ["--out", str(tmp_path / "t")] if command == "train" else []
+        out: list[str] = []  # train without --out: the shipped zoo recipes name no out (runs/train/NAME)
         for spec, file in _spellings(kind, name):
             local = _copy_renamed(kind, name, tmp_path / file, f"mine-{command}")
             assert main(["--quiet", command, spec, *out]) == 0

@@ -119,6 +119,11 @@ class TrainConfig:
             f"of the final retrieval evaluation's question and answer, at most the model's max_seq_len)",
         )
 
+    @property
+    def out_folder(self) -> Path:
+        """The run folder: ``out``, else runs/train/NAME (what train() writes and the CLI locks)."""
+        return Path(self.out or f"runs/train/{self.name}")
+
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
         """A training recipe file, or a shipped one by name (``zoo-diff_v2``; :func:`diffquant.shipped.resolve`)."""
@@ -421,7 +426,7 @@ def train(
     cfg.validate()  # again: fields may have been set after construction (the CLI sets out)
     if stop_after is not None and not (_is_int(stop_after) and stop_after >= 1):
         raise DiffquantError(f"stop_after (--stop-after) = {stop_after!r}, expected an integer >= 1")
-    out = Path(cfg.out or f"runs/train/{cfg.name}")
+    out = cfg.out_folder
     if out.exists() and not out.is_dir():
         raise DiffquantError(f"{out}: exists and is not a folder; expected a run folder")
     if cfg.threads:
