@@ -244,7 +244,7 @@ def assert_close_tree(a, b, where: str = "", rel: float = 1e-6) -> None:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_close_tree(x, y, f"{where}[{i}]", rel)
     elif isinstance(a, float):
-        assert a == pytest.approx(b, rel=rel, abs=1e-12), where
+        assert a == pytest.approx(b, rel=rel, abs=1e-12, nan_ok=True), where  # NaN equals NaN here
     else:
         assert a == b, where
 

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_close_tree
 
 from diffquant.data.corpus import token_windows
 from diffquant.io.load import load_model
@@ -175,23 +176,6 @@ def test_a_merge_of_a_third_site_keeps_the_entries_of_all_three():
 
 
 # ------------------------------------------------------------------------------------------ per-head metrics
-def _close(a, b, where: str = "", rel: float = 1e-12) -> None:
-    """Equal nested structure; floats to ``rel`` (sums in another order; a map's per-row terms are float32,
-    computed per batch)."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _close(a[k], b[k], f"{where}.{k}", rel)
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (u, v) in enumerate(zip(a, b, strict=True)):
-            _close(u, v, f"{where}[{i}]", rel)
-    elif isinstance(a, float):
-        assert math.isclose(a, b, rel_tol=rel, abs_tol=rel) or (math.isnan(a) and math.isnan(b)), where
-    else:
-        assert a == b, where
-
-
 def _profile(model, ids: torch.Tensor, start: int):
     with Profiler(model, sites="*", topk=8, attention=True) as prof:
         prof.start_samples_at(start)
@@ -237,8 +221,8 @@ def test_profiles_of_two_halves_merge_into_the_one_pass_profile(kind):
     for name, (_, state) in one.attention.items():
         if getattr(state, "mode", None) == "scalar":
             state = type(state).from_dict(state.to_dict()).merge(type(state).from_dict(state.to_dict()))
-        _close(state.to_dict(), merged.attention[name][1].to_dict(), name, 1e-6)
-        _close(state.summary(), merged.attention[name][1].summary(), name, 1e-6)
+        assert_close_tree(state.to_dict(), merged.attention[name][1].to_dict(), name, 1e-6)
+        assert_close_tree(state.summary(), merged.attention[name][1].summary(), name, 1e-6)
         seen.add(type(state).__name__)
     want = {"MapStats", "SpanMassStats"}
     want |= {"DiffMapStats", "LambdaStats"} if kind.startswith("diff") else set()
@@ -268,8 +252,8 @@ def test_sink_rates_of_two_halves_merge_into_the_one_pass_rate(kind):
             part.update(whole[rows, :, q], valid[..., q, :])
         halves.append(part)
     merged = cls.from_dict(json.loads(json.dumps(halves[0].to_dict()))).merge(halves[1])
-    _close(one.to_dict(), merged.to_dict())
-    _close(one.summary(), merged.summary())
+    assert_close_tree(one.to_dict(), merged.to_dict(), rel=1e-12)
+    assert_close_tree(one.summary(), merged.summary(), rel=1e-12)
     assert one.summary()["sequences"] == [4] * whole.shape[1]
 
 
