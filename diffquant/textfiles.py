@@ -99,6 +99,18 @@ def read_bytes_bounded(path: str | Path, limit: int, what: str = "file") -> byte
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (another user's process counts as running): what
+    decides that a temporary named after its writer's pid is stale (the native compile's, fetch's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process
+        return True
+    return True
+
+
 def check_regular_file(path: str | Path, what: str = "file") -> None:
     """Refuse, in one line, a ``path`` that is not there or is not a regular file (a device, a FIFO, a
     socket, a folder): what :func:`read_bytes_bounded` would refuse, checked without opening it (a source's

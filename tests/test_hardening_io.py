@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from test_gguf import GQA, write_gguf
 from test_gguf import tok_files as tok_files  # noqa: F401 (the fixture, shared)
+from test_hardening import tiny as tiny  # noqa: F401 (the fixture, shared)
 
 from diffquant.cli import main
 from diffquant.errors import DiffquantError
@@ -37,13 +38,6 @@ from diffquant.stream import api, executor
 def _one_line(err: str) -> str:
     assert err.count("\n") == 1 and "Traceback" not in err, err
     return err
-
-
-@pytest.fixture()
-def tiny(tmp_path) -> Path:
-    path = tmp_path / "tiny"
-    assert main(["init", "--kind", "baseline", "--preset", "tiny", str(path)]) == 0
-    return path
 
 
 @pytest.fixture()

@@ -2961,7 +2961,7 @@ MUTANTS = [
     M(
         "io44: a killed fetch's partial folder never removed",
         "diffquant/io/fetch.py",
-        "        if host == _host() and pid.isdigit() and not _alive(int(pid)):\n",
+        "        if host == _host() and pid.isdigit() and not process_alive(int(pid)):\n",
         "        if False:\n",
         (
             "tests/test_hardening_io.py::test_a_killed_fetch_leaves_nothing_in_tmpdir_and_its_partial_folder_goes",

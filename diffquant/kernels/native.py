@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from diffquant import progress
+from diffquant.textfiles import process_alive
 
 __all__ = ["available", "fake_int_rows", "map_rows", "pass1", "pass2", "row_ranges"]
 
@@ -368,24 +369,12 @@ def _remove_stale(folder: Path) -> None:
         for entry in os.scandir(folder):
             temp = _TEMP.fullmatch(entry.name)
             if temp is not None:
-                stale = temp["host"] == _HOST and not _alive(int(temp["pid"]))
+                stale = temp["host"] == _HOST and not process_alive(int(temp["pid"]))
             else:
                 stale = bool(_LEGACY_TEMP.fullmatch(entry.name)) and _older(entry, 3600)
             if stale:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process (EPERM)
-    return True
 
 
 def _older(entry: os.DirEntry, seconds: float) -> bool:
