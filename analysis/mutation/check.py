@@ -3385,6 +3385,108 @@ MUTANTS = [
         "                self.meta[key] = other.meta[key]",
         ("tests/test_bite_merge.py",),
     ),
+    # ---- AWQ (diffquant/quant/awq.py) against the test's float64 reference written from the paper
+    M(
+        "awq: alpha grid off by one (1/n .. 1)",
+        "diffquant/quant/awq.py",
+        "scales = awq_scales(means, k / n_grid)",
+        "scales = awq_scales(means, (k + 1) / n_grid)",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: reported alpha off by one grid step",
+        "diffquant/quant/awq.py",
+        "AwqSearch(best_scales, best / n_grid,",
+        "AwqSearch(best_scales, (best + 1) / n_grid,",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: scales not normalised by sqrt(max * min)",
+        "diffquant/quant/awq.py",
+        "    return s / (s.max() * s.min()).sqrt()",
+        "    return s",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: no clamp of s_X^alpha (a dead channel gives s = 0)",
+        "diffquant/quant/awq.py",
+        ".pow(alpha).clamp(min=CLAMP)",
+        ".pow(alpha)",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: loss without the 1/s on x",
+        "diffquant/quant/awq.py",
+        "rtn_codes(w64 * s, grid).dequantize() / s - w64",
+        "rtn_codes(w64 * s, grid).dequantize() - w64",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: argmax of the loss",
+        "diffquant/quant/awq.py",
+        "if not losses or loss < losses[best]:",
+        "if not losses or loss > losses[best]:",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: ties go to the largest alpha",
+        "diffquant/quant/awq.py",
+        "if not losses or loss < losses[best]:",
+        "if not losses or loss <= losses[best]:",
+        ("tests/test_awq.py::test_ties_go_to_the_smallest_alpha",),
+    ),
+    M(
+        "awq: rtn loss with the chosen scales",
+        "diffquant/quant/awq.py",
+        "losses, group_error(weights, rows, grid))",
+        "losses, group_error(weights, rows, grid, best_scales))",
+        ("tests/test_awq.py::test_search_matches_reference",),
+    ),
+    M(
+        "awq: codes of W / s instead of W * s",
+        "diffquant/quant/awq.py",
+        "return rtn_codes(w * scales.to(device=w.device, dtype=dtype), grid, dtype)",
+        "return rtn_codes(w / scales.to(device=w.device, dtype=dtype), grid, dtype)",
+        (
+            "tests/test_awq.py::"
+            "test_awq_beats_rtn_on_salient_channels_and_the_folded_model_has_the_search_loss",
+        ),
+    ),
+    M(
+        "awq: activation scale of signed x",
+        "diffquant/quant/awq.py",
+        "    return rows.abs().sum(0, dtype=torch.float64) / rows.shape[0]",
+        "    return rows.sum(0, dtype=torch.float64) / rows.shape[0]",
+        ("tests/test_awq.py::test_activation_scale_and_channel_means",),
+    ),
+    M(
+        "awq: running channel means of signed x",
+        "diffquant/quant/awq.py",
+        "part = rows.abs().sum(0, dtype=torch.float64)",
+        "part = rows.sum(0, dtype=torch.float64)",
+        ("tests/test_awq.py::test_activation_scale_and_channel_means",),
+    ),
+    M(
+        "awq: running mean over the kept rows, not all tokens",
+        "diffquant/quant/awq.py",
+        "        return self.total / self.tokens",
+        "        return self.total / self.n_kept",
+        ("tests/test_awq.py::test_token_sample_is_bounded_strided_and_split_independent",),
+    ),
+    M(
+        "awq: token sample stride never doubles",
+        "diffquant/quant/awq.py",
+        "self.n_kept, self.stride = [joined], joined.shape[0], self.stride * 2",
+        "self.n_kept, self.stride = [joined], joined.shape[0], self.stride",
+        ("tests/test_awq.py::test_token_sample_is_bounded_strided_and_split_independent",),
+    ),
+    M(
+        "awq: token sample restarts the stride at every batch",
+        "diffquant/quant/awq.py",
+        "first = -self.tokens % self.stride",
+        "first = 0",
+        ("tests/test_awq.py::test_token_sample_is_bounded_strided_and_split_independent",),
+    ),
 ]
 
 
