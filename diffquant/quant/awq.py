@@ -50,10 +50,11 @@ from diffquant.quant.weightcodes import GroupCodes, WeightGrid, rtn_codes
 
 CLAMP = 1e-4  # the authors' clamp of s_X^alpha before normalising
 N_GRID = 20  # the paper's grid of alpha
-# Tokens kept for the loss. The loss costs tokens x out x in multiply-adds per grid point and per Linear (in
-# float64); 4,096 tokens (8 sequences of 512) keep the 20-point search of a 4,096-wide q/k/v group to a few
-# seconds on a GPU, and the loss is an average over tokens whose relative sampling error at that size is a
-# few percent, well below the spacing between the grid points' losses near the optimum that matters.
+# Tokens kept for the loss. The loss costs tokens x out x in float64 multiply-adds per grid point and per
+# Linear: for a 4,096-wide q/k/v group (out 12,288) 4,096 tokens (8 sequences of 512) make the 20-point
+# search about 4e12, seconds of float64 matmul on a data-centre GPU, minutes on a CPU. The loss is an
+# average over tokens; at 4,096 its sampling error can only swap grid points whose losses are within a few
+# percent of each other, i.e. neighbours on the flat bottom of the curve, where either choice costs little.
 MAX_TOKENS = 4096
 _CHUNK = 1 << 22  # elements of one [rows, out] float64 product in the loss (32 MiB)
 
