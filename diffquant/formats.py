@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -56,6 +57,7 @@ __all__ = [
     "get_block_format",
     "get_format",
     "int_format",
+    "minmax_params",
     "minmax_scale_zero_point",
     "nvfp4_tensor_scale",
     "quantize_blocks",
@@ -306,6 +308,54 @@ def absmax_scale(amax: torch.Tensor | float, fmt: ElementFormat | str) -> torch.
     return torch.where(scale >= _MIN_NORMAL, scale, torch.ones_like(scale))
 
 
+def minmax_params(
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    qmax: float,
+    *,
+    include_zero: bool = True,
+    zero: Literal["int", "float", "min"] = "int",
+    clamp_zero: bool = False,
+    flush_subnormal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization parameters: the scale ``s = (hi - lo) / qmax`` that maps each group's
+    range onto the codes ``0 .. qmax`` (``2^b - 1`` for b bits), and its zero point. ``lo`` / ``hi`` are the
+    min / max of each group, reduced by the caller over the group's dims (masked, split into views or over the
+    whole tensor, as it needs); the arithmetic runs elementwise in their dtype. A scale that is not positive
+    (a constant group, 0 / 0, NaN) becomes 1. The one rule of every asymmetric quantizer; where their
+    conventions differ, a parameter names the difference:
+
+    * ``include_zero``: widen the range to ``[min(lo, 0), max(hi, 0)]`` so that 0 is exactly a code (code ==
+      zero point): the GPTQ grid (:meth:`diffquant.quant.weightcodes.WeightGrid.params`, as the reference
+      GPTQ quantizer), :func:`minmax_scale_zero_point` (PyTorch observers, ONNX) and the per-element case of
+      :func:`diffquant.quant.schemes.asymmetric_params`. False keeps ``[lo, hi]``: HQQ's initial zero (then
+      optimised), the KV cache (KIVI stores the group's min), and the reduced groups of ``asymmetric_params``
+      (invalid entries already masked to 0 by it).
+    * ``zero``: ``"int"``, ``round(-lo / s)`` (half to even), an integer code: the GPTQ grid, the rule
+      schemes' ``uint`` activations, :func:`minmax_scale_zero_point`. ``"float"``, ``-lo / s`` unrounded: HQQ,
+      whose zero point is a float it optimises (0 need not be on its grid). ``"min"``, ``lo`` itself, in
+      value units (``x_hat = code * s + lo``), with the scale as computed (0 for a constant group: the caller
+      divides by a safe copy and stores the 0): the KV cache (KIVI / quanto's ``MaxOptimizer`` layout).
+    * ``clamp_zero``: clamp the integer zero point to ``0 .. qmax`` (a zero point is a code):
+      :func:`minmax_scale_zero_point`, the public helper whose callers may pass any range.
+    * ``flush_subnormal``: scales below float32's smallest normal number (2^-126) become 1 too (too few bits
+      for ``s * qmax`` to cover the span; the values quantize to 0): :func:`minmax_scale_zero_point`, as
+      :func:`absmax_scale` does.
+    """
+    if include_zero:
+        origin = torch.zeros((), dtype=lo.dtype, device=lo.device)
+        lo, hi = torch.minimum(lo, origin), torch.maximum(hi, origin)
+    scale = (hi - lo) / qmax
+    if zero == "min":
+        return scale, lo
+    usable = scale >= _MIN_NORMAL if flush_subnormal else scale > 0
+    scale = torch.where(usable, scale, torch.ones_like(scale))
+    if zero == "float":
+        return scale, -lo / scale
+    zero_point = torch.round(-lo / scale)
+    return scale, zero_point.clamp(0, qmax) if clamp_zero else zero_point
+
+
 def minmax_scale_zero_point(
     xmin: torch.Tensor | float, xmax: torch.Tensor | float, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,14 +368,11 @@ def minmax_scale_zero_point(
     scale * (2^b - 1) to cover the span, or 0) also gets scale 1; its values quantize to 0.
     """
     qmax = float((1 << _check_bits(bits)) - 1)
-    lo = torch.as_tensor(xmin, dtype=torch.float32).clamp(max=0)
-    hi = torch.as_tensor(xmax, dtype=torch.float32).clamp(min=0)
-    scale = (hi - lo) / qmax
+    lo = torch.as_tensor(xmin, dtype=torch.float32)
+    hi = torch.as_tensor(xmax, dtype=torch.float32)
     # An empty range, or one so small that span / qmax is subnormal (imprecise: 3 ulps of 1.4e-45 cannot
     # cover the span) or underflows to 0 (the zero point -lo / 0 would be NaN), gets scale 1.
-    scale = torch.where(scale >= _MIN_NORMAL, scale, torch.ones_like(scale))
-    zero_point = torch.round(-lo / scale).clamp(0, qmax)
-    return scale, zero_point
+    return minmax_params(lo, hi, qmax, clamp_zero=True, flush_subnormal=True)
 
 
 def quantize_int(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from diffquant.errors import DiffquantError
+from diffquant.formats import minmax_params
 from diffquant.quant.weightcodes import GroupCodes, WeightGrid
 
 
@@ -82,12 +83,10 @@ def hqq_codes(
 
     scales, zeros = [], []
     for view in views:
-        lo = view.amin(dim=1, keepdim=True)
-        hi = view.amax(dim=1, keepdim=True)
-        scale = (hi - lo) / maxq
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        lo, hi = view.amin(dim=1, keepdim=True), view.amax(dim=1, keepdim=True)
+        scale, zero = minmax_params(lo, hi, maxq, include_zero=False, zero="float")
         scales.append(scale)
-        zeros.append(-lo / scale)
+        zeros.append(zero)
 
     def fit(zs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
         qs = [torch.clamp(torch.round(v / s + z), 0, maxq) for v, s, z in zip(views, scales, zs, strict=True)]

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.formats import minmax_params
 from diffquant.models.attention import LayerKV, apply_rope, rope_cos_sin
 from diffquant.models.transformer import KVCache
 from diffquant.schema import key
@@ -211,9 +212,9 @@ def quantize_groups(
         ratio = (g / safe.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         codes = ratio.to(torch.float8_e4m3fn).view(torch.uint8)
         return _ungrouped(codes, axis, tuple(x.shape)), scale.to(scale_dtype or x.dtype), None
-    lo = stored(g.amin(-1))
-    hi = g.amax(-1)
-    scale = stored((hi - lo) / (2**bits - 1))
+    # KIVI's min-max: the zero is the (stored) group min itself, x_hat = code * scale + lo
+    scale, lo = minmax_params(stored(g.amin(-1)), g.amax(-1), 2**bits - 1, include_zero=False, zero="min")
+    scale = stored(scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 2**bits - 1)
     codes = _ungrouped(codes.to(torch.uint8), axis, tuple(x.shape))

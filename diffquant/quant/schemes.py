@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from diffquant.errors import DiffquantError
+from diffquant.formats import minmax_params
 from diffquant.kernels import native
 from diffquant.quant.formats import (
     BLOCK_FORMATS,
@@ -287,18 +288,18 @@ def apply_scale(
 def asymmetric_params(
     x: torch.Tensor, dims: tuple[int, ...], element: ElementFormat, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point covering [min, max] (min <= 0 <= max kept so that 0 is exact)."""
+    """Scale and integer zero point (:func:`~diffquant.formats.minmax_params`) covering [min, max] of the
+    finite ``valid`` values over ``dims``, the others counted as 0; with no ``dims`` (one value per group)
+    [min(x, 0), max(x, 0)], so that 0 is exact."""
     xf = x.detach().float()
+    if not dims:
+        return minmax_params(xf, xf, element.max_value)
     keep = torch.isfinite(xf)
     if valid is not None:
         keep = keep & valid
-    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
-    lo = torch.where(keep, xf, zero).amin(dim=dims, keepdim=True) if dims else torch.minimum(xf, zero)
-    hi = torch.where(keep, xf, zero).amax(dim=dims, keepdim=True) if dims else torch.maximum(xf, zero)
-    scale = (hi - lo) / element.max_value
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero_point = torch.round(-lo / scale)
-    return scale, zero_point
+    kept = torch.where(keep, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
+    lo, hi = kept.amin(dim=dims, keepdim=True), kept.amax(dim=dims, keepdim=True)
+    return minmax_params(lo, hi, element.max_value, include_zero=False)
 
 
 def group_view(x: torch.Tensor, size: int, dim: int, what: str) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.formats import minmax_params
 
 
 @dataclass(frozen=True)
@@ -66,20 +67,15 @@ class WeightGrid:
             )
 
     def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero point ([rows, 1] each) for the values ``w`` [rows, n] of one group per row."""
+        """Scale and zero point ([rows, 1] each) for the values ``w`` [rows, n] of one group per row
+        (asymmetric: :func:`~diffquant.formats.minmax_params`, 0 in the range, an integer zero)."""
         if self.sym:
             amax = w.abs().amax(dim=1, keepdim=True)
             scale = 2 * amax / self.maxq
             zero = torch.full_like(scale, float((self.maxq + 1) // 2))
-        else:
-            zero_ = torch.zeros((), dtype=w.dtype, device=w.device)
-            lo = torch.minimum(w.amin(dim=1, keepdim=True), zero_)
-            hi = torch.maximum(w.amax(dim=1, keepdim=True), zero_)
-            scale = (hi - lo) / self.maxq
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            zero = torch.round(-lo / scale)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return scale, zero
+            return scale, zero
+        return minmax_params(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), self.maxq)
 
     def codes(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """round(w / s) + z, clamped to the grid (as floats of w's dtype)."""
