@@ -62,7 +62,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -420,7 +420,7 @@ def _native_keep(
     layout: Layout, shape: tuple[int, ...]
 ) -> tuple[tuple[int, int, int, int], tuple[int, ...]] | None:
     """The native pass's kept index of ``layout`` / ``shape`` (the head / channel dims the abs-max and the
-    sums of squares keep, as :meth:`SiteStats._update_absmax` reduces): ((inner, groups, percol, n_keep), the
+    sums of squares keep, as :meth:`SiteStats._absmax_of` reduces): ((inner, groups, percol, n_keep), the
     kept shape). Rows are every dim but the last; at most one kept dim among them (``groups`` its size,
     ``inner`` the rows below it); ``percol``: the last dim is kept too. None for a layout with no dims."""
     if not layout:
@@ -435,13 +435,85 @@ def _native_keep(
     return (max(inner, 1), groups, percol, n_keep), keep_shape
 
 
+# ---------------------------------------------------------------------------------- the accumulator table
+def _feed_moments(acc: Moments, c: tuple[int, float, float, MomentSums]) -> None:
+    n, lo, hi, sums = c
+    acc.add_extremes(n, lo, hi)
+    acc.add_sums(sums)
+
+
+def _feed_nonfinite(acc: NonFinite, c: tuple[list[int], dict[str, Any]]) -> None:
+    counts, first = c
+    acc.add(*counts)
+    acc.note(first)
+
+
+def _feed_token_kurtosis(
+    acc: TokenKurtosis, c: int | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+) -> None:
+    if isinstance(c, int):
+        acc.skip(c)
+    else:
+        acc.add_rows(*c)
+
+
+def _feed_massive(acc: Massive, c: tuple[int, list[dict[str, Any]]]) -> None:
+    count, entries = c
+    acc.add_count(count)
+    if count:
+        acc.add(entries)
+
+
+def _star(method: Callable[..., None]) -> Callable[[Any, tuple], None]:
+    return lambda acc, c: method(acc, *c)
+
+
+class _Slot(NamedTuple):
+    """One accumulator of a SiteStats: a row of :data:`_TABLE`."""
+
+    attr: str  # the SiteStats attribute that holds it
+    cls: type[Accumulator]
+    params: tuple[str, ...]  # the SiteStats parameters its constructor takes
+    feed: Callable[[Any, Any], None]  # feed(accumulator, one update's contribution)
+
+
+# Every accumulator of a SiteStats, declared once, in the order of ACCUMULATORS (merge order). __init__,
+# merge, to_dict and from_dict loop over it. Each update path (torch, gathered map, native) computes one
+# contribution per row (the comments say what) and hands all of them to SiteStats._feed, None meaning
+# "nothing from this update"; _feed refuses a set that misses a row, so an accumulator added here that a path
+# does not feed is an error on that path's first update, not a statistic silently left empty.
+_TABLE: dict[str, _Slot] = {
+    # (flattened float64 CPU abs-max, kept shape)
+    "absmax": _Slot("_absmax_acc", ChannelAbsMax, ("site",), _star(ChannelAbsMax.add)),
+    # (count, min, max, central sums (n, mean, M2, M3, M4)) of the counted values
+    "moments": _Slot("_moments_acc", Moments, (), _feed_moments),
+    # ([#NaN, #+Inf, #-Inf], the update's first non-finite entry {value, loc})
+    "nonfinite": _Slot("_nonfinite", NonFinite, (), _feed_nonfinite),
+    # per-row (n, M2, M4, width) of token rows (channel layouts), or the number of tokens skipped whole
+    "token_kurtosis": _Slot("_tk", TokenKurtosis, (), _feed_token_kurtosis),
+    # the update's own top-k entries
+    "top": _Slot("_top_acc", TopK, ("topk",), TopK.add),
+    # dense signed slot counts (_histogram)
+    "hist": _Slot("_hist", LogHistogram, (), LogHistogram.add_dense),
+    # the count of |x| >= 6
+    "thresholds": _Slot("_thresholds", ThresholdCounts, (), ThresholdCounts.add),
+    # (the count of |x| > 100, the first massive_cap of them as entries)
+    "massive": _Slot("_massive_acc", Massive, ("massive_cap",), _feed_massive),
+    # (per-channel float64 sums of squares, counts) (channel layouts)
+    "squares": _Slot("_squares", ChannelSquares, ("site",), _star(ChannelSquares.add)),
+}
+assert tuple(slot.cls for slot in _TABLE.values()) == ACCUMULATORS, "_TABLE: one row per accumulator"
+
+
 # ------------------------------------------------------------------------------------------- SiteStats
 class SiteStats:
     """Streaming statistics of the activations seen at one site (see the module docstring for definitions).
 
-    The state is one accumulator per statistic (diffquant/profile/accumulators.py); :meth:`update` makes one
-    pass over the tensor (flat values, magnitudes, histogram computed once) and feeds each of them, while
-    :meth:`merge`, :meth:`to_dict` and :meth:`from_dict` loop over them.
+    The state is one accumulator per statistic (diffquant/profile/accumulators.py), one per row of
+    :data:`_TABLE`. :meth:`update` makes one pass over the tensor (flat values, magnitudes, histogram computed
+    once) on one of three paths (torch, a gathered attention map, the native C pass), each of which computes
+    every accumulator's contribution and then feeds them all at once through :meth:`_feed`, which checks that
+    none is missing; :meth:`merge`, :meth:`to_dict` and :meth:`from_dict` loop over the table.
 
     Args:
         site: site name (``layers.3.attn.logits``); locations report it and its layer.
@@ -451,6 +523,17 @@ class SiteStats:
             number of candidates is always counted exactly.
     """
 
+    # The accumulators, set from _TABLE's attribute column (the annotations name their types for readers).
+    _absmax_acc: ChannelAbsMax
+    _moments_acc: Moments
+    _nonfinite: NonFinite
+    _tk: TokenKurtosis
+    _top_acc: TopK
+    _hist: LogHistogram
+    _thresholds: ThresholdCounts
+    _massive_acc: Massive
+    _squares: ChannelSquares
+
     def __init__(self, site: str, kind: str, topk: int = 100, massive_cap: int = 1000) -> None:
         if topk < 0 or massive_cap < 0:
             raise ValueError(f"site {site!r}: topk and massive_cap must be >= 0")
@@ -459,29 +542,34 @@ class SiteStats:
         self.topk = int(topk)
         self.massive_cap = int(massive_cap)
         self.layout: Layout | None = None  # known after the first update
-        self._absmax_acc = ChannelAbsMax(site)
-        self._moments_acc = Moments()
-        self._nonfinite = NonFinite()
-        self._tk = TokenKurtosis()
-        self._top_acc = TopK(self.topk)
-        self._hist = LogHistogram()
-        self._thresholds = ThresholdCounts()
-        self._massive_acc = Massive(self.massive_cap)
-        self._squares = ChannelSquares(site)
+        for slot in _TABLE.values():
+            setattr(self, slot.attr, slot.cls(*(getattr(self, p) for p in slot.params)))
 
     def _accumulators(self) -> tuple[Accumulator, ...]:
-        """Every accumulator, in the order of :data:`~diffquant.profile.accumulators.ACCUMULATORS`."""
-        return (
-            self._absmax_acc,
-            self._moments_acc,
-            self._nonfinite,
-            self._tk,
-            self._top_acc,
-            self._hist,
-            self._thresholds,
-            self._massive_acc,
-            self._squares,
-        )
+        """Every accumulator, in the order of :data:`_TABLE` (that of
+        :data:`~diffquant.profile.accumulators.ACCUMULATORS`)."""
+        return tuple(getattr(self, slot.attr) for slot in _TABLE.values())
+
+    def _feed(self, path: str, **contributions: Any) -> None:
+        """Add one update's ``contributions``, one per row of :data:`_TABLE` by name (None: nothing from this
+        update), in table order.
+
+        Every path computes all of them first and calls this once, so a path that declines part way (the
+        native pass) has changed nothing, and an abs-max shape mismatch raises before any change. A path
+        must name every row: an accumulator added to the table that some path does not feed raises here,
+        on that path's first update, instead of staying empty (the bug this check exists for).
+        """
+        if contributions.keys() != _TABLE.keys():
+            missing = [name for name in _TABLE if name not in contributions]
+            unknown = [name for name in contributions if name not in _TABLE]
+            raise RuntimeError(
+                f"site {self.site!r}: the {path} update path feeds no contribution to accumulator(s) "
+                f"{missing}{f' and feeds unknown {unknown}' if unknown else ''}: each path must give every "
+                "row of stats._TABLE a contribution (None when the update adds nothing to it)"
+            )
+        for name, slot in _TABLE.items():
+            if contributions[name] is not None:
+                slot.feed(getattr(self, slot.attr), contributions[name])
 
     # ------------------------------------------------------------------------- state, by statistic
     @property
@@ -595,6 +683,7 @@ class SiteStats:
             vflat = valid.to(device=x.device, dtype=torch.bool).expand(shape).reshape(-1)
         # Fast path: min / max propagate NaN, so finite extremes of the valid entries mean all are finite.
         ok = vflat  # None: every entry counts
+        nonfinite = None
         if vflat is None:
             n_ok = flat.numel()
             lo, hi = torch.stack(list(torch.aminmax(flat))).to(torch.float64).tolist() if n_ok else (0.0, 0.0)
@@ -606,44 +695,59 @@ class SiteStats:
             special = [torch.isnan(flat), flat == math.inf, flat == -math.inf]
             if vflat is not None:
                 special = [m & vflat for m in special]
-            n_nan, n_pinf, n_ninf = torch.stack([torch.count_nonzero(m) for m in special]).tolist()
-            self._nonfinite.add(n_nan, n_pinf, n_ninf)
             vmask = None if vflat is None else vflat.view(shape)
-            self._note_nonfinite(
-                x, finite.view(shape), vmask, valid, layout, tokens, sample_offset, pos_offset
+            nonfinite = (
+                torch.stack([torch.count_nonzero(m) for m in special]).tolist(),
+                self._first_nonfinite(
+                    x, finite.view(shape), vmask, valid, layout, tokens, sample_offset, pos_offset
+                ),
             )
             lo, hi, n_ok = _masked_extremes(flat, ok)
         af_flat = flat.abs()  # magnitudes; excluded entries -> -1 (below every real magnitude)
         if ok is not None:
             af_flat.masked_fill_(~ok, -1.0)
-        self._update_absmax(af_flat.view(shape), layout)
+        absmax = self._absmax_of(af_flat.view(shape), layout)
         per_token = bool(layout) and layout[-1] == "channel"
-        if n_ok == 0:
-            if per_token:  # every token has a non-finite / masked channel (or no channels)
-                self._tk.skip(math.prod(shape[:-1]))
+        if n_ok == 0:  # nothing counted: every token has a non-finite / masked channel (or no channels)
+            self._feed(
+                "torch",
+                absmax=absmax,
+                moments=None,
+                nonfinite=nonfinite,
+                token_kurtosis=math.prod(shape[:-1]) if per_token else None,
+                top=None,
+                hist=None,
+                thresholds=None,
+                massive=None,
+                squares=None,
+            )
             return
 
-        self._moments_acc.add_extremes(n_ok, lo, hi)
-        self._update_squares(x, ok, layout, max(abs(lo), abs(hi)))
+        squares = self._squares_of(x, ok, layout, max(abs(lo), abs(hi)))
         dense, ge6, ge100 = _histogram(flat, ok)
-        self._hist.add_dense(dense)
-        self._thresholds.add(ge6)
-
         width = shape[-1] if shape else 1
         rows = flat.view(-1, width)
         row_ok = None if ok is None else ok.view(-1, width)
         n_r, s_r, m2_r, m3_r, m4_r = _row_moments(rows, row_ok)
-        self._moments_acc.add_sums(_combine_rows(n_r, s_r, m2_r, m3_r, m4_r))
-        if per_token:
-            self._tk.add_rows(n_r, m2_r, m4_r, width)
-
         qpos = None
         if valid is not None and "key" in layout:
             qpos = query_positions(valid).tolist()
         where = (flat, shape, layout, qpos, tokens, sample_offset, pos_offset)
-        self._add_largest(af_flat, n_ok, dense, ge100, where)
+        top, massive = self._largest(af_flat, n_ok, dense, ge100, where)
+        self._feed(
+            "torch",
+            absmax=absmax,
+            moments=(n_ok, lo, hi, _combine_rows(n_r, s_r, m2_r, m3_r, m4_r)),
+            nonfinite=nonfinite,
+            token_kurtosis=(n_r, m2_r, m4_r, width) if per_token else None,
+            top=top,
+            hist=dense,
+            thresholds=ge6,
+            massive=massive,
+            squares=squares,
+        )
 
-    def _add_largest(
+    def _largest(
         self,
         aflat: torch.Tensor,
         n_ok: int,
@@ -651,20 +755,19 @@ class SiteStats:
         ge100: int,
         where: tuple,
         to_flat: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
-        """Top-k and massive-activation entries of one update: ``aflat`` holds the magnitudes (excluded
+    ) -> tuple[list[dict[str, Any]], tuple[int, list[dict[str, Any]]] | None]:
+        """The top-k and massive contributions of one update: ``aflat`` holds the magnitudes (excluded
         entries -1), ``dense`` its histogram (a bar for the top-k search), ``where`` locates entries of the
         update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps)."""
         to_flat = to_flat or (lambda idx: idx)
         bar, n_bar = _histogram_bar(dense, self.topk)
-        self._top_acc.add(self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where))
-        if ge100:  # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
-            cand = (aflat > MASSIVE_FLOOR).nonzero().squeeze(1)
-            gt100 = cand.numel()
-            self._massive_acc.add_count(gt100)
-            if gt100:
-                pick = cand[_select(aflat[cand], self.massive_cap, MASSIVE_FLOOR, gt100)]
-                self._massive_acc.add(self._entries(to_flat(pick), *where))
+        top = self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where)
+        if not ge100:
+            return top, None
+        # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
+        cand = (aflat > MASSIVE_FLOOR).nonzero().squeeze(1)
+        pick = cand[_select(aflat[cand], self.massive_cap, MASSIVE_FLOOR, cand.numel())]
+        return top, (cand.numel(), self._entries(to_flat(pick), *where))
 
     def _update_map(
         self,
@@ -727,15 +830,20 @@ class SiteStats:
         reduce = [i for i, d in enumerate(layout[:-2]) if d != "head"] + [len(lead)]
         keep = tuple(n for n, d in zip(lead, layout, strict=False) if d == "head")
         amax = af.view(*lead, width).amax(dim=reduce) if reduce else af
-        self._absmax_acc.add(amax.to("cpu", torch.float64).reshape(-1), keep)
-
-        self._moments_acc.add_extremes(n_ok, lo, hi)
-        vflat = vals.view(-1)
-        dense, ge6, ge100 = _histogram(vflat, None)
-        self._hist.add_dense(dense)
-        self._thresholds.add(ge6)
-        self._moments_acc.add_sums(_combine_rows(*_row_moments(vals, None)))
-        self._add_largest(af.view(-1), n_ok, dense, ge100, where, to_flat)
+        dense, ge6, ge100 = _histogram(vals.view(-1), None)
+        top, massive = self._largest(af.view(-1), n_ok, dense, ge100, where, to_flat)
+        self._feed(
+            "map",
+            absmax=(amax.to("cpu", torch.float64).reshape(-1), keep),
+            moments=(n_ok, lo, hi, _combine_rows(*_row_moments(vals, None))),
+            nonfinite=None,  # every visible entry is finite (else the general path runs)
+            token_kurtosis=None,  # a map's last dim is a key, not a channel
+            top=top,
+            hist=dense,
+            thresholds=ge6,
+            massive=massive,
+            squares=None,  # likewise
+        )
         return True
 
     def _native_ready(self, x: torch.Tensor, layout: Layout) -> bool:
@@ -765,7 +873,7 @@ class SiteStats:
         two native traversals (diffquant/kernels/native.py); returns False, having added nothing, when it
         cannot (the torch path then runs). ``keep``: the kept (head / channel) index of each value and the
         abs-max shape, None for a layout with no dims; ``where`` / ``to_flat`` locate entries as in
-        :meth:`_add_largest`. Same state as the torch path: counts, extremes, histogram, abs-max, top-k,
+        :meth:`_largest`. Same state as the torch path: counts, extremes, histogram, abs-max, top-k,
         massive and non-finite entries bit for bit; moments and channel sums of squares are float64 sums in
         another order (see native.py).
 
@@ -776,13 +884,13 @@ class SiteStats:
         spec = keep[0] if keep is not None else None
         k = self.topk
         try:
-            dense, row_sum, n_r, absmax, lo, hi, ge6, ge100, nonfinite = native.pass1(
+            dense, row_sum, n_r, amax, lo, hi, ge6, ge100, n_bad = native.pass1(
                 rows, width, spec, _K_OF_M, SLOTS, ranges
             )
         except native.NativeError:
             return False
         n_ok = int(n_r.sum())
-        if n_ok == 0 or (ranges is not None and (nonfinite or n_ok <= k)):
+        if n_ok == 0 or (ranges is not None and (n_bad or n_ok <= k)):
             return False
         squares = None
         if layout[-1] == "channel" and ranges is None:
@@ -792,7 +900,7 @@ class SiteStats:
         if ranges is not None and k > 0 and not use_bar:
             return False
         try:
-            m2, m3, m4, sumsq, cand, massive = native.pass2(
+            m2, m3, m4, sumsq, cand, massive_idx = native.pass2(
                 rows,
                 width,
                 spec,
@@ -811,16 +919,22 @@ class SiteStats:
 
         vals = rows.view(-1)
         finite = None
-        if nonfinite:  # counted and located as the torch path does (a broken model's profile says where)
+        nonfinite = None
+        if n_bad:  # counted and located as the torch path does (a broken model's profile says where)
             finite = torch.isfinite(vals)
             special = [torch.isnan(vals), vals == math.inf, vals == -math.inf]
-            self._nonfinite.add(*torch.stack([torch.count_nonzero(m) for m in special]).tolist())
             flat, shape, _, _, tokens, sample_offset, pos_offset = where
             x = flat.view(shape)
-            self._note_nonfinite(x, finite.view(shape), None, None, layout, tokens, sample_offset, pos_offset)
+            nonfinite = (
+                torch.stack([torch.count_nonzero(m) for m in special]).tolist(),
+                self._first_nonfinite(
+                    x, finite.view(shape), None, None, layout, tokens, sample_offset, pos_offset
+                ),
+            )
+        absmax = squares = None
         if keep is not None:
-            assert absmax is not None
-            self._absmax_acc.add(absmax.to(torch.float64), keep[1])
+            assert amax is not None
+            absmax = (amax.to(torch.float64), keep[1])
             if sumsq is not None:
                 if finite is None:
                     count = torch.full_like(sumsq, float(n_ok // max(math.prod(keep[1]), 1)))
@@ -829,13 +943,7 @@ class SiteStats:
                     reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
                     okv = finite.view(shape).to(torch.float64)
                     count = (okv.sum(dim=reduce) if reduce else okv).reshape(-1)
-                self._squares.add(sumsq, count)
-        self._moments_acc.add_extremes(n_ok, lo, hi)
-        self._hist.add_dense(dense)
-        self._thresholds.add(ge6)
-        self._moments_acc.add_sums(_combine_rows(n_r, row_sum, m2, m3, m4))
-        if layout[-1] == "channel":
-            self._tk.add_rows(n_r, m2, m4, width)
+                squares = (sumsq, count)
 
         to_flat = to_flat or (lambda idx: idx)
         if k <= 0:
@@ -849,18 +957,31 @@ class SiteStats:
             if finite is not None:
                 mags.masked_fill_(~finite, -1.0)
             top = _select(mags, k, -0.5, n_ok)
-        self._top_acc.add(self._entries(to_flat(top), *where))
+        massive = None
         if ge100:  # |x| >= 100 seen: the candidates |x| > 100 were searched (exact count)
-            gt100 = massive.numel()
-            self._massive_acc.add_count(gt100)
-            if gt100:
-                pick = massive[_select(vals[massive].abs(), self.massive_cap, MASSIVE_FLOOR, gt100)]
-                self._massive_acc.add(self._entries(to_flat(pick), *where))
+            gt100 = massive_idx.numel()
+            pick = _select(vals[massive_idx].abs(), self.massive_cap, MASSIVE_FLOOR, gt100)
+            massive = (gt100, self._entries(to_flat(massive_idx[pick]), *where))
+        self._feed(
+            "native",
+            absmax=absmax,
+            moments=(n_ok, lo, hi, _combine_rows(n_r, row_sum, m2, m3, m4)),
+            nonfinite=nonfinite,
+            token_kurtosis=(n_r, m2, m4, width) if layout[-1] == "channel" else None,
+            top=self._entries(to_flat(top), *where),
+            hist=dense,
+            thresholds=ge6,
+            massive=massive,
+            squares=squares,
+        )
         return True
 
-    def _note_nonfinite(self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset) -> None:
-        """Keep the location of the earliest non-finite entry (by sample, then layout coordinates), so a
-        profile of a broken model says where NaN / Inf first appear, not only how many there are."""
+    def _first_nonfinite(
+        self, x, finite, vmask, valid, layout, tokens, sample_offset, pos_offset
+    ) -> dict[str, Any]:
+        """The earliest non-finite entry {value: 'nan' / 'inf' / '-inf', loc} of one update (by sample, then
+        layout coordinates), so a profile of a broken model says where NaN / Inf first appear, not only how
+        many there are."""
         bad = ~finite if vmask is None else ~finite & vmask
         idx = torch.nonzero(bad.reshape(-1))[:1].reshape(-1)
         qpos = query_positions(valid).tolist() if valid is not None and "key" in layout else None
@@ -868,30 +989,31 @@ class SiteStats:
             idx, x.reshape(-1), tuple(x.shape), layout, qpos, tokens, sample_offset, pos_offset
         )[0]
         value = entry["value"]
-        candidate = {
-            "value": "nan" if value != value else ("inf" if value > 0 else "-inf"),
-            "loc": entry["loc"],
-        }
-        self._nonfinite.note(candidate)
+        return {"value": "nan" if value != value else ("inf" if value > 0 else "-inf"), "loc": entry["loc"]}
 
-    def _update_absmax(self, af: torch.Tensor, layout: Layout) -> None:
-        """SmoothQuant act_scales: max |x| over every dim but head / channel (excluded entries count as 0)."""
+    @staticmethod
+    def _absmax_of(af: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """The abs-max contribution (SmoothQuant act_scales): max |x| over every dim but head / channel
+        (excluded entries count as 0), flattened, with its shape; None for a layout with no dims."""
         if not layout:
-            return
+            return None
         reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
         keep = tuple(af.shape[i] for i, d in enumerate(layout) if d in ("head", "channel"))
         if af.numel() == 0:
             amax = torch.zeros(keep, dtype=torch.float64)
         else:
             amax = (af.amax(dim=reduce) if reduce else af).clamp_min(0.0).to("cpu", torch.float64)
-        self._absmax_acc.add(amax.reshape(-1), keep)
+        return amax.reshape(-1), keep
 
-    def _update_squares(self, x: torch.Tensor, ok: torch.Tensor | None, layout: Layout, amax: float) -> None:
-        """Per-channel float64 sum of squares and count over every dim but head / channel (layouts whose last
-        dim is ``channel``; entries where flat ``ok`` is False are left out; ``amax``: the largest magnitude
-        counted)."""
+    @staticmethod
+    def _squares_of(
+        x: torch.Tensor, ok: torch.Tensor | None, layout: Layout, amax: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The channel-squares contribution: per-channel float64 sum of squares and count over every dim but
+        head / channel (layouts whose last dim is ``channel``, else None; entries where flat ``ok`` is False
+        are left out; ``amax``: the largest magnitude counted)."""
         if not layout or layout[-1] != "channel" or x.numel() == 0:
-            return
+            return None
         if ok is not None:  # masked only here: other layouts pay no copy
             x = torch.where(ok.view(x.shape), x, 0.0)
         reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
@@ -907,7 +1029,7 @@ class SiteStats:
         else:
             okv = ok.view(x.shape).to(torch.float64)
             n = okv.sum(dim=reduce) if reduce else okv
-        self._squares.add(sumsq.to("cpu").reshape(-1), n.to("cpu").reshape(-1))
+        return sumsq.to("cpu").reshape(-1), n.to("cpu").reshape(-1)
 
     def _entries(
         self,
@@ -1022,17 +1144,8 @@ class SiteStats:
             )
         s = cls(d["site"], d["kind"], topk=d["topk"], massive_cap=d["massive_cap"])
         s.layout = None if d["layout"] is None else tuple(d["layout"])
-        (
-            s._absmax_acc,
-            s._moments_acc,
-            s._nonfinite,
-            s._tk,
-            s._top_acc,
-            s._hist,
-            s._thresholds,
-            s._massive_acc,
-            s._squares,
-        ) = (acc.from_dict(d) for acc in ACCUMULATORS)
+        for slot in _TABLE.values():
+            setattr(s, slot.attr, slot.cls.from_dict(d))
         return s
 
     # ---------------------------------------------------------------------------- derived numbers
