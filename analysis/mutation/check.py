@@ -3487,6 +3487,45 @@ MUTANTS = [
         "first = 0",
         ("tests/test_awq.py::test_token_sample_is_bounded_strided_and_split_independent",),
     ),
+    # --- SiteStats' accumulator table (diffquant/profile/stats.py _TABLE, SiteStats._feed)
+    M(
+        "stats table: the native path drops the channel-squares feed",
+        "diffquant/profile/stats.py",
+        "            massive=massive,\n            squares=squares,\n        )\n        return True\n",
+        "            massive=massive,\n        )\n        return True\n",
+        (
+            "tests/test_stats.py::test_native_pass_equals_the_torch_path",
+            "tests/test_stats_table.py::test_each_path_feeds_every_accumulator_that_applies",
+        ),
+    ),
+    M(
+        "stats table: a row dropped from the table",
+        "diffquant/profile/stats.py",
+        '    "squares": _Slot("_squares", ChannelSquares, ("site",), _star(ChannelSquares.add)),\n',
+        "",
+        ("tests/test_stats_table.py::test_the_table_has_one_row_per_accumulator_in_merge_order",),
+    ),
+    M(
+        "stats table: _feed does not check that every row is fed",
+        "diffquant/profile/stats.py",
+        "        if contributions.keys() != _TABLE.keys():",
+        "        if False:",
+        ("tests/test_stats_table.py::test_an_accumulator_a_path_does_not_feed_is_an_error",),
+    ),
+    M(
+        "stats table: the native path names the squares row but feeds None",
+        "diffquant/profile/stats.py",
+        "                squares = (sumsq, count)",
+        "                squares = None",
+        ("tests/test_stats_table.py::test_each_path_feeds_every_accumulator_that_applies",),
+    ),
+    M(
+        "stats table: a fully masked update skips no token of the token kurtosis",
+        "diffquant/profile/stats.py",
+        "            token_kurtosis=math.prod(shape[:-1]) if per_token else None,",
+        "            token_kurtosis=None,",
+        ("tests/test_stats.py::test_empty_and_fully_masked_updates",),
+    ),
 ]
 
 
