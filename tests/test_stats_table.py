@@ -2,8 +2,8 @@
 update path (torch, gathered map, native) feeds every row, so an accumulator a path forgets is an error at
 that path's first update instead of a statistic left silently empty.
 
-diffquant.profile.stats is imported inside the tests (the ``stats_mod`` fixture), not at the top: a table
-that fails its import-time check then fails these tests instead of their collection.
+diffquant.profile (whose package imports stats) is imported inside the tests (the ``stats_mod`` fixture),
+not at the top: a table that fails its import-time check then fails these tests instead of their collection.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from diffquant.kernels import native
-from diffquant.profile.accumulators import ACCUMULATORS, Accumulator
 
 PATHS = ("torch", "map", "native")
 
@@ -67,13 +66,14 @@ def _spy_feeds(monkeypatch, stats_mod) -> list[tuple[str, set[str]]]:
 def test_the_table_has_one_row_per_accumulator_in_merge_order(stats_mod):
     """_TABLE lists every accumulator class once, in ACCUMULATORS' order (merge order: abs-max first), and a
     SiteStats, fresh or read back from its state, holds one instance per row under the row's attribute."""
-    assert tuple(slot.cls for slot in stats_mod._TABLE.values()) == ACCUMULATORS
-    assert len({slot.attr for slot in stats_mod._TABLE.values()}) == len(ACCUMULATORS)
+    accumulators = stats_mod.ACCUMULATORS  # diffquant.profile.accumulators.ACCUMULATORS
+    assert tuple(slot.cls for slot in stats_mod._TABLE.values()) == accumulators
+    assert len({slot.attr for slot in stats_mod._TABLE.values()}) == len(accumulators)
     s = stats_mod.SiteStats("layers.0.resid", "resid", topk=3, massive_cap=2)
     s.update(torch.randn(2, 4, 8))
     for stats in (s, stats_mod.SiteStats.from_dict(s.to_dict())):
         accs = stats._accumulators()
-        assert [type(a) for a in accs] == list(ACCUMULATORS)
+        assert [type(a) for a in accs] == list(accumulators)
         assert all(
             getattr(stats, slot.attr) is a for slot, a in zip(stats_mod._TABLE.values(), accs, strict=True)
         )
@@ -94,8 +94,9 @@ def test_each_path_feeds_every_accumulator_that_applies(monkeypatch, stats_mod, 
     assert calls == [(path, want)]
 
 
-class _Unfed(Accumulator):
-    """An accumulator added to the table that no update path feeds yet."""
+class _Unfed:
+    """An accumulator (the interface of accumulators.Accumulator) added to the table that no update path
+    feeds yet."""
 
     FIELDS = ()
 
