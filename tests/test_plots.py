@@ -136,6 +136,26 @@ def _assert_readable(fig) -> None:
             ext.x0 >= box.x0 - 1 and ext.x1 <= box.x1 + 1 and ext.y0 >= box.y0 - 1 and ext.y1 <= box.y1 + 1
         )
         assert inside, f"{what!r} is clipped: {ext} outside {box}"
+    _assert_tick_labels_apart(fig, renderer)
+
+
+def _assert_tick_labels_apart(fig, renderer) -> None:
+    """No two drawn tick labels of one axis overlap (long plan names side by side, level or turned): their
+    text boxes, as the renderer lays them out, share no area (half a pixel of slack)."""
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            shown = [
+                t
+                for tick in axis._update_ticks()
+                for t in (tick.label1, tick.label2)
+                if t.get_visible() and t.get_text().strip()
+            ]
+            boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in shown]
+            for i, (a, ea) in enumerate(boxes):
+                for b, eb in boxes[i + 1 :]:
+                    wide = min(ea.x1, eb.x1) - max(ea.x0, eb.x0)
+                    high = min(ea.y1, eb.y1) - max(ea.y0, eb.y0)
+                    assert wide <= 0.5 or high <= 0.5, f"tick labels {a!r} and {b!r} overlap: {ea} {eb}"
 
 
 def _drawn_texts(fig, renderer) -> list[tuple[str, Any]]:
@@ -424,6 +444,24 @@ def test_plan_point_classifies_plans():
     assert plan_point(preset("bnb-int8").to_dict()) is None  # a backend, no rules
     bits, label = plan_point(preset("mxfp4").to_dict())
     assert label == "mxfp4 blocks" and bits > 4
+    # what a plan quantizes besides its rules: w4a8-rtn's one rule is int8 inputs per token, but its weights
+    # section makes it W4A8 (int4 RTN weights), no 8-bit per-row point; so for the other sections
+    from diffquant.plots.degradation import not_a_point
+
+    for name, why in (
+        ("w4a8-rtn", "rtn weights"),
+        ("w4a4-rtn", "rtn weights"),
+        ("w4a8-quarot-gptq", "gptq weights"),
+        ("w4a16-hqq-g128", "hqq weights"),
+        ("kv4", "a KV cache"),
+        ("bnb-nf4", "a backend"),
+    ):
+        assert plan_point(preset(name).to_dict()) is None, name
+        assert why in not_a_point(preset(name).to_dict()), name
+    rotated = {**preset("attn-logits-int4-row").to_dict(), "rotate": preset("quarot").to_dict()["rotate"]}
+    assert plan_point(rotated) is None and not_a_point(rotated) == "a rotation"
+    smoothed = {**preset("attn-logits-int4-row").to_dict(), "smooth": {"alpha": 0.5}}
+    assert plan_point(smoothed) is None and not_a_point(smoothed) == "smoothing"
 
 
 def test_act_scales(art, tmp_path):

@@ -208,9 +208,16 @@ def test_summary_uses_the_spread_of_the_windows_for_bits_per_byte(tmp_path):
             metrics |= {"bits_per_byte_stderr": 0.02, "n_windows": 8}
     text = _summary(_synthetic_run(tmp_path, tasks))
     assert "Unquantized, A is best (1.0000; B 1.0200; within noise)" in text
+    # no per-window values in these results: the unpaired rule, said so
     assert (
-        "1 of 3 differences between models at the same plan are smaller than 2 standard errors (standard "
-        "errors from the spread of each cell's 8 windows (bits_per_byte_stderr, median 0.0200))" in text
+        "3 of 4 changes vs unquantized are larger than 2 standard errors (unpaired: the results keep no "
+        "per-window values (a sweep from before they were kept, or a layer-streamed one), so each cell's own "
+        "standard error over its 8 windows (bits_per_byte_stderr, median 0.0200) is added in quadrature)"
+        in text
+    )
+    assert (
+        "1 of 3 differences between models at the same plan are smaller than 2 standard errors (as above; "
+        "at a quantized plan, of the changes vs unquantized)" in text
     )
     assert "not tested against noise" not in text
     shutil.rmtree(tmp_path / "run")

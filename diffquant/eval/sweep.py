@@ -45,6 +45,7 @@ from diffquant.data import token_windows
 from diffquant.data.tokenizer import ByteTokenizer, load_tokenizer, model_tokenizer
 from diffquant.distributed import rank_and_world
 from diffquant.errors import DiffquantError
+from diffquant.eval.perplexity import keep_per_window
 from diffquant.eval.tasks import TaskSpec, default_text, kv_cache_refusal, parse_task, run_task
 from diffquant.io import load_model, peek_tokenizer
 from diffquant.io.artifacts import (
@@ -441,7 +442,7 @@ def run_sweep(
         for cell in bar:
             bar.set_postfix_str(cell.key)
             start = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), keep_per_window() as per_window:
                 model = runner.model(cell, tasks[cell.task])
                 metrics = run_task(
                     model, tasks[cell.task], batch_size=spec.batch_size, default_data=runner.eval_data
@@ -460,6 +461,8 @@ def run_sweep(
                 "attention_paths": getattr(model, "stream_paths", None) or path_summary(model),
                 "seconds": time.perf_counter() - start,
             }
+            if len(per_window) == 1 and per_window[0] is not None:  # a text task's windows (paired noise)
+                record["per_window"] = per_window[0]
             del model  # the cell's copy goes before the next cell makes its own (else two are held)
             _append(path, record)
             broken = _non_finite(record["metrics"])
@@ -656,6 +659,9 @@ def write_results(spec: SweepSpec, out: Path, records: dict[str, dict[str, Any]]
     }
     if dtypes:  # each model's unquantized precision (records written before it was kept have none)
         results["dtypes"] = dtypes
+    windows = per_window_results(spec, records)
+    if windows:  # text tasks' per-window tallies (records written before they were kept have none)
+        results["per_window"] = windows
     write_json_atomic(out / "results.json", results)
     timing = io.StringIO()
     timing.write("model,plan,task,seconds,attention_paths\n")
@@ -666,6 +672,17 @@ def write_results(spec: SweepSpec, out: Path, records: dict[str, dict[str, Any]]
             timing.write(f"{cell.model},{cell.plan},{cell.task},{rec['seconds']:.3f},{paths}\n")
     write_text_atomic(out / "timing.csv", timing.getvalue())
     return results
+
+
+def per_window_results(spec: SweepSpec, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """{task: {model: {plan: per-window tally}}} of the cells whose records keep one (whole-model text
+    tasks: :func:`diffquant.eval.perplexity.per_window_record`), for standard errors paired over windows."""
+    out: dict[str, Any] = {}
+    for cell in spec.cells():
+        kept = records.get(cell.key, {}).get("per_window")
+        if isinstance(kept, dict):
+            out.setdefault(cell.task, {}).setdefault(cell.model, {})[cell.plan] = kept
+    return out
 
 
 def format_results(spec: SweepSpec, results: dict[str, Any]) -> str:

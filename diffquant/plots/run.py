@@ -204,7 +204,10 @@ def draw_degradation(ctx: FigureContext) -> Iterator[Drawn]:
             f"{task}: {metric} vs bits per element for single-format plans (one panel per model, all "
             f"on one y scale; one line per granularity, ending at the unquantized model placed at its "
             f"dtype's width (fp32: 32); dotted = unquantized level, grey dashed = chance where the task "
-            f"reports it); other plans as bars of the change vs unquantized.",
+            f"reports it); other plans (mixed formats, weights sections such as RTN / GPTQ, backends, KV "
+            f"caches, rotation) as bars of the change vs unquantized. Error bars: the change ± 2 standard "
+            f"errors, paired over the windows both cells scored where the results keep them (the figure's "
+            f"bottom line says which rule applies).",
             f"Degradation under quantization: {task} ({metric})",
         )
 

@@ -9,11 +9,17 @@ a run whose data say otherwise gets other sentences. Three topics:
   vs the same model unquantized, signed so that a loss is positive whichever direction is better);
 * noise: what the numbers cannot tell apart. Results within 2 standard errors of the task's chance level
   are flagged (retrieval reports its chance level; multiple choice's is 1 / choices, read from the items
-  file), and so are differences between models smaller than 2 standard errors of their difference. The
-  standard error is the task's own where it reports one (``METRIC_stderr``), else, for accuracies over
-  ``n`` items, the binomial sqrt(p (1 - p) / n); bits per byte and perplexity report theirs from the spread
-  of the run's own windows (``bits_per_byte_stderr``, data/scoring.py); a cell with none (written before
-  they were kept) says that no spread is known rather than guessing one.
+  file; for a binomial result this is chance inside its Wilson score interval at z = 2), and so are
+  changes vs unquantized and differences between models smaller than 2 standard errors. Bits per byte and
+  perplexity are scored on the same windows in every cell, so a change and a difference between models
+  (at a quantized plan: between their changes) get a standard error *paired* over the windows
+  (:mod:`diffquant.plots.noise`: from the per-window differences, windows matched by index, n - 1 degrees of
+  freedom), where the results keep per-window tallies (``per_window`` in results.json) and the windows match;
+  otherwise the unpaired rule, named as such: each cell's own standard error from the spread of its windows
+  (``bits_per_byte_stderr``, data/scoring.py) added in quadrature. Other tasks use their own standard error
+  (``METRIC_stderr``), else, for accuracies over ``n`` items, the binomial sqrt(p (1 - p) / n) (a change:
+  Newcombe's score interval from the two Wilson intervals). A cell with none (written before they were
+  kept) says that no spread is known rather than guessing one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,20 @@ from typing import Any
 from diffquant.errors import DiffquantError
 from diffquant.eval.multiple_choice import load_mc_jsonl
 from diffquant.plots.figures import KIND_TITLES, chance_levels
+from diffquant.plots.noise import (
+    BINOMIAL,
+    PAIRED,
+    PAIRED_EACH,
+    UNPAIRED,
+    Interval,
+    Measure,
+    Spread,
+    Tally,
+    interval_of_change,
+    se_of_change_difference,
+    wilson,
+)
+from diffquant.plots.noise import se_of_difference as spread_of_difference
 from diffquant.profile.tables import describe_location
 
 Z = 2.0  # "within 2 standard errors"
@@ -194,6 +214,7 @@ class Cell:
     se: float | None = None  # the task's own standard error, if it reports one
     n: int | None = None  # items behind an accuracy
     windows: int | None = None  # windows a text task scored (bpb / ppl: its standard error is over them)
+    tally: Tally | None = None  # per-window NLL / targets / bytes, where the results keep them (paired noise)
 
 
 @dataclass
@@ -226,15 +247,54 @@ class TaskView:
         return "none"
 
     def se_of_difference(self, a: Cell, b: Cell) -> float | None:
-        """Standard error of value(a) - value(b): the reported errors combined, else the binomial error
-        at the pooled accuracy (a two-proportion test); None when no spread is known."""
-        if a.se is not None and b.se is not None:
-            return math.sqrt(a.se**2 + b.se**2)
+        """Standard error of value(a) - value(b) (:meth:`spread_of_difference`), None when none is known."""
+        spread = self.spread_of_difference(a, b)
+        return None if spread is None else spread.se
+
+    def spread_of_difference(self, a: Cell, b: Cell) -> Spread | None:
+        """Standard error of value(a) - value(b), two models at one plan: paired over their windows where
+        both keep a tally and the windows match, else the reported errors combined (unpaired), else the
+        binomial error at the pooled accuracy (a two-proportion test); None when no spread is known."""
+        spread = spread_of_difference(self.metric, a, b)
+        if spread is not None:
+            return spread
         if self.spread == "binomial" and a.n and b.n and a.value is not None and b.value is not None:
             p = (a.value * a.n + b.value * b.n) / (a.n + b.n)
             p = min(max(p, 0.0), 1.0)
-            return math.sqrt(p * (1 - p) * (1 / a.n + 1 / b.n))
+            return Spread(math.sqrt(p * (1 - p) * (1 / a.n + 1 / b.n)), BINOMIAL)
         return None
+
+    def _binomial(self, cell: Cell) -> Cell | Measure:
+        """The cell, with the binomial standard error sqrt(p (1 - p) / n) where it reports none."""
+        if cell.se is not None or self.spread != "binomial" or not cell.n or cell.value is None:
+            return cell
+        p = min(max(cell.value, 0.0), 1.0)
+        return Measure(cell.value, math.sqrt(p * (1 - p) / cell.n), cell.n, cell.tally)
+
+    def change_interval(self, cell: Cell) -> Interval | None:
+        """The interval of ``cell``'s change vs the same model unquantized (± 2 standard errors, paired
+        over windows where possible; Newcombe's score interval for a binomial accuracy), or None."""
+        ref = self.cells.get((cell.model, NONE_PLAN))
+        if ref is None or cell.plan == NONE_PLAN:
+            return None
+        return interval_of_change(self.metric, self.type, cell, ref)
+
+    def spread_of_changes(self, a: Cell, b: Cell) -> Spread | None:
+        """Standard error of change(a) - change(b), two models at one quantized plan (each change vs that
+        model unquantized): paired over the four cells' windows, else each change paired, else unpaired or
+        binomial (:func:`diffquant.plots.noise.se_of_change_difference`); None when none is known."""
+        ua, ub = self.cells.get((a.model, NONE_PLAN)), self.cells.get((b.model, NONE_PLAN))
+        if ua is None or ub is None:
+            return None
+        cells = [self._binomial(c) for c in (a, ua, b, ub)]
+        spread = se_of_change_difference(self.metric, *cells)
+        if (
+            spread is not None
+            and spread.basis == UNPAIRED
+            and any(c is not o for c, o in zip(cells, (a, ua, b, ub), strict=True))
+        ):
+            return Spread(spread.se, BINOMIAL)
+        return spread
 
     def se_at_chance(self, cell: Cell) -> float | None:
         """Standard error for testing ``cell`` against chance: the reported one (when positive), else the
@@ -275,6 +335,7 @@ def task_views(results: Mapping[str, Any], sweep: Mapping[str, Any] | None) -> l
         params = task_specs.get(label, {})
         ttype = str(params.get("type", label))
         mine = [r for r in rows if r.get("task") == label]
+        tallies = (results.get("per_window") or {}).get(label) or {}
         by_metric = {(r["model"], r["plan"], r["metric"]): r for r in mine}
         models = [m for m in spec.get("models", {}) if any(r["model"] == m for r in mine)]
         models += [m for m in dict.fromkeys(r["model"] for r in mine) if m not in models]
@@ -289,6 +350,7 @@ def task_views(results: Mapping[str, Any], sweep: Mapping[str, Any] | None) -> l
             n = _number(n_row["value"]) if n_row else None
             w_row = by_metric.get((model, plan, "n_windows"))
             windows = _number(w_row["value"]) if w_row else None
+            tally = Tally.parse((tallies.get(model) or {}).get(plan))
             view.cells[(model, plan)] = Cell(
                 model,
                 plan,
@@ -298,6 +360,7 @@ def task_views(results: Mapping[str, Any], sweep: Mapping[str, Any] | None) -> l
                 se=_number(se_row["value"]) if se_row else None,
                 n=int(n) if n else None,
                 windows=int(windows) if windows else None,
+                tally=tally,
             )
         view.chance = chance_levels(results, label)
         if view.chance:
@@ -317,12 +380,21 @@ def _ranked(view: TaskView, plan: str, key) -> list[tuple[Cell, float]]:
 
 
 def _within_noise(view: TaskView, a: Cell, b: Cell) -> bool:
-    """Whether two results of a task differ by less than 2 standard errors of their difference (False
-    when no spread is known: then nothing is flagged, and the noise topic says so)."""
-    se = view.se_of_difference(a, b)
-    if se is None or a.value is None or b.value is None:
-        return False
-    return abs(a.value - b.value) < Z * se
+    """Whether two models' results of a task at one plan differ by less than 2 standard errors of their
+    difference: unquantized, the values; at a quantized plan, the changes vs unquantized (the loss the
+    ranking is by). False when no spread is known: then nothing is flagged, and the noise topic says so."""
+    gap, spread = _model_gap(view, a, b)
+    return gap is not None and spread is not None and abs(gap) < Z * spread.se
+
+
+def _model_gap(view: TaskView, a: Cell, b: Cell) -> tuple[float | None, Spread | None]:
+    """(the difference between two models at one plan, its standard error): unquantized the values, at a
+    quantized plan the changes vs unquantized."""
+    if a.plan == NONE_PLAN:
+        gap = None if a.value is None or b.value is None else a.value - b.value
+        return gap, view.spread_of_difference(a, b)
+    gap = None if a.delta is None or b.delta is None else a.delta - b.delta
+    return gap, view.spread_of_changes(a, b)
 
 
 def _near_chance(view: TaskView, cells: Sequence[Cell]) -> tuple[list[Cell], list[Cell]]:
@@ -424,16 +496,84 @@ def quant_sentences(views: Sequence[TaskView]) -> list[str]:
     return out
 
 
+def _basis(view: TaskView, spreads: Sequence[Spread], cells: Sequence[Cell]) -> str:
+    """In words, what the standard errors ``spreads`` rest on (how many of them on each rule when mixed)."""
+    counts: dict[str, int] = {}
+    for sp in spreads:
+        counts[sp.basis] = counts.get(sp.basis, 0) + 1
+    parts = []
+    for basis, count in counts.items():
+        if basis == PAIRED:
+            windows = sorted({sp.windows for sp in spreads if sp.basis == PAIRED and sp.windows})
+            over = f"the {windows[0]:,} windows" if len(windows) == 1 else "the windows"
+            text = (
+                f"paired over {over} both cells scored: the sample standard deviation (n - 1) of the "
+                "per-window differences over sqrt(n)"
+            )
+        elif basis == PAIRED_EACH:
+            text = (
+                "each model's change paired over its windows, the two models' changes taken as independent "
+                "(their windows differ: another tokenizer)"
+            )
+        elif basis == UNPAIRED:
+            ses = sorted(c.se for c in cells if c.se is not None)
+            median = f", median {ses[len(ses) // 2]:.4f}" if ses else ""
+            windows = sorted({c.windows for c in cells if c.windows})
+            if windows:  # bpb / ppl without per-window tallies
+                w_text = f"{windows[0]:,}" if len(windows) == 1 else f"{windows[0]:,} to {windows[-1]:,}"
+                tallied = [c for c in cells if c.tally is not None]
+                why = (
+                    "the cells' windows differ (another tokenizer)"
+                    if tallied and len(tallied) == len(cells)
+                    else "the results keep no per-window values (a sweep from before they were kept, or a "
+                    "layer-streamed one)"
+                )
+                text = (
+                    f"unpaired: {why}, so each cell's own standard error over its {w_text} windows "
+                    f"({view.metric}_stderr{median}) is added in quadrature"
+                )
+            else:
+                text = f"the task's own standard errors ({view.metric}_stderr{median}), unpaired"
+        else:  # BINOMIAL
+            ns = sorted({c.n for c in cells if c.n})
+            n_text = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]} to {ns[-1]}"
+            text = f"binomial standard errors sqrt(p(1-p)/n) over {n_text} items; the task reports none"
+        parts.append(text if len(counts) == 1 else f"{text} (for {count} of them)")
+    return "; ".join(parts)
+
+
+def _interval(interval: Interval) -> str:
+    """'± 2 s.e. 0.0012' for a symmetric interval, 'interval -0.031 to +0.12' for a score interval."""
+    half = (interval.high - interval.low) / 2
+    if abs(interval.center - (interval.low + half)) <= 1e-12 * max(1.0, abs(half)):
+        return f"2 s.e. {half:.2g}"
+    return f"interval {interval.low:+.3g} to {interval.high:+.3g}"
+
+
 def noise_sentences(views: Sequence[TaskView]) -> list[str]:
-    """Per task: what the spread is, how many model differences it swallows, which results are chance."""
+    """Per task: what the spread is, how many changes vs unquantized it can tell from zero, how many model
+    differences it swallows, which results are chance."""
     out = []
     for view in views:
         cells = [c for c in view.cells.values() if c.value is not None]
         if not cells:
             continue
-        spread = view.spread
         head = f"**{view.label}**"
-        if spread == "none":
+        changes: list[tuple[Cell, Interval]] = []
+        for c in cells:
+            interval = view.change_interval(c)
+            if interval is not None:
+                changes.append((c, interval))
+        gaps: list[tuple[float, Spread]] = []
+        for plan in view.plans:
+            at = [view.cells[(m, plan)] for m in view.models if (m, plan) in view.cells]
+            at = [c for c in at if c.value is not None]
+            for i, a in enumerate(at):
+                for b in at[i + 1 :]:
+                    gap, sp = _model_gap(view, a, b)
+                    if gap is not None and sp is not None:
+                        gaps.append((gap, sp))
+        if not changes and not gaps and view.spread == "none":
             if any(c.windows for c in cells):  # a text task whose cells predate per-window errors
                 out.append(
                     f"{head}: no spread is known for {view.metric}. This run's cells store only totals "
@@ -446,38 +586,51 @@ def noise_sentences(views: Sequence[TaskView]) -> list[str]:
                     f"error and the run has no repeats), so differences between models are not tested "
                     f"against noise."
                 )
-        else:
-            if spread == "reported":
-                ses = sorted(c.se for c in cells if c.se is not None)
-                median = ses[len(ses) // 2]
-                basis = f"the task's own standard errors ({view.metric}_stderr, median {median:.4f})"
-                windows = sorted({c.windows for c in cells if c.windows})
-                if windows:  # bpb / ppl: the spread of the run's own windows
-                    w_text = f"{windows[0]:,}" if len(windows) == 1 else f"{windows[0]:,} to {windows[-1]:,}"
-                    basis = (
-                        f"standard errors from the spread of each cell's {w_text} windows "
-                        f"({view.metric}_stderr, median {median:.4f})"
-                    )
-            else:
-                ns = sorted({c.n for c in cells if c.n})
-                n_text = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]} to {ns[-1]}"
-                basis = f"binomial standard errors sqrt(p(1-p)/n) over {n_text} items; the task reports none"
-            pairs = total = 0
-            for plan in view.plans:
-                at = [view.cells[(m, plan)] for m in view.models if (m, plan) in view.cells]
-                at = [c for c in at if c.value is not None]
-                for i, a in enumerate(at):
-                    for b in at[i + 1 :]:
-                        se = view.se_of_difference(a, b)
-                        if se is None:
-                            continue
-                        total += 1
-                        pairs += abs(a.value - b.value) < Z * se
-            if total:
-                verdict = ": no model is distinguishable from another on this task" if pairs == total else ""
+        if changes:
+            beyond = [(c, i) for c, i in changes if i.excludes_zero]
+            within = [(c, i) for c, i in changes if not i.excludes_zero]
+            rule = _basis(
+                view,
+                [Spread((i.high - i.low) / (2 * Z), i.basis, i.windows) for _, i in changes],
+                cells,
+            )
+            if any(i.basis == BINOMIAL for _, i in changes):
+                rule = rule.replace(
+                    "binomial standard errors sqrt(p(1-p)/n)",
+                    "Newcombe's score interval from the two Wilson intervals at z = 2",
+                )
+            sentence = (
+                f"{head}: {len(beyond)} of {len(changes)} changes vs unquantized are larger than 2 standard "
+                f"errors ({rule})"
+            )
+            if within and len(within) <= 6:
+                sentence += "; within noise: " + ", ".join(
+                    f"{c.model} at {c.plan} ({_d(i.center)}, {_interval(i)})" for c, i in within
+                )
+            out.append(sentence + ".")
+        if gaps:
+            small = sum(abs(g) < Z * sp.se for g, sp in gaps)
+            verdict = ": no model is distinguishable from another on this task" if small == len(gaps) else ""
+            quantized = len(view.plans) > 1 and any(p != NONE_PLAN for p in view.plans)
+            what = "; at a quantized plan, of the changes vs unquantized" if quantized else ""
+            rule = _basis(view, [sp for _, sp in gaps], cells)
+            if changes and rule in out[-1]:
+                rule = "as above"
+            out.append(
+                f"{head}: {small} of {len(gaps)} differences between models at the same plan are smaller "
+                f"than 2 standard errors ({rule}{what}){verdict}."
+            )
+        if view.spread == "binomial" and view.type == "retrieval":
+            counted = [c for c in cells if c.n]
+            if counted and len(counted) <= 12:
                 out.append(
-                    f"{head}: {pairs} of {total} differences between models at the same plan are smaller "
-                    f"than 2 standard errors ({basis}){verdict}."
+                    f"{head}: Wilson score intervals (z = 2) of each {view.metric}: "
+                    + ", ".join(
+                        f"{c.model} at {c.plan} {_v(c.value)} [{lo:.3f}, {hi:.3f}]"
+                        for c in counted
+                        for lo, hi in [wilson(c.value, c.n)]
+                    )
+                    + "."
                 )
         if view.type in ACCURACY_TASKS or view.chance:
             if not view.chance:
