@@ -152,16 +152,18 @@ def test_wilson_and_newcombe_score_intervals():
         assert (lo <= c <= hi) == (abs(p - c) <= 2 * math.sqrt(c * (1 - c) / n))
 
 
-def _run_with_windows(tmp_path, shifts, jitter=0.01, keep_windows=True):
-    """A synthetic run: models A and B on the same 8 windows (very different difficulty), unquantized and at
-    attn-logits-int4 with the given common shift in bits per byte; results carry each cell's value, own
-    standard error, n_windows and (``keep_windows``) the per-window tallies, as a sweep writes them now."""
+def _run_with_windows(tmp_path, shifts, jitter=0.01, keep_windows=True, offsets=None):
+    """A synthetic run: models A and B on the same 8 windows (very different difficulty), unquantized (each
+    model ``offsets`` bits per byte above the common base) and at attn-logits-int4 with the given common
+    shift in bits per byte; results carry each cell's value, own standard error, n_windows and
+    (``keep_windows``) the per-window tallies, as a sweep writes them now."""
     base, rng, size = _windows(seed=3)
     tallies = {}
     for model, shift in shifts.items():
+        ref = base + (offsets or {}).get(model, 0.0) * size * LN2
         tallies[model] = {
-            "none": _tally(base),
-            "attn-logits-int4": _tally(base + (shift + rng.normal(0, jitter, N)) * size * LN2),
+            "none": _tally(ref),
+            "attn-logits-int4": _tally(ref + (shift + rng.normal(0, jitter, N)) * size * LN2),
         }
     cells = {
         m: {
@@ -219,6 +221,18 @@ def test_report_pairs_changes_and_model_differences_over_windows(tmp_path):
     text = _summary(run)
     assert f"A loses least at attn-logits-int4 ({a:+.4f}; next B {b:+.4f}; within noise)" in text
     assert "unpaired: the results keep no per-window values" in text
+    # B is 0.5 bits per byte worse unquantized, and int4 costs both models the same 0.30: at the quantized
+    # plan the losses are compared (within noise), not the values (0.5 apart, far beyond it)
+    shutil.rmtree(run)
+    run, tallies = _run_with_windows(tmp_path, {"A": 0.30, "B": 0.30}, jitter=0.02, offsets={"B": 0.5})
+    text = _summary(run)
+    a = _bpb(tallies["A"]["attn-logits-int4"]) - _bpb(tallies["A"]["none"])
+    b = _bpb(tallies["B"]["attn-logits-int4"]) - _bpb(tallies["B"]["none"])
+    first, second = ("A", "B") if a < b else ("B", "A")
+    detail = f"{first} loses least at attn-logits-int4 ({min(a, b):+.4f}; next {second} {max(a, b):+.4f}; within noise)"
+    assert detail in text
+    va, vb = _bpb(tallies["A"]["none"]), _bpb(tallies["B"]["none"])
+    assert f"Unquantized, A is best ({va:.4f}; B {vb:.4f})." in text  # 0.5 apart: no "within noise"
 
 
 def test_sweep_keeps_each_windows_tally_and_old_records_stay_readable(tmp_path):
@@ -315,14 +329,19 @@ def test_degradation_figure_with_a_weights_recipe(monkeypatch):
         assert not set(line.get_ydata()) & set(w4a8)
     assert {t.get_rotation() for t in bars_ax.get_xticklabels()} == {90.0}
     _assert_readable(fig)  # no tick label over another, nothing clipped
-    # error bars: ± 2 paired standard errors of each change, drawn around each bar's top
+    # error bars: ± 2 paired standard errors of each change (float64, from the windows), around each bar's top
     intervals = change_intervals(results, "bpb", "bpb")
     segments = [seg for coll in bars_ax.collections for seg in coll.get_segments()]
+    size = np.array([200.0] * N)
     for model in ("baseline", "diff_v1"):
         i = intervals[(model, "w4a8-rtn")]
         assert i.basis == PAIRED and i.windows == N
+        q, u = (np.array(results["per_window"]["bpb"][model][p]["nats"]) for p in ("w4a8-rtn", "none"))
+        diffs = (q - u) / LN2 / size
+        change, two_se = diffs.mean(), 2 * diffs.std(ddof=1) / math.sqrt(N)
         assert any(
-            seg[0][1] == pytest.approx(i.low, rel=1e-9) and seg[1][1] == pytest.approx(i.high, rel=1e-9)
+            seg[0][1] == pytest.approx(change - two_se, rel=1e-9)
+            and seg[1][1] == pytest.approx(change + two_se, rel=1e-9)
             for seg in segments
         ), model
     assert "paired over 8 windows" in fig.get_supxlabel()
