@@ -3526,6 +3526,94 @@ MUTANTS = [
         "            token_kurtosis=None,",
         ("tests/test_stats.py::test_empty_and_fully_masked_updates",),
     ),
+    M(
+        "noise49: a plan's weights section ignored (w4a8-rtn an 8-bit per-row point)",
+        "diffquant/plots/degradation.py",
+        '    if qp.weights is not None:\n        return f"{qp.weights.method} weights (its weights section)"\n',
+        "",
+        (
+            "tests/test_plots.py::test_plan_point_classifies_plans",
+            "tests/test_noise.py::test_degradation_figure_with_a_weights_recipe",
+        ),
+    ),
+    M(
+        "noise49: crowded plan names left level (tick labels overlap)",
+        "diffquant/plots/degradation.py",
+        "    if crowded:\n",
+        "    if False:\n",
+        ("tests/test_noise.py::test_degradation_figure_with_a_weights_recipe",),
+    ),
+    M(
+        "noise49: a change's standard error unpaired despite per-window tallies",
+        "diffquant/plots/noise.py",
+        "    terms = [(1.0, quantized), (-1.0, unquantized)]\n    return _paired(metric, terms) or _unpaired(terms)",
+        "    terms = [(1.0, quantized), (-1.0, unquantized)]\n    return _unpaired(terms)",
+        (
+            "tests/test_noise.py::test_paired_standard_error_against_float64_formula_where_unpaired_says_noise",
+            "tests/test_noise.py::test_degradation_figure_with_a_weights_recipe",
+        ),
+    ),
+    M(
+        "noise49: paired standard error with n instead of n - 1 degrees of freedom",
+        "diffquant/plots/noise.py",
+        "math.sqrt(len(rows) / (len(rows) - 1) * squares)",
+        "math.sqrt(squares)",
+        (
+            "tests/test_noise.py::test_paired_standard_error_against_float64_formula_where_unpaired_says_noise",
+        ),
+    ),
+    M(
+        "noise49: windows matched without comparing their bytes",
+        "diffquant/plots/noise.py",
+        "            and self.bytes == other.bytes\n",
+        "",
+        ("tests/test_noise.py::test_windows_that_do_not_match_are_not_paired",),
+    ),
+    M(
+        "noise49: two models' changes compared as one unpaired",
+        "diffquant/plots/noise.py",
+        "    if a is not None and b is not None:\n        return Spread(math.hypot(a.se, b.se), PAIRED_EACH, a.windows)\n",
+        "",
+        ("tests/test_noise.py::test_windows_that_do_not_match_are_not_paired",),
+    ),
+    M(
+        "noise49: a quantized plan's model difference of the values, not of the losses",
+        "diffquant/report/summary.py",
+        "    gap = None if a.delta is None or b.delta is None else a.delta - b.delta\n    return gap, view.spread_of_changes(a, b)",
+        "    gap = None if a.value is None or b.value is None else a.value - b.value\n    return gap, view.spread_of_difference(a, b)",
+        ("tests/test_noise.py::test_report_pairs_changes_and_model_differences_over_windows",),
+    ),
+    M(
+        "noise49: the report ignores the per-window tallies",
+        "diffquant/report/summary.py",
+        "            tally = Tally.parse((tallies.get(model) or {}).get(plan))",
+        "            tally = None",
+        ("tests/test_noise.py::test_report_pairs_changes_and_model_differences_over_windows",),
+    ),
+    M(
+        "noise49: the sweep drops each cell's per-window tally",
+        "diffquant/eval/sweep.py",
+        '                record["per_window"] = per_window[0]',
+        "                pass",
+        ("tests/test_noise.py::test_sweep_keeps_each_windows_tally_and_old_records_stay_readable",),
+    ),
+    M(
+        "noise49: Wilson interval centred on p",
+        "diffquant/plots/noise.py",
+        "    center = (p + z2n / 2) / (1 + z2n)",
+        "    center = p",
+        (
+            "tests/test_noise.py::test_wilson_and_newcombe_score_intervals",
+            "tests/test_noise.py::test_retrieval_changes_get_score_intervals",
+        ),
+    ),
+    M(
+        "noise49: error bars at 1 standard error",
+        "diffquant/plots/noise.py",
+        "        return Interval(d, d - Z * spread.se, d + Z * spread.se, spread.basis, spread.windows)",
+        "        return Interval(d, d - spread.se, d + spread.se, spread.basis, spread.windows)",
+        ("tests/test_noise.py::test_degradation_figure_with_a_weights_recipe",),
+    ),
 ]
 
 
