@@ -18,6 +18,7 @@ from typing import NoReturn
 from diffquant import __version__
 from diffquant.cli_options import add_model_options as _add_model_options
 from diffquant.cli_options import load_for_args as _load
+from diffquant.cli_options import run_options_for
 from diffquant.errors import DiffquantError
 from diffquant.models.config import ATTENTION_KINDS
 from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not quant.plan.PRESETS)
@@ -28,13 +29,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from diffquant.models.taps import SITE_KINDS
     from diffquant.stream import stream_skeleton
 
+    options = run_options_for(args)  # --device / --dtype, parsed once
     try:
         # A streamable checkpoint is described from its config and headers on the meta device (checked as
         # a load would check them): `info` must answer for a model larger than memory (that is when its
         # "would stream" line matters).
         model = stream_skeleton(args.checkpoint, args.tokenizer)
     except DiffquantError:
-        model = _load(args, args.checkpoint)  # other forms load whole (or give the loader's own error)
+        # other forms load whole (or give the loader's own error)
+        model = _load(args, args.checkpoint, options)
     cfg = model.config
     groups = model.parameter_groups()
     per_kind = Counter(model.sites().values())
@@ -42,10 +45,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from diffquant.kernels.dispatch import planned_paths
 
     tokenizer = _tokenizer_line(model, args.checkpoint)
-    from diffquant.io.options import parse_device
     from diffquant.stream import weights_bytes, would_stream
 
-    device = parse_device(args.device)
+    device = options.device
     streams, size, reason = would_stream(args.checkpoint, device)  # size: in memory (GGUF dequantized)
     on_disk = weights_bytes(args.checkpoint)
     if args.json:
@@ -58,7 +60,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "parameters": {**groups, "total": sum(groups.values())},
             "weights_bytes": size,
             "weights_file_bytes": on_disk,
-            "stream": {"device": device, "would_stream": streams, "reason": reason},
+            "stream": {"device": str(device), "would_stream": streams, "reason": reason},
             "sites": {**sites, "total": sum(sites.values())},
             "attention_paths": {
                 "cuda": planned_paths(model, cuda=True),
@@ -141,7 +143,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from diffquant.io.runfolder import claim_run_folder
     from diffquant.profile.runner import check_profile
     from diffquant.schema import check_args
-    from diffquant.stages import ProfileStage, load_models
+    from diffquant.stages import ProfileStage, load_models, parse_run_options
 
     _, world = init_from_env()
     try:
@@ -151,7 +153,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         for spec in args.checkpoints:
             specs[_unique_name(spec, specs)] = spec
         tokenizers = dict.fromkeys(specs, args.tokenizer) if args.tokenizer is not None else {}
-        models = load_models(specs, env, tokenizers)
+        options = parse_run_options(env)  # --device, --dtype, --stream, --device-map: parsed once, here
+        models = load_models(specs, options, tokenizers)
         out = Path(args.out)
         identity = {
             "checkpoints": {n: str(s) for n, (s, _) in models.items()},
@@ -162,20 +165,19 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         check_profile(models, cfg["seq_len"], cfg["data"], cfg["sites"])  # before the folder is claimed
         inputs = [s for s, _ in models.values()]
         with claim_run_folder(out, "profile", identity, force=args.force, inputs=inputs):
-            return _profile_into(args, cfg, models, out, world)
+            return _profile_into(args, cfg, models, out, world, options)
     finally:
         shutdown()
 
 
-def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world: int) -> int:
-    """Profile into a claimed run folder (the recipes' profile stage); the manifest is written last, once the
-    profiles exist."""
+def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world: int, options) -> int:
+    """Profile into a claimed run folder (the recipes' profile stage) with the command's parsed ``options``;
+    the manifest is written last, once the profiles exist."""
     from diffquant.data import fingerprint
     from diffquant.io.artifacts import checkpoint_sha256, manifest, write_json_atomic
     from diffquant.stages import run_profile
 
-    env = {k: getattr(args, k) for k in ("device", "dtype")}
-    header, text, n_tokens = run_profile(models, cfg, out, progress=sys.stderr.isatty(), env=env)
+    header, text, n_tokens = run_profile(models, cfg, out, progress=sys.stderr.isatty(), options=options)
     if not header:  # not rank 0
         return 0
     data = header.rsplit(" from ", 1)[1]
@@ -211,14 +213,20 @@ def _profile_into(args: argparse.Namespace, cfg: dict, models: dict, out, world:
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from diffquant.schema import check_args
-    from diffquant.stages import QUANTIZE_CALIB_FLAGS, CalibData, QuantizeStage, run_quantize
+    from diffquant.stages import (
+        QUANTIZE_CALIB_FLAGS,
+        CalibData,
+        QuantizeStage,
+        parse_run_options,
+        run_quantize,
+    )
 
     calib = check_args(CalibData, args, flags=QUANTIZE_CALIB_FLAGS)
     cfg = check_args(QuantizeStage, args)
-    env = {"device": args.device, "dtype": args.dtype, "stream": args.stream}
+    options = parse_run_options({"device": args.device, "dtype": args.dtype, "stream": args.stream})
     _refuse_overwriting_input(args.checkpoint, args.out)
     summary = run_quantize(
-        args.checkpoint, args.plan, calib, cfg, args.out, env, force=args.force, tokenizer=args.tokenizer
+        args.checkpoint, args.plan, calib, cfg, args.out, options, force=args.force, tokenizer=args.tokenizer
     )
     print(f"{summary['text']}; peak memory {summary['peak_memory_bytes'] / 2**30:.2f} GiB")
     return 0
@@ -232,7 +240,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from diffquant.eval.tasks import check_kv_cache_windows, parse_task
     from diffquant.quant.plan import QuantPlan
     from diffquant.schema import check_args
-    from diffquant.stages import CALIB_FLAGS, CalibData, EvalStage, sweep_spec
+    from diffquant.stages import CALIB_FLAGS, CalibData, EvalStage, parse_run_options, sweep_spec
 
     init_from_env()
     try:
@@ -250,14 +258,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             from diffquant.data import load_tokenizer
 
             load_tokenizer(args.tokenizer)
+        env = {k: getattr(args, k) for k in ("device", "dtype", "stream", "device_map", "max_memory")}
         spec = sweep_spec(
             models,
             args.plan,
             tasks,
             calib,
             batch_size,
-            {k: getattr(args, k) for k in ("device", "dtype", "stream", "device_map", "max_memory")},
+            env,
             {name: args.tokenizer for name in models} if args.tokenizer is not None else {},
+            parse_run_options(env),  # --device, --dtype, --stream, --device-map: parsed once, here
         )
         out = Path(args.out)
         results = run_sweep(
@@ -397,8 +407,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from diffquant.io.convert_hf import export_hf
     from diffquant.io.runfolder import claim_checkpoint_folder
 
+    if args.scale_dtype is not None and args.to not in ("compressed-tensors", "gptq"):
+        raise DiffquantError(f"--scale-dtype: only with --to compressed-tensors or gptq, not --to {args.to}")
     _refuse_overwriting_input(args.model, args.out)
     model = _load(args, args.model)
+    if args.to in ("compressed-tensors", "gptq"):
+        return _export_quantized(args, model)
     with claim_checkpoint_folder(args.out, args.force):  # one writer per output folder
         if args.to == "native":
             out = save_checkpoint(model, args.out, overwrite=True)
@@ -409,6 +423,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {target} ({model.config.attention}), {model.num_parameters():,} parameters, "
         f"{str(model.embed.weight.dtype).removeprefix('torch.')}, tokenizer {_tokenizer_line(model, args.model)}"
+    )
+    return 0
+
+
+def _export_quantized(args: argparse.Namespace, model) -> int:
+    """``export --to compressed-tensors / gptq``: a weight-quantized model's codes packed for other tools."""
+    from diffquant.io.export_quant import export_quantized, folder_bytes
+    from diffquant.io.runfolder import claim_checkpoint_folder
+
+    with claim_checkpoint_folder(args.out, args.force):
+        res = export_quantized(model, args.out, args.to, scale_dtype=args.scale_dtype, overwrite=True)
+    group = "per channel" if res.group_size is None else f"groups of {res.group_size}"
+    if res.group_size != res.plan_group_size:
+        group += f" (the plan's {res.plan_group_size}, each scale repeated: a width it does not divide)"
+    print(
+        f"wrote {res.path}: {res.to}, int{res.bits} {'sym' if res.sym else 'asym'} in {group}, "
+        f"{res.linears} Linears packed, scales {res.scale_dtype}, {folder_bytes(res.path) / 2**20:.1f} MiB"
     )
     return 0
 
@@ -708,11 +739,24 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.set_defaults(func=_cmd_zoo)
 
     export = sub.add_parser(
-        "export", help="write a model as a Hugging Face folder (baseline -> llama, diff_v1 -> diffllama)"
+        "export",
+        help="write a model as a Hugging Face folder (baseline -> llama, diff_v1 -> diffllama), or a "
+        "weight-quantized one as compressed-tensors / GPTQ (docs/checkpoints.md)",
     )
     export.add_argument("model", metavar="MODEL", help=f"the model: {MODEL_FORMS}")
     export.add_argument(
-        "--to", required=True, choices=("hf", "native"), help="target format: a HF folder or a native one"
+        "--to",
+        required=True,
+        choices=("hf", "native", "compressed-tensors", "gptq"),
+        help="target format: a HF folder, a native one, or a quantized checkpoint's codes packed for vLLM / "
+        "transformers (compressed-tensors) or GPTQ loaders (gptq)",
+    )
+    export.add_argument(
+        "--scale-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="dtype of the scales in a compressed-tensors / gptq export (default: float32 for "
+        "compressed-tensors, the scales diffquant computed with; float16 for gptq, the format's own)",
     )
     export.add_argument("out", metavar="OUT", help="output folder")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")

@@ -18,16 +18,22 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
             )
 
 
-def load_for_args(args: argparse.Namespace, spec: str):
-    """A model on ``--device`` in ``--dtype`` with ``--tokenizer`` (where the command has those options)."""
-    from diffquant.io import load_model
-    from diffquant.io.options import parse_device, parse_dtype
+def run_options_for(args: argparse.Namespace):
+    """The command's ``--device`` / ``--dtype`` parsed, once (a :class:`diffquant.io.options.RunOptions`;
+    cpu and the checkpoint's dtype where the command has no such option)."""
+    from diffquant.io.options import run_options
 
+    return run_options(getattr(args, "device", None), getattr(args, "dtype", None))
+
+
+def load_for_args(args: argparse.Namespace, spec: str, options=None):
+    """A model on ``--device`` in ``--dtype`` with ``--tokenizer`` (where the command has those options);
+    ``options``: the command's :func:`run_options_for`, when it has parsed them already."""
+    from diffquant.io import load_model
+
+    options = options or run_options_for(args)
     return load_model(
-        spec,
-        device=parse_device(getattr(args, "device", None)),
-        dtype=parse_dtype(getattr(args, "dtype", None)),
-        tokenizer=getattr(args, "tokenizer", None),
+        spec, device=options.device, dtype=options.dtype, tokenizer=getattr(args, "tokenizer", None)
     )
 
 

@@ -24,6 +24,9 @@ from diffquant.schema import key, plain_name
 # activation becomes a record and a run never ends; the histogram's quantiles describe the rest.
 # (Here, not in diffquant.profile.profiler, which re-exports it: the --topk option's bound, read by --help.)
 MAX_TOPK = 10_000
+# The default topk: the profile stage's option, the Profiler's and profile_model's / profile_streamed's
+# argument (written once: Table 5 reads top-1 .. top-100).
+DEFAULT_TOPK = 100
 
 
 @dataclass(kw_only=True)
@@ -111,10 +114,10 @@ class ProfileStage:
     batch_size: int = key(8, min=1, help="windows per forward pass (default: 8)")
     sites: list[str] | str = key(["*"], help="site globs or kind:NAME (default: all)")
     topk: int = key(
-        100,
+        DEFAULT_TOPK,
         min=1,
         max=MAX_TOPK,
-        help=f"largest magnitudes kept per site, with locations (default: 100; at most {MAX_TOPK})",
+        help=f"largest magnitudes kept per site, with locations (default: {DEFAULT_TOPK}; at most {MAX_TOPK})",
     )
     attention_metrics: bool = key(True, help="skip per-head attention metrics (default: computed)")
     sink_rate: bool = key(

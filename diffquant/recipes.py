@@ -20,7 +20,7 @@ from diffquant.eval.sweep import format_results, run_sweep
 from diffquant.eval.tasks import check_kv_cache_windows, default_text, parse_task
 from diffquant.io import check_model_spec
 from diffquant.io.artifacts import checkpoint_sha256, manifest, read_json, write_json_atomic
-from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.options import RunOptions, parse_dtype
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.plots import render_run
 from diffquant.quant.plan import QuantPlan
@@ -28,7 +28,7 @@ from diffquant.report import seeds, write_report
 from diffquant.report.seeds import seed_groups
 from diffquant.schema import check, require_plain_name
 from diffquant.shipped import resolve as resolve_shipped
-from diffquant.stages import Recipe, load_models, run_profile, run_quantize, sweep_spec
+from diffquant.stages import Recipe, load_models, parse_run_options, run_profile, run_quantize, sweep_spec
 from diffquant.textfiles import apply_override, read_yaml  # noqa: F401 (public here too)
 
 _OPTIONAL_STAGES = ("profile", "quantize", "eval", "sweep", "plots")
@@ -105,7 +105,9 @@ def run_recipe(
     out = Path(out or recipe["output"]["dir"] or f"runs/{recipe['name']}")
     present = recipe["_present"]
     clean = {k: v for k, v in recipe.items() if k != "_present"}
-    # Everything checkable is checked before the first write: models, tokenizers, window lengths, texts.
+    # Everything checkable is checked before the first write: device, dtype, device map (parsed once, here,
+    # and passed to every stage), models, tokenizers, window lengths, texts.
+    options = parse_run_options(recipe, name=lambda key: key)
     texts = _preflight(recipe)
     sources = {recipe["data"]["calib"]["source"] or texts["calib"]}
     if "profile" in present and recipe["profile"]["enabled"]:
@@ -132,7 +134,7 @@ def run_recipe(
         torch.manual_seed(recipe["seed"])
         write_json_atomic(out / "manifest.json", record)
         try:
-            _run_stages(recipe, out, progress, log, record)
+            _run_stages(recipe, options, out, progress, log, record)
         except BaseException as err:  # the run folder says it is incomplete, whatever stopped it
             message = str(err).splitlines()[0] if str(err) else type(err).__name__
             write_json_atomic(out / "manifest.json", {**record, "status": f"failed: {message}"})
@@ -156,8 +158,8 @@ def _finish(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> No
 
 def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
     """Check every model (config, tokenizer fit, window lengths) and every text source before a run
-    writes anything; returns the default texts for the models' tokenizers."""
-    parse_device(recipe["device"])
+    writes anything; returns the default texts for the models' tokenizers (the device and dtype:
+    :func:`run_recipe` parses them first)."""
     present = recipe["_present"]
     seq_lens = [("data.calib.seq_len", recipe["data"]["calib"]["seq_len"])]
     if "profile" in present and recipe["profile"]["enabled"]:
@@ -183,18 +185,23 @@ def _preflight(recipe: dict[str, Any]) -> dict[str, str]:
 
 
 def _run_stages(
-    recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None], record: dict[str, Any]
+    recipe: dict[str, Any],
+    options: RunOptions,
+    out: Path,
+    progress: bool,
+    log: Callable[[str], None],
+    record: dict[str, Any],
 ) -> None:
     present = recipe["_present"]
     log(f"run {recipe['name']} -> {out}")
     if "profile" in present and recipe["profile"]["enabled"]:
-        streamed = _stage_profile(recipe, out, progress, log)
+        streamed = _stage_profile(recipe, options, out, progress, log)
         if streamed:  # the manifest says which profiles have no attention maps (plots skip them)
             record["streamed"] = streamed
     if "quantize" in present and recipe["quantize"]["plans"]:
-        _stage_quantize(recipe, out, log)
+        _stage_quantize(recipe, options, out, log)
     if "eval" in present or "sweep" in present:
-        _stage_sweep(recipe, out, progress, log)
+        _stage_sweep(recipe, options, out, progress, log)
 
 
 def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
@@ -207,18 +214,18 @@ def model_tokenizer_paths(recipe: dict[str, Any]) -> dict[str, str]:
     return dict(tokenizer)
 
 
-def _load_models(recipe: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+def _load_models(recipe: dict[str, Any], options: RunOptions) -> dict[str, tuple[str, Any]]:
     """The recipe's models; those its ``stream`` key streams as skeletons (see :func:`stages.load_models`)."""
-    return load_models(recipe["models"], recipe, model_tokenizer_paths(recipe), name=lambda key: key)
+    return load_models(recipe["models"], options, model_tokenizer_paths(recipe), name=lambda key: key)
 
 
 def _stage_profile(
-    recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]
+    recipe: dict[str, Any], options: RunOptions, out: Path, progress: bool, log: Callable[[str], None]
 ) -> list[str]:
     """Profile the recipe's models; returns the names of those profiled layer-streamed."""
-    models = _load_models(recipe)
+    models = _load_models(recipe, options)
     header, table, _ = run_profile(
-        models, recipe["profile"], out, progress=progress, name=_key_name("profile"), env=recipe
+        models, recipe["profile"], out, progress=progress, name=_key_name("profile"), options=options
     )
     if header:
         log(header)
@@ -245,7 +252,9 @@ def _key_name(section: str) -> Callable[[str], str]:
     return lambda key: f"{section}.{key}"
 
 
-def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
+def _stage_quantize(
+    recipe: dict[str, Any], options: RunOptions, out: Path, log: Callable[[str], None]
+) -> None:
     cfg, calib = recipe["quantize"], recipe["data"]["calib"]
     for name, spec in recipe["models"].items():
         for plan in cfg["plans"]:
@@ -256,7 +265,7 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
                 calib,
                 cfg,
                 target,
-                recipe,
+                options,
                 force=True,
                 tokenizer=model_tokenizer_paths(recipe).get(name),
                 name=lambda key: key,
@@ -264,9 +273,10 @@ def _stage_quantize(recipe: dict[str, Any], out: Path, log: Callable[[str], None
             log(f"quantize {name} with {plan}: model logits SQNR {summary['logits_sqnr_db']} dB -> {target}")
 
 
-def recipe_sweep_spec(recipe: dict[str, Any]) -> Any:
+def recipe_sweep_spec(recipe: dict[str, Any], options: RunOptions | None = None) -> Any:
     """The SweepSpec of a validated recipe's sweep stage: its models, plans, eval tasks, calibration data,
-    batch size and tokenizers (what ``diffquant run`` sweeps; tests shrink a recipe and build the same)."""
+    batch size and tokenizers (what ``diffquant run`` sweeps; tests shrink a recipe and build the same), on
+    the run's parsed ``options`` (parsed from the recipe here when not given)."""
     return sweep_spec(
         recipe["models"],
         recipe["sweep"]["plans"],
@@ -275,11 +285,14 @@ def recipe_sweep_spec(recipe: dict[str, Any]) -> Any:
         recipe["eval"]["batch_size"],
         recipe,
         model_tokenizer_paths(recipe),
+        options or parse_run_options(recipe, name=lambda key: key),
     )
 
 
-def _stage_sweep(recipe: dict[str, Any], out: Path, progress: bool, log: Callable[[str], None]) -> None:
-    spec = recipe_sweep_spec(recipe)
+def _stage_sweep(
+    recipe: dict[str, Any], options: RunOptions, out: Path, progress: bool, log: Callable[[str], None]
+) -> None:
+    spec = recipe_sweep_spec(recipe, options)
     results = run_sweep(spec, out / "sweep", progress=progress, log=log)
     if results is not None:
         log(format_results(spec, results))

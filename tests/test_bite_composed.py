@@ -26,8 +26,8 @@ import torch
 from diffquant.data.corpus import token_windows
 from diffquant.io.load import load_model
 from diffquant.models.attention import Linear
+from diffquant.quant import QuantPlan, apply_plan, calibrate
 from diffquant.quant.gptq import Hessian, gptq_codes
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 from diffquant.quant.rotate import RotateSpec, rotate_model
 from diffquant.quant.weightcodes import QuantizedWeight, WeightGrid
 
@@ -211,9 +211,9 @@ def test_smoothing_and_gptq_after_every_rotation_place_read_the_rotated_activati
     calibrate(model, windows, batch_size=BATCH)
     rotate_model(reference, RotateSpec(**EVERY_PLACE))
     factors = _reference_smoothing(reference, windows, 0.6)
-    assert sorted(model.smooth_factors) == sorted(factors)
+    assert sorted(model.quant.factors("smooth")) == sorted(factors)
     for name, s in factors.items():
-        torch.testing.assert_close(model.smooth_factors[name], s, rtol=1e-12, atol=0, msg=name)
+        torch.testing.assert_close(model.quant.factors("smooth")[name], s, rtol=1e-12, atol=0, msg=name)
         assert (s - 1).abs().max() > 0.1, name  # the smoothing did something
     want = _reference_codes(reference, windows, WeightGrid(4, 24, False))
     got = _plan_codes(model)

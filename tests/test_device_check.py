@@ -200,7 +200,7 @@ def test_triton_kernel_runs_on_cuda_for_a_plan_it_implements(kind):
     used to send it down the explicit path). A hook on a map still takes the explicit path, where maps exist.
     On the fake device the kernel runs in Triton's interpreter: the CPU's forced-kernel numbers."""
     from diffquant.kernels.dispatch import path_summary, planned_paths
-    from diffquant.quant.plan import apply_plan, preset
+    from diffquant.quant import apply_plan, preset
 
     model = tiny_model(kind, head_dim=16)
     apply_plan(model, preset("qk-int8-pv-fp8"))

@@ -8,7 +8,7 @@ import torch
 
 from diffquant.kernels.dispatch import kernel_core, path_summary, planned_paths
 from diffquant.models import DecoderLM, ModelConfig, matched_config
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, preset
+from diffquant.quant import QuantPlan, apply_plan, calibrate, preset
 
 pytest.importorskip("triton")
 

@@ -344,7 +344,7 @@ def test_smoothing_folds_into_the_unit_offset_gain(folders):
 
 
 def test_residual_rotation_refused_with_sandwich_norms(folders):
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
     from diffquant.quant.rotate import RotateSpec, rotate_model
 
     _, folder = folders["gemma"]
@@ -388,7 +388,7 @@ def test_residual_rotation_folds_unit_offset_norms():
 def test_plans_run(folders, preset_name):
     """Fake-quant sites with smoothing, GPTQ and HQQ weights, a pre-RoPE KV cache: each applies, calibrates
     and stays near the float logits."""
-    from diffquant.quant.plan import apply_plan, calibrate, preset
+    from diffquant.quant import apply_plan, calibrate, preset
 
     hf_model, folder = folders["gemma-scaled"]
     model = load_model(f"hf:{folder}")

@@ -963,7 +963,7 @@ def test_kv_cache_that_quantizes_nothing_is_refused(tmp_path):
     from conftest import tiny_model
 
     from diffquant.eval.perplexity import decode_logprobs, evaluate_bpb
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
     from diffquant.recipes import validate
 
     kv = {"kv_cache": {"bits": 2, "group": 4, "residual": 8, "sinks": 2, "keys": "token"}}

@@ -631,7 +631,7 @@ MODEL_TOL = 1e-5  # same arithmetic as the model up to fp32 summation order (SDP
 @pytest.mark.parametrize("kind", [*ALL_KINDS, *KIND_VARIANTS])
 def test_reference_matches_model(kind, plan, seed):
     """The reference with a CoreQuant equals the model's head_out under the matching fake-quant plan."""
-    from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
+    from diffquant.quant import QuantPlan, apply_plan, calibrate
 
     torch.manual_seed(seed)
     model = _model(kind)
@@ -670,7 +670,7 @@ def test_reference_matches_model(kind, plan, seed):
 def test_kernel_matches_model(kind, seed):
     """End to end: the fused kernel (two_pass) on the model's own q/k/v equals the model's fake-quant head_out
     (to fp32 level but for rare rounding flips, as in test_two_pass_kernel_rounds_like_reference)."""
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     torch.manual_seed(seed)
     model = _model(kind, head_dim=16)

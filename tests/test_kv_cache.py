@@ -16,6 +16,7 @@ import torch
 from diffquant.errors import DiffquantError
 from diffquant.io import load_model
 from diffquant.models.attention import apply_rope, rope_cos_sin
+from diffquant.quant import QuantPlan, apply_plan
 from diffquant.quant.kv_cache import (
     KVCacheSpec,
     QuantizedLayerKV,
@@ -25,7 +26,6 @@ from diffquant.quant.kv_cache import (
     quantize_groups,
     unpack,
 )
-from diffquant.quant.plan import QuantPlan, apply_plan
 from tests.conftest import save_tiny_llama, tiny_model
 
 
@@ -367,7 +367,7 @@ def test_groups_that_do_not_tile_the_heads_are_refused(kind):
         apply_plan(model, _plan(bits=4, keys="token", values="token", group=3, residual=0))
     with pytest.raises(DiffquantError, match="multiple of group 4"):
         apply_plan(model, _plan(bits=4, keys="channel", group=4, residual=6))
-    assert getattr(model, "kv_cache_layer", None) is None and getattr(model, "quant_plan", None) is None
+    assert model.quant is None and model.quant_plan is None
 
 
 def test_pre_rope_refuses_a_key_site_quantizer_and_a_qk_rotation():

@@ -170,7 +170,7 @@ def test_requests_equal_hflm(folder, hflm):
 
 # ================================================================================ plans, text, errors
 def test_plan_changes_the_numbers(plain_folder):
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     tasks = ["lambada_local", "wikitext_local"]
     files = {t: FILES[t] for t in tasks}

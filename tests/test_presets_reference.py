@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from diffquant.quant.plan import QuantPlan, apply_plan
+from diffquant.quant import QuantPlan, apply_plan
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

@@ -11,8 +11,8 @@ from conftest import tiny_model
 from diffquant import DiffquantError
 from diffquant.cli import main
 from diffquant.io import load_model, save_checkpoint, save_quantized
+from diffquant.quant import PRESETS, QuantPlan, apply_plan, calibrate, nan_counts, preset
 from diffquant.quant.fake import FakeQuant
-from diffquant.quant.plan import PRESETS, QuantPlan, apply_plan, calibrate, nan_counts, preset
 from diffquant.quant.report import ErrorStats, compare_models, format_report
 from diffquant.quant.schemes import Scheme
 
@@ -945,8 +945,7 @@ def test_linears_reading_one_tensor_quantize_it_once(monkeypatch):
     very same, unchanged tensor and the same scheme: an in-place edit, another scheme or a new tensor with
     equal values are quantized afresh."""
     from diffquant.models import DecoderLM, ModelConfig
-    from diffquant.quant import fake
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan, fake
 
     torch.manual_seed(0)
     cfg = ModelConfig(

@@ -106,10 +106,10 @@ def _quantized_pair(kind, plan, seed=0):
     plan = preset(plan) if isinstance(plan, str) else plan
     apply_plan(model, plan)
     calibrate(model, _windows(4, 24, seed=9), batch_size=3)
-    if getattr(model, "smooth_factors", None) is not None:
+    for _, factors in model.quant.folded:
         from diffquant.quant.smoothquant import apply_smoothing
 
-        apply_smoothing(reference, model.smooth_factors)
+        apply_smoothing(reference, factors)
     return reference, model
 
 

@@ -334,7 +334,7 @@ def test_dispatch_never_sends_a_rival_to_a_kernel(variant):
     """The Triton kernel and flash-attn know no gate, sink or clip: a plan the kernel would take on a DIFF
     model (SageAttention-like int8 Q/K, fp8 P V) leaves a rival on the torch paths, on CUDA and when Triton
     is forced."""
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     kind, fields = VARIANTS[variant]
     model = tiny_model(kind, head_dim=16, **fields)
@@ -476,7 +476,7 @@ def test_profiling_sees_the_new_taps(variant):
 @pytest.mark.parametrize("name", ["w8a8", "attn-logits-int8"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_quantization_presets_apply(variant, name):
-    from diffquant.quant.plan import apply_plan, calibrate, preset
+    from diffquant.quant import apply_plan, calibrate, preset
 
     kind, fields = VARIANTS[variant]
     model = tiny_model(kind, d_model=32, ffn_dim=64, **fields)
@@ -540,7 +540,7 @@ def test_rotation_is_exact(variant, places):
 def test_checkpoints_round_trip_bit_for_bit(tmp_path, variant):
     from diffquant.io import load_model, save_checkpoint
     from diffquant.io.quantized import load_quantized, save_quantized
-    from diffquant.quant.plan import apply_plan, calibrate, preset
+    from diffquant.quant import apply_plan, calibrate, preset
 
     kind, fields = VARIANTS[variant]
     model = randomise(tiny_model(kind, ffn_dim=64, **fields).double(), 12).float()

@@ -17,8 +17,8 @@ from diffquant.errors import DiffquantError
 from diffquant.io import load_model
 from diffquant.io.checkpoint import save_checkpoint
 from diffquant.io.quantized import load_quantized, save_quantized
+from diffquant.quant import QuantPlan, apply_plan, preset
 from diffquant.quant import hadamard as H
-from diffquant.quant.plan import QuantPlan, apply_plan, preset
 from diffquant.quant.rotate import RotateSpec, rotate_model
 
 PLACES_ALL = RotateSpec(residual="hadamard", heads="hadamard", ffn="hadamard", qk="hadamard")
@@ -272,7 +272,7 @@ def test_rotating_a_quantized_or_rotated_model_is_refused():
 def test_rotated_quantized_checkpoint_reloads_exactly(tmp_path, kind, name):
     """Save + reload of a rotated quantized model: the weights are saved rotated, the plan records that, and
     the reloaded model's logits are bit-identical (the online rotations are attached, nothing rotated twice)."""
-    from diffquant.quant.plan import calibrate
+    from diffquant.quant import calibrate
 
     model = _scrambled(kind, torch.float32, tie=True)
     apply_plan(model, preset(name))

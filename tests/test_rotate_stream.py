@@ -23,7 +23,7 @@ from diffquant.io import load_model, save_checkpoint
 from diffquant.io.convert_hf import export_hf
 from diffquant.io.quantize import quantize_checkpoint
 from diffquant.profile.runner import profile_model
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
+from diffquant.quant import QuantPlan, apply_plan, calibrate
 from diffquant.stream import (
     evaluate_streamed,
     logits_streamed,

@@ -22,8 +22,8 @@ from diffquant.data.tokenizer import ByteTokenizer
 from diffquant.io import load_model
 from diffquant.io.convert_hf import export_hf
 from diffquant.profile.runner import profile_model
+from diffquant.quant import PRESETS, QuantPlan, apply_plan, calibrate, preset
 from diffquant.quant.fake import FakeQuant
-from diffquant.quant.plan import PRESETS, QuantPlan, apply_plan, calibrate, preset
 from diffquant.quant.smoothquant import (
     act_scales,
     apply_smoothing,
@@ -291,12 +291,12 @@ def test_smoothquant_preset_lowers_the_quantization_error():
     assert torch.equal(lin.weight_quantizer.quantize_weight(lin.weight), fresh)
     smoothed_amax = collect_act_scales(quantized, windows, batch_size=4)["layers.0.attn.q_proj"].max()
     assert lin.input.quantizer.scale.item() == pytest.approx(smoothed_amax.item() / 127, rel=1e-6)
-    assert set(quantized.smooth_factors) == {n for n, _, _ in smoothing_groups(quantized)}
-    factors = {k: v.clone() for k, v in quantized.smooth_factors.items()}
+    assert set(quantized.quant.factors("smooth")) == {n for n, _, _ in smoothing_groups(quantized)}
+    factors = {k: v.clone() for k, v in quantized.quant.factors("smooth").items()}
     state = {k: v.clone() for k, v in quantized.state_dict().items() if "quantizer" not in k}
     calibrate(quantized, windows, batch_size=4)  # smoothed once: a second pass recalibrates only
     assert _untouched(quantized, state) and all(
-        torch.equal(factors[k], v) for k, v in quantized.smooth_factors.items()
+        torch.equal(factors[k], v) for k, v in quantized.quant.factors("smooth").items()
     )
 
 

@@ -12,7 +12,7 @@ from diffquant.eval.perplexity import evaluate_stream
 from diffquant.io import load_model, save_checkpoint
 from diffquant.io.convert_hf import export_hf
 from diffquant.profile.runner import profile_model
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
+from diffquant.quant import QuantPlan, apply_plan, calibrate
 from diffquant.stream import (
     evaluate_streamed,
     logits_streamed,

@@ -51,6 +51,16 @@ rules:
     scheme: {format: int8, granularity: tensor, calibration: absmax}
 """
 
+# AWQ weights (scales searched per norm group on each layer's calibration inputs, folded into the norms and
+# their readers, then RTN codes): the streamed run folds and codes stage by stage as the whole model does, and
+# its checkpoint stores the folded weights.
+AWQ_PLAN = """name: awq
+weights: {method: awq, bits: 4, group_size: 16, alpha_grid: 8}
+rules:
+  - sites: ["kind:logits"]
+    scheme: {format: int8, granularity: tensor, calibration: absmax}
+"""
+
 
 def _text(path) -> str:
     """A few thousand bytes of varied text (a repeated line would make every window alike)."""
@@ -68,7 +78,15 @@ def setup(tmp_path_factory):
     plan.write_text(MAPS_PLAN)
     gptq = root / "gptq.yaml"
     gptq.write_text(GPTQ_PLAN)
-    return {"folders": folders, "text": _text(root / "t.txt"), "maps": str(plan), "gptq": str(gptq)}
+    awq = root / "awq.yaml"
+    awq.write_text(AWQ_PLAN)
+    return {
+        "folders": folders,
+        "text": _text(root / "t.txt"),
+        "maps": str(plan),
+        "gptq": str(gptq),
+        "awq": str(awq),
+    }
 
 
 PEAK = re.compile(r"; peak memory \d+\.\d\d GiB$", re.MULTILINE)  # the quantize command's last line
@@ -119,7 +137,7 @@ def _quantize_both(spec, plan, tmp_path, options):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("plan", ["w8a8-tensor", "w8a8", "maps", "gptq"])
+@pytest.mark.parametrize("plan", ["w8a8-tensor", "w8a8", "maps", "gptq", "awq"])
 def test_streamed_quantize_equals_whole(setup, tmp_path, kind, plan):
     plan = setup.get(plan, plan)
     spec = str(setup["folders"][kind])

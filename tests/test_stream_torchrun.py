@@ -18,7 +18,7 @@ from diffquant.cli import main
 from diffquant.io import load_model, save_checkpoint
 from diffquant.profile.profiler import Profiler, merge_profiles
 from diffquant.profile.runner import shard_starts
-from diffquant.quant.plan import apply_plan, calibrate, preset
+from diffquant.quant import apply_plan, calibrate, preset
 from diffquant.stream import profile_streamed
 
 KINDS = ("baseline", "diff_v2")

@@ -20,8 +20,8 @@ from diffquant.io.checkpoint import save_checkpoint
 from diffquant.io.load import load_model
 from diffquant.io.quantized import load_quantized, save_quantized
 from diffquant.models.attention import Linear
+from diffquant.quant import QuantPlan, apply_plan, calibrate
 from diffquant.quant.gptq import gptq_codes
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
 from diffquant.quant.weightcodes import QuantizedWeight, WeightGrid
 from diffquant.quant.weights import quantize_weights
 from tests.conftest import tiny_model
@@ -68,7 +68,7 @@ def _grid_rtn(w: torch.Tensor, bits: int, group: int, sym: bool) -> torch.Tensor
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        ({"method": "awq"}, r"weights.method: 'awq'; valid: rtn, gptq, hqq"),
+        ({"method": "squeeze"}, r"weights.method: 'squeeze'; valid: awq, gptq, hqq, rtn"),
         ({"method": "gptq", "bits": 9}, r"weights.bits"),
         ({"method": "gptq", "bits": 1}, r"weights.bits"),
         ({"method": "gptq", "bits": True}, r"weights.bits"),

@@ -31,7 +31,7 @@ def one(model_spec: str, windows: int, seq_len: int, stream: bool) -> dict:
 
     from diffquant.data import token_windows
     from diffquant.io import load_model
-    from diffquant.quant.plan import apply_plan, preset
+    from diffquant.quant import apply_plan, preset
     from diffquant.quant.weights import quantize_weights
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))

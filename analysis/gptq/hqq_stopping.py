@@ -18,8 +18,8 @@ import torch
 
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.io import load_model
+from diffquant.quant import apply_plan, preset
 from diffquant.quant.hqq import hqq_codes
-from diffquant.quant.plan import apply_plan, preset
 from diffquant.quant.weightcodes import by_groups
 from diffquant.quant.weights import weight_modules
 

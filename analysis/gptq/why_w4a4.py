@@ -21,8 +21,8 @@ import torch
 from diffquant.data import token_windows
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.io import load_model
+from diffquant.quant import apply_plan, calibrate, preset
 from diffquant.quant import weights as W
-from diffquant.quant.plan import apply_plan, calibrate, preset
 
 HERE = Path(__file__).resolve().parent
 

@@ -90,7 +90,7 @@ def main() -> None:
 
     from diffquant.data import token_windows
     from diffquant.io import load_model
-    from diffquant.quant.kv_cache import KVCacheSpec, attach_kv_cache
+    from diffquant.quant import QuantPlan, apply_plan
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model).eval().to(getattr(torch, args.dtype))
@@ -112,13 +112,13 @@ def main() -> None:
         for _ in range(args.rounds):
             for label in args.settings:
                 section = SETTINGS[label]
-                model.__dict__.pop("kv_cache_layer", None)
+                model.quant = None
                 if section is not None:
-                    attach_kv_cache(model, KVCacheSpec(**section), label)
+                    apply_plan(model, QuantPlan.from_dict({"name": label, "kv_cache": section}))
                 seconds, nbytes = _decode(model, prompt, args.steps)
                 times[label].append(seconds)
                 held[label] = nbytes
-        model.__dict__.pop("kv_cache_layer", None)
+        model.quant = None
         fp_speed = args.steps / statistics.median(times["fp"]) if "fp" in times else None
         bf16 = 2 * _elements(model, context)
         for label in args.settings:

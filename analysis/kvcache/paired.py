@@ -46,7 +46,7 @@ def main() -> None:
 
     from diffquant.data import model_tokenizer, token_stream
     from diffquant.io import load_model
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     torch.set_num_threads(args.threads)
     rows = []

@@ -122,7 +122,7 @@ def dq_decode(settings: dict[str, Any], ids):
     """Targets 257..1023 through diffquant's quantized cache (a plan with only a kv_cache section)."""
     from diffquant.eval.perplexity import decode_logprobs
     from diffquant.io import load_model
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     model = load_model("fetch:smollm2").eval()
     section = {"bits": 4, "residual": 128, **settings}

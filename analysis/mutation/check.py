@@ -282,7 +282,7 @@ MUTANTS = [
     ),
     M(
         "stream: a stage's static scales never fixed",
-        "diffquant/stream/executor.py",
+        "diffquant/quant/pipeline.py",
         "        for q in quantizers:\n            q.finish_calibration()\n",
         "",
         ("tests/test_stream.py::test_static_plan_streamed_equals_whole",),
@@ -932,9 +932,9 @@ MUTANTS = [
     ),
     M(
         "reload rotates the saved weights again",
-        "diffquant/io/quantized.py",
-        'rotated_weights="rotate" in transforms,',
-        "rotated_weights=False,",
+        "diffquant/quant/pipeline.py",
+        '        weights = "rotate" not in run.saved',
+        "        weights = True",
         ("tests/test_rotate.py::test_rotated_quantized_checkpoint_reloads_exactly",),
     ),
     M(
@@ -953,16 +953,16 @@ MUTANTS = [
     ),
     M(
         "streamed head stage not rotated",
-        "diffquant/stream/executor.py",
-        "self.rotation.head(self.model)",
-        "pass",
+        "diffquant/quant/pipeline.py",
+        "            rotation.head(model)",
+        "            pass",
         ("tests/test_rotate_stream.py::test_rotated_streamed_logits_and_bpb_equal_whole",),
     ),
     M(
         "streamed layer stage not rotated",
-        "diffquant/stream/executor.py",
-        "self.rotation.layer(self.model, int(layer[1]))",
-        "pass",
+        "diffquant/quant/pipeline.py",
+        "            rotation.layer(model, int(layer[1]))",
+        "            pass",
         ("tests/test_rotate_stream.py::test_rotated_streamed_profile_equals_whole",),
     ),
     M(
@@ -975,7 +975,7 @@ MUTANTS = [
     M(
         "streamed reference without online rotations",
         "diffquant/stream/quantize.py",
-        "reference.rotate_stage(prefixes)",
+        "reference.read_stage(prefixes)",
         "pass",
         ("tests/test_rotate_stream.py::test_rotated_streamed_quantize_writes_the_whole_checkpoint",),
     ),
@@ -1055,16 +1055,16 @@ MUTANTS = [
     ),
     M(
         "every Linear of a layer shares the first Hessian",
-        "diffquant/quant/weights.py",
-        "alias[index] = seen.setdefault(ident, (index, x))[0]",
-        "alias[index] = 0",
+        "diffquant/quant/gptq.py",
+        "self.alias[index] = self.seen.setdefault(ident, (index, x))[0]",
+        "self.alias[index] = 0",
         ("tests/test_weights.py::test_gptq_is_sequential_and_beats_rtn_on_every_linear",),
     ),
     M(
         "data-free codes before smoothing",
-        "diffquant/quant/plan.py",
-        "fill = plan.smooth is None and not saved_codes",
-        "fill = not saved_codes",
+        "diffquant/quant/pipeline.py",
+        'run.state.fill_weights = run.plan.smooth is None and "weights" not in run.saved',
+        'run.state.fill_weights = "weights" not in run.saved',
         ("tests/test_weights.py::test_smoothing_then_weights",),
     ),
     M(
@@ -1083,9 +1083,9 @@ MUTANTS = [
     ),
     M(
         "streamed gptq with the activation quantizers on",
-        "diffquant/stream/executor.py",
-        "        with taps_detached(self.model):\n            gptq_stage(",
-        "        with contextlib.nullcontext():\n            gptq_stage(",
+        "diffquant/quant/pipeline.py",
+        "        with taps_detached(calib.model):\n            weight_stage(",
+        "        with contextlib.nullcontext():\n            weight_stage(",
         ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
     ),
     M(
@@ -1549,7 +1549,7 @@ MUTANTS = [
     M(
         "copy-shares-smoothed",
         "diffquant/io/quantize.py",
-        "if plan.rotate is None and plan.smooth is None:",
+        "if not rewrites_weights(plan):",
         "if plan.rotate is None:",
         ("tests/test_quantize_memory.py::test_a_plan_that_rewrites_weights_gets_weights_of_its_own",),
     ),
@@ -1571,8 +1571,8 @@ MUTANTS = [
     ),
     M(
         "calibrate-keeps-caches",
-        "diffquant/quant/calibrate.py",
-        "with context, weight_caches_dropped(model):",
+        "diffquant/quant/pipeline.py",
+        "with context, _caches_dropped(stage.modules):",
         "with context:",
         ("tests/test_quantize_memory.py::test_calibration_holds_one_quantized_weight_at_a_time",),
     ),
@@ -2081,8 +2081,8 @@ MUTANTS = [
     M(
         "gemma-smoothing-fold-without-offset",
         "diffquant/quant/smoothquant.py",
-        "        norm.set_gain(norm.gain() / s)",
-        "        norm.weight.copy_((norm.weight.double() / s.to(norm.weight.device)).to(norm.weight.dtype))",
+        "    norm.set_gain(norm.gain() / s)",
+        "    norm.weight.copy_((norm.weight.double() / s.to(norm.weight.device)).to(norm.weight.dtype))",
         ("tests/test_gemma3.py::test_smoothing_folds_into_the_unit_offset_gain",),
     ),
     M(
@@ -2895,15 +2895,15 @@ MUTANTS = [
     M(
         "unused option: every option read by every method",
         "diffquant/quant/weights.py",
-        '        if name in METHOD_OPTIONS.get(method, METHOD_OPTIONS["gptq"]):\n',
+        "        if name in reads:\n",
         "        if True:\n",
         ("tests/test_hardening.py::test_plan_name_is_a_string_and_unused_weight_options_are_refused",),
     ),
     M(
         "unused option: rtn reads damp",
-        "diffquant/quant/weights.py",
-        '    "rtn": _COMMON,\n',
-        '    "rtn": (*_COMMON, "damp"),\n',
+        "diffquant/quant/weightcodes.py",
+        '        "round-to-nearest: each value rounded alone on its group\'s min-max grid",\n',
+        '        "round-to-nearest: each value rounded alone on its group\'s min-max grid",\n        options=("damp",),\n',
         ("tests/test_hardening.py::test_plan_name_is_a_string_and_unused_weight_options_are_refused",),
     ),
     M(
@@ -3006,16 +3006,16 @@ MUTANTS = [
     ),
     M(
         "io44: GPTQ's calibration hidden states not counted",
-        "diffquant/io/quantize.py",
-        "        calib_streams = int(gptq)\n",
-        "        calib_streams = 0\n",
+        "diffquant/quant/pipeline.py",
+        "    return int(weights) + int(StaticSection().active(plan))",
+        "    return int(StaticSection().active(plan))",
         ("tests/test_hardening_io.py::test_calibration_beyond_memory_is_refused_in_one_line",),
     ),
     M(
         "io44: a streamed quantize's held-out streams not counted",
         "diffquant/io/quantize.py",
-        "        need = per_token * (calib_streams * windows.calib.numel() + 2 * windows.held_out.numel())\n",
-        "        need = per_token * calib_streams * windows.calib.numel()\n",
+        "        need += per_token * 2 * windows.held_out.numel()\n",
+        "        need += 0\n",
         ("tests/test_hardening_io.py::test_calibration_beyond_memory_is_refused_in_one_line",),
     ),
     M(
@@ -3124,8 +3124,8 @@ MUTANTS = [
     M(
         "device45: SmoothQuant factors left on the host",
         "diffquant/quant/smoothquant.py",
-        "        s = torch.as_tensor(factors[norm_name]).to(norm.weight.device, torch.float64)\n",
-        "        s = torch.as_tensor(factors[norm_name]).to(torch.float64)\n",
+        "    s = torch.as_tensor(factors).to(norm.weight.device, torch.float64)\n",
+        "    s = torch.as_tensor(factors).to(torch.float64)\n",
         ("tests/test_device_check.py::test_quantize_command_on_cuda[w8a8-smoothquant]",),
     ),
     M(
@@ -3218,9 +3218,9 @@ MUTANTS = [
     # --- issue 47 item 4: tests that bite where planted bugs survived (tests/test_bite_*.py)
     M(
         "bite47: gptq Hessian of mlp.down from its input before the online R4",
-        "diffquant/quant/weights.py",
-        "handles.append(linear.input.register_forward_pre_hook(hook(i)))",
-        "handles.append(linear.register_forward_pre_hook(hook(i)))",
+        "diffquant/quant/gptq.py",
+        "linear.input.register_forward_pre_hook(self._hook(i))",
+        "linear.register_forward_pre_hook(self._hook(i))",
         ("tests/test_bite_composed.py",),
     ),
     M(
@@ -3235,9 +3235,9 @@ MUTANTS = [
     ),
     M(
         "bite47: smoothing act-scales from the first calibration batch only",
-        "diffquant/quant/calibrate.py",
-        "scales = smoothquant.collect_act_scales(model, windows, batch_size=batch_size)",
-        "scales = smoothquant.collect_act_scales(model, windows[:batch_size], batch_size=batch_size)",
+        "diffquant/quant/pipeline.py",
+        "scales = smoothquant.collect_act_scales(model, calib.windows, batch_size=calib.batch_size)",
+        "scales = smoothquant.collect_act_scales(model, calib.windows[:calib.batch_size], batch_size=calib.batch_size)",
         (
             "tests/test_bite_composed.py::test_smoothing_and_gptq_after_every_rotation_place_read_the_rotated_activations",
         ),
@@ -3613,6 +3613,72 @@ MUTANTS = [
         "        return Interval(d, d - Z * spread.se, d + Z * spread.se, spread.basis, spread.windows)",
         "        return Interval(d, d - spread.se, d + spread.se, spread.basis, spread.windows)",
         ("tests/test_noise.py::test_degradation_figure_with_a_weights_recipe",),
+    ),
+    # --- issue 48: the plan pipeline's seam (sections in one order, the weight-method registry, AWQ's folds)
+    M(
+        "pipeline48: the static-scales section skipped",
+        "diffquant/quant/pipeline.py",
+        "    StaticSection(),\n",
+        "",
+        ("tests/test_stream.py::test_static_plan_streamed_equals_whole",),
+    ),
+    M(
+        "pipeline48: weights before smoothing (two sections out of order)",
+        "diffquant/quant/pipeline.py",
+        "    SmoothSection(),\n    WeightsSection(),\n",
+        "    WeightsSection(),\n    SmoothSection(),\n",
+        ("tests/test_weights.py::test_smoothing_then_weights",),
+    ),
+    M(
+        "pipeline48: a whole model's stages never read at apply",
+        "diffquant/quant/pipeline.py",
+        "            read_stage(model, stage)\n",
+        "            pass\n",
+        ("tests/test_rotate.py::test_rotated_quantized_checkpoint_reloads_exactly",),
+    ),
+    M(
+        "pipeline48: the registry lookup answers rtn for every method",
+        "diffquant/quant/methods.py",
+        "        return REGISTRY[name]\n",
+        '        return REGISTRY["rtn"]\n',
+        ("tests/test_weights.py::test_gptq_is_sequential_and_beats_rtn_on_every_linear",),
+    ),
+    M(
+        "pipeline48: the reload's saved transforms ignored for the codes",
+        "diffquant/quant/pipeline.py",
+        '    state = QuantState(plan, transforms=[t for t in saved if t != "weights"])',
+        "    state = QuantState(plan)",
+        ("tests/test_awq_pipeline.py::test_checkpoint_records_awq_and_reloads_without_folding_again",),
+    ),
+    M(
+        "awq48: only the quantized readers of a norm take the scales",
+        "diffquant/quant/awq.py",
+        "fold_factors(norm, readers.values(),",
+        "fold_factors(norm, [lin for lin, _ in chosen],",
+        ("tests/test_awq_pipeline.py::test_readers_left_unquantized_are_scaled_too",),
+    ),
+    M(
+        "awq48: codes of the unscaled weights",
+        "diffquant/quant/awq.py",
+        "            fold_factors(norm, readers.values(), search.scales.double())\n",
+        "",
+        (
+            "tests/test_awq_pipeline.py::test_layer0_scales_are_the_papers_search_and_the_float_model_is_unchanged",
+        ),
+    ),
+    M(
+        "awq48: the error report's reference not folded alike",
+        "diffquant/io/quantize.py",
+        "            apply_smoothing(reference, factors)",
+        "            pass",
+        ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
+    ),
+    M(
+        "awq48: a streamed checkpoint written before the stage's folds",
+        "diffquant/stream/quantize.py",
+        "            _count_weight_nans(modules)\n",
+        "            weights.write_all(state)\n            _count_weight_nans(modules)\n",
+        ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
     ),
 ]
 

@@ -143,7 +143,7 @@ def speed(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     torch.set_num_threads(args.threads)
     results = {}

@@ -63,7 +63,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from diffquant.quant.plan import QuantPlan, apply_plan
+    from diffquant.quant import QuantPlan, apply_plan
 
     torch.set_num_threads(args.threads)
     results = {}

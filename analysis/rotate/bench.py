@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from diffquant.io import load_model
+from diffquant.quant import QuantPlan, apply_plan, preset
 from diffquant.quant import hadamard as H
-from diffquant.quant.plan import QuantPlan, apply_plan, preset
 
 
 def _median_time(fns: dict[str, callable], rounds: int) -> dict[str, float]:

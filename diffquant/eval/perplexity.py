@@ -58,6 +58,7 @@ from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.models.transformer import DecoderLM
 from diffquant.progress import progress as show_progress
+from diffquant.quant.state import kv_cache_spec
 
 # Which windows of a perplexity evaluation start with BOS (:func:`evaluate_bpb`'s ``bos``; the task key).
 BOS_CONVENTIONS = ("stream", "window", "none")
@@ -201,7 +202,7 @@ def _warn_idle_kv_cache(model: Any, window: int) -> None:
     in decode-mode windows of ``window`` tokens: a window the model decided (its max_seq_len), which the
     run's checks could not see before it started (a task's own seq_len is refused there:
     :func:`diffquant.eval.tasks.check_kv_cache_windows`)."""
-    spec = getattr(getattr(model, "kv_cache_layer", None), "spec", None)
+    spec = kv_cache_spec(model)
     idle = spec.idle_within(window, "decode-mode perplexity") if spec is not None else None
     if idle is not None:
         logging.getLogger(__name__).warning("%s", idle)

@@ -54,14 +54,15 @@ from diffquant.io.artifacts import (
     write_json_atomic,
     write_text_atomic,
 )
-from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.options import RunOptions, run_options
 from diffquant.io.quantize import check_model_calibration
 from diffquant.io.runfolder import claim_run_folder
 from diffquant.kernels.dispatch import path_summary
 from diffquant.names import PLAN_FILE
 from diffquant.progress import outside_bars
 from diffquant.progress import progress as show_progress
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate
+from diffquant.quant.pipeline import apply_plan, calibrate
+from diffquant.quant.plan import QuantPlan
 from diffquant.stream import choose_stream, evaluate_streamed, stream_mode, stream_skeleton
 from diffquant.stream.placement import Placement, load_placed
 from diffquant.textfiles import MAX_JSON_BYTES, read_bytes_bounded
@@ -88,7 +89,8 @@ class Cell:
 class SweepSpec:
     """What a sweep runs. ``calib_data`` None and text tasks without ``data`` read the default text for the
     models' tokenizers (:func:`diffquant.eval.tasks.default_text`); ``tokenizers`` overrides a model's
-    tokenizer by model name; ``device`` / ``dtype`` say where and in what precision models run."""
+    tokenizer by model name; ``device`` / ``dtype`` say where and in what precision models run, as written
+    (the sweep's identity records them); ``options`` holds them parsed (:meth:`parsed`)."""
 
     models: dict[str, str]
     plans: list[str] = field(default_factory=lambda: [NONE_PLAN])
@@ -104,6 +106,9 @@ class SweepSpec:
     stream: str | bool = "off"
     # --device-map: models spread over devices (diffquant.stream.placement). Not in to_dict: the same numbers.
     placement: Placement | None = None
+    # device / dtype / stream / placement parsed (diffquant.io.options.RunOptions): given by whoever parsed
+    # them already (diffquant.stages.sweep_spec), else parsed from the fields above once, when first needed
+    options: RunOptions | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -118,6 +123,15 @@ class SweepSpec:
 
     def cells(self) -> list[Cell]:
         return [Cell(m, p, t.label) for m in self.models for p in self.plans for t in self.tasks]
+
+    def parsed(self) -> RunOptions:
+        """The run options parsed: ``options``, or (once, at the first call) ``device`` / ``dtype`` /
+        ``stream`` / ``placement`` through :func:`diffquant.io.options.run_options`."""
+        if self.options is None:
+            self.options = run_options(
+                self.device, self.dtype, stream=stream_mode(self.stream), placement=self.placement
+            )
+        return self.options
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -303,7 +317,7 @@ class _Runner:
         if name not in self._streams:
             path = self.spec.models[name]
             self._streams[name] = choose_stream(
-                path, self.spec.stream, parse_device(self.spec.device), what="stream"
+                path, self.spec.stream, self.spec.parsed().device, what="stream"
             )
         return self._streams[name]
 
@@ -323,8 +337,8 @@ class _Runner:
                 stream,
                 plan=plan,
                 calibration=calib,
-                device=parse_device(spec.device),
-                dtype=parse_dtype(spec.dtype),
+                device=spec.parsed().device,
+                dtype=spec.parsed().dtype,
                 stats=stats,
                 **settings,
             )
@@ -367,10 +381,11 @@ class _Runner:
 def load_for_sweep(spec: SweepSpec, name: str):
     """Model ``name`` of the sweep on its device (or its placement), in its dtype, with its tokenizer resolved
     and checked."""
+    options = spec.parsed()
     if spec.placement is not None:
-        model = load_placed(spec.models[name], spec.placement, dtype=parse_dtype(spec.dtype))
+        model = load_placed(spec.models[name], spec.placement, dtype=options.dtype)
     else:
-        model = load_model(spec.models[name], device=parse_device(spec.device), dtype=parse_dtype(spec.dtype))
+        model = load_model(spec.models[name], device=options.device, dtype=options.dtype)
     model.tokenizer = model_tokenizer(model, name, spec.tokenizers.get(name))
     return model
 
@@ -499,7 +514,7 @@ def _check_stream(spec: SweepSpec) -> dict[str, bool]:
             )
     if mode == "off" or not any(t.streams for t in spec.tasks):
         return {}
-    device = parse_device(spec.device)
+    device = spec.parsed().device
     return {name: choose_stream(path, mode, device, what="stream") for name, path in spec.models.items()}
 
 

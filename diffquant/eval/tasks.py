@@ -48,6 +48,7 @@ from diffquant.eval.multiple_choice import evaluate_mc, load_mc_jsonl
 from diffquant.eval.perplexity import evaluate_bpb
 from diffquant.eval.retrieval import RetrievalConfig
 from diffquant.eval.task_params import TASK_TYPE_PARAMS, split_task_names
+from diffquant.quant.state import kv_cache_spec
 from diffquant.schema import Style, check, field_default, fields_of, is_required, require_plain_name
 from diffquant.textfiles import parse_yaml
 
@@ -336,7 +337,7 @@ def run_task(
 
     ``default_data`` is the text of a ``bpb`` / ``ppl`` task that names none (see :func:`default_text`).
     """
-    if getattr(model, "kv_cache_layer", None) is not None and not task.decodes:
+    if kv_cache_spec(model) is not None and not task.decodes:
         raise DiffquantError(kv_cache_refusal(task))
     run = TASK_TYPES[task.type].run
     return run(model, task.params, batch_size=batch_size, progress=progress, default_data=default_data)

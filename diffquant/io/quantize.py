@@ -22,13 +22,15 @@ from diffquant.heap import map_blocks_from
 from diffquant.io import load_model
 from diffquant.io.artifacts import library_versions
 from diffquant.io.load import available_bytes
-from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.options import run_options
 from diffquant.io.quantized import is_quantized, save_quantized
 from diffquant.io.runfolder import claim_checkpoint_folder, claim_files_only
 from diffquant.models.transformer import DecoderLM
 from diffquant.progress import step
 from diffquant.quant.kv_cache import format_kv_error, kv_cache_error
-from diffquant.quant.plan import QuantPlan, apply_plan, calibrate, nan_counts
+from diffquant.quant.modules import nan_counts
+from diffquant.quant.pipeline import apply_plan, calibrate, calibration_streams, rewrites_weights
+from diffquant.quant.plan import QuantPlan
 from diffquant.quant.report import compare_models, format_report
 from diffquant.quant.rotate import rotate_model
 from diffquant.quant.smoothquant import apply_smoothing
@@ -93,7 +95,8 @@ def _quantize_into(
 ) -> dict[str, Any]:
     """:func:`quantize_checkpoint` once ``out`` is claimed."""
     map_large_blocks()
-    device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    parsed = run_options(device, dtype)  # at this entry point's edge, once (a torch.device: as it is)
+    device, torch_dtype = parsed.device, parsed.dtype
     reference = load_model(checkpoint, device=device, dtype=torch_dtype, tokenizer=tokenizer)
     check_seq_len(seq_len, reference.config.max_seq_len, checkpoint)
     tok = model_tokenizer(reference, str(checkpoint))
@@ -108,10 +111,11 @@ def _quantize_into(
     check_calibration_memory(plan, windows, reference.config.d_model, model_dtype(reference), device)
     with torch.no_grad():
         calibrated = calibrate(model, windows.calib, batch_size=batch_size)
-        if getattr(model, "smooth_factors", None) is not None:
-            # The same float model, smoothed alike, so each site compares X / s with X / s (the logits
-            # are the same either way): an unsmoothed reference would count the smoothing as error.
-            apply_smoothing(reference, model.smooth_factors)
+        for _, factors in model.quant.folded:
+            # The same float model, smoothed alike (SmoothQuant's or AWQ's scales), so each site compares
+            # X / s with X / s (the logits are the same either way): an unsmoothed reference would count the
+            # smoothing as error.
+            apply_smoothing(reference, factors)
         report = compare_models(reference, model, windows.held_out, batch_size=batch_size)
     kv_report = None
     if plan.kv_cache is not None:  # the cache's own error: the report's whole-window forwards use none
@@ -141,16 +145,16 @@ def quantized_copy(reference: DecoderLM, plan: QuantPlan) -> DecoderLM:
     """The model ``plan`` is applied to: a copy of the unquantized ``reference`` (the same weights, as a second
     load of the checkpoint gives them), built without reading the checkpoint again.
 
-    Unless the plan rotates or smooths, the copy's parameters are new Parameters on the reference's tensors:
+    Unless the plan rewrites weights (rotation, smoothing, AWQ's folded scales), the copy's parameters are new Parameters on the reference's tensors:
     one copy of the weights in memory, not two. Quantizers never write the weights they quantize (a
     FakeQuant caches its quantized weight, the ``weights`` section and the backends keep codes or layers of
     their own), and whatever replaces a parameter of the copy (``linear.weight.data = ...``, a swapped
-    module) leaves the reference's alone. Rotation and smoothing rewrite weights in place (a norm's
-    ``weight.data.fill_(1)``, SmoothQuant's ``weight.copy_``) and the reference is transformed alike
-    separately, so a plan with either gets a copy of its own.
+    module) leaves the reference's alone. Rotation, smoothing and AWQ rewrite weights in place (a norm's
+    ``weight.data.fill_(1)``, the folds' ``weight.copy_``) and the reference is transformed alike
+    separately, so such a plan gets a copy of its own (:func:`~diffquant.quant.pipeline.rewrites_weights`).
     """
     memo: dict[int, Any] = {id(reference.tokenizer): reference.tokenizer}
-    if plan.rotate is None and plan.smooth is None:
+    if not rewrites_weights(plan):
         for p in reference.parameters():
             memo[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
     return copy.deepcopy(reference, memo)
@@ -225,14 +229,11 @@ def check_calibration_memory(
     Measured: ``--calib-tokens 1e12`` on a tiny model grew to the address-space limit (or the OOM killer)
     in GPTQ's first stage. ``tokens x d_model x bytes`` per stream is compared with the memory this
     process can still use (:func:`~diffquant.io.load.available_bytes`)."""
-    gptq = plan.weights is not None and plan.weights.needs_data
     per_token = d_model * torch.empty((), dtype=dtype).element_size()
+    calib_streams = calibration_streams(plan)
+    need = per_token * calib_streams * windows.calib.numel()
     if streamed:
-        calib_streams = (1 + gptq) if plan.uses_static else 0
-        need = per_token * (calib_streams * windows.calib.numel() + 2 * windows.held_out.numel())
-    else:
-        calib_streams = int(gptq)
-        need = per_token * windows.calib.numel() * calib_streams
+        need += per_token * 2 * windows.held_out.numel()
     if not calib_streams:
         return
     room = available_bytes(device)
@@ -240,7 +241,7 @@ def check_calibration_memory(
         return
     held = need - per_token * calib_streams * windows.calib.numel()
     fit = max(0, (room - held) // (per_token * calib_streams))
-    what = "GPTQ holds" if not streamed else "a streamed quantize holds"
+    what = "calibration holds" if not streamed else "a streamed quantize holds"
     raise DiffquantError(
         f"calibration tokens (--calib-tokens, recipe data.calib.tokens): {windows.calib.numel():,} tokens, "
         f"{what} a hidden state of {per_token:,} bytes per token at once ({need / 2**30:.2f} GiB), more "
@@ -251,7 +252,7 @@ def check_calibration_memory(
 
 def check_model_calibration(plan: QuantPlan, model: nn.Module, windows: torch.Tensor) -> None:
     """:func:`check_calibration_memory` for ``model`` (whole, planned) about to be calibrated on ``windows``
-    (N, L): what a sweep's cell checks before :func:`~diffquant.quant.calibrate.calibrate`."""
+    (N, L): what a sweep's cell checks before :func:`~diffquant.quant.pipeline.calibrate`."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     whole = Windows(windows, windows[:0], False)
     check_calibration_memory(plan, whole, model.config.d_model, model_dtype(model), device)

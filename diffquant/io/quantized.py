@@ -24,7 +24,9 @@ from diffquant.io.checkpoint import load_checkpoint, save_checkpoint
 from diffquant.models.transformer import DecoderLM
 from diffquant.names import CONFIG_FILE, PLAN_FILE, STATE_FILE, WEIGHTS_FILE
 from diffquant.quant.backends.quanto import load_quanto_state, quanto_state
-from diffquant.quant.plan import BackendLinear, QuantPlan, apply_plan, fake_quantizers
+from diffquant.quant.modules import BackendLinear, fake_quantizers
+from diffquant.quant.pipeline import apply_plan, transforms
+from diffquant.quant.plan import QuantPlan
 from diffquant.quant.weightcodes import GroupCodes
 from diffquant.quant.weights import weight_modules
 
@@ -81,7 +83,7 @@ def save_quantized(
     """Write a quantized checkpoint; ``documents`` (file name -> JSON data, e.g. the error report) are
     written into the folder before it is renamed into place, so a folder either has all of them or does
     not exist."""
-    if getattr(model, "quant_plan", None) is None:
+    if model.quant is None:
         raise DiffquantError("model has no quantization plan; use save_checkpoint for unquantized models")
     base_state = base_state_dict(model)
 
@@ -97,27 +99,12 @@ def write_quant_files(
     """What a quantized checkpoint holds beside config and weights: plan.json (the model's plan and
     ``meta``), the quantizers' state (scales) and ``documents`` (file name -> JSON data). Written by
     :func:`save_quantized` and by the streamed quantize once its last stage has run."""
-    doc = {"format": PLAN_FORMAT, "plan": model.quant_plan.to_dict(), "transforms": applied_transforms(model)}
+    doc = {"format": PLAN_FORMAT, "plan": model.quant.plan.to_dict(), "transforms": transforms(model)}
     doc["meta"] = meta
     (folder / PLAN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     save_tensors(quant_state(model), folder / STATE_FILE)
     for name, data in (documents or {}).items():
         (folder / name).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-
-
-def applied_transforms(model: DecoderLM) -> list[str]:
-    """The weight transforms already applied to ``model``'s weights, in the order they ran (the saved weights
-    carry them; loading must not apply them again): ``rotate`` (at apply_plan), ``smooth`` (at calibration),
-    then ``weights`` (the weights section's codes, saved in the quant state: served as stored, not
-    recomputed)."""
-    out = []
-    if getattr(model, "rotation", None) is not None:
-        out.append("rotate")
-    if getattr(model, "smooth_factors", None) is not None:
-        out.append("smooth")
-    if any(q.filled for q in weight_modules(model).values()):
-        out.append("weights")
-    return out
 
 
 def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
@@ -135,9 +122,13 @@ def load_quantized(
 ) -> DecoderLM:
     folder = Path(path)
     plan, _ = read_plan(folder)
-    transforms = read_json(folder / PLAN_FILE, "quantization plan").get("transforms", [])
+    # the transforms the saved weights carry (rotation, smoothing, AWQ's folded scales, codes): each section
+    # reads what it must not redo (diffquant.quant.pipeline)
+    saved = read_json(folder / PLAN_FILE, "quantization plan").get("transforms", [])
+    if not isinstance(saved, list) or not all(isinstance(t, str) for t in saved):
+        raise DiffquantError(f"{folder / PLAN_FILE}: transforms: expected a list of names, got {saved!r}")
     model = load_checkpoint(folder, device=device, dtype=dtype)
-    apply_plan(model, plan, rotated_weights="rotate" in transforms, saved_codes="weights" in transforms)
+    apply_plan(model, plan, saved=saved)
     state_path = folder / STATE_FILE
     if not state_path.is_file():
         raise DiffquantError(

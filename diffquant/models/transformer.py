@@ -71,6 +71,19 @@ class Block(nn.Module):
             self.mlp_post_norm = RMSNorm(config.d_model, config.norm_eps, unit_offset=offset)
         self.resid = Tap("resid")  # the layer output: "hidden states" in the DIFF paper's Table 5
 
+    def norm_readers(self) -> list[tuple[str, RMSNorm, dict[str, Linear]]]:
+        """(norm attribute, norm, {Linear path in the block: module}) per norm whose output only Linears read:
+        the attention norm -> the attention's input Linears (q / k / v and each kind's own readers of the same
+        x, ``Attention.input_readers``: DIFF V2's lambda_proj, gated attention's gate_proj), the MLP norm ->
+        gate / up. Defined here once and read by every transform that moves a per-channel factor through a
+        norm (SmoothQuant and AWQ fold scales into it, QuaRot folds its gain into the readers): a new
+        attention kind names its readers in ``input_readers`` and all three follow."""
+        attn = {f"attn.{n}": m for n, m in self.attn.input_linears().items()}
+        return [
+            ("attn_norm", self.attn_norm, attn),
+            ("mlp_norm", self.mlp_norm, {"mlp.gate": self.mlp.gate, "mlp.up": self.mlp.up}),
+        ]
+
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
         a = self.attn(self.attn_norm(x), cache)
         x = x + (a if self.attn_post_norm is None else self.attn_post_norm(a))
@@ -121,7 +134,32 @@ class DecoderLM(nn.Module):
         self.lm_head = Linear(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # The quantization state a plan leaves (diffquant.quant.state.QuantState: the plan, what each of its
+        # sections recorded, the quantized cache); None: unquantized. One declared attribute, not several.
+        self.quant = None
+        # A rotation folded into the float weights (a RotateSpec; diffquant.quant.rotate): a property of the
+        # weights, set with or without a plan, so a model is never rotated twice.
+        self.rotation = None
+        self.streamed: str | None = None  # a streamed run's specifier (diffquant.stream.api)
         self.reset_parameters()
+
+    @property
+    def quant_plan(self):  # noqa: ANN201 (a QuantPlan; the type lives above this layer)
+        """The plan applied to this model (``quant.plan``), None when unquantized."""
+        return None if self.quant is None else self.quant.plan
+
+    def norm_readers(self, head: bool = False) -> list[tuple[str, RMSNorm, dict[str, Linear]]]:
+        """Every block's :meth:`Block.norm_readers` under model names (``layers.3.attn_norm``,
+        ``{"layers.3.attn.q_proj": ...}``), in layer order; ``head``: the final norm -> the LM head too."""
+        out = []
+        for i, block in enumerate(self.layers):
+            for norm_name, norm, readers in block.norm_readers():
+                out.append(
+                    (f"layers.{i}.{norm_name}", norm, {f"layers.{i}.{n}": m for n, m in readers.items()})
+                )
+        if head:
+            out.append(("norm", self.norm, {"lm_head": self.lm_head}))
+        return out
 
     def reset_parameters(self) -> None:
         """GPT-2 style init: N(0, init_std) for embeddings and projections, the identity gain for norms (ones;
@@ -169,8 +207,9 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def new_cache(self) -> KVCache:
-        """An empty cache for decoding; quantized when a plan's ``kv_cache`` set ``kv_cache_layer``."""
-        return KVCache(self.config.n_layers, getattr(self, "kv_cache_layer", None))
+        """An empty cache for decoding; quantized when a plan's ``kv_cache`` section left a cache-layer factory
+        in the quantization state."""
+        return KVCache(self.config.n_layers, None if self.quant is None else self.quant.kv_cache)
 
     @torch.no_grad()
     def generate(

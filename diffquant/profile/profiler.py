@@ -22,7 +22,7 @@ from diffquant.errors import DiffquantError
 from diffquant.heap import release_freed_memory
 from diffquant.models.sites import KIND_LAYOUTS, MAP_KINDS, SHARING_KINDS, layout_of
 from diffquant.models.taps import Tap, model_taps, select_taps
-from diffquant.options import MAX_TOPK  # the --topk bound, torch-free there for --help
+from diffquant.options import DEFAULT_TOPK, MAX_TOPK  # --topk's default and bound, torch-free for --help
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
 from diffquant.profile.stats import SiteStats
 from diffquant.textfiles import read_json
@@ -152,7 +152,7 @@ class Profiler:
         self,
         model: nn.Module,
         sites: str | Sequence[str] = "*",
-        topk: int = 100,
+        topk: int = DEFAULT_TOPK,
         attention: bool | None = None,
         sample_offset: int = 0,
         massive_cap: int = 100,

@@ -18,6 +18,7 @@ from diffquant.errors import DiffquantError
 from diffquant.kernels.dispatch import path_summary
 from diffquant.models.taps import select_taps
 from diffquant.models.transformer import DecoderLM
+from diffquant.options import DEFAULT_TOPK
 from diffquant.profile.maps import capture_maps, save_maps
 from diffquant.profile.profiler import Profile, Profiler, merge_profiles
 from diffquant.profile.sinks import (
@@ -85,7 +86,7 @@ def profile_model(
     *,
     batch_size: int = 8,
     sites: str | Sequence[str] = "*",
-    topk: int = 100,
+    topk: int = DEFAULT_TOPK,
     attention: bool | None = None,
     progress: bool = False,
     desc: str = "profile",

@@ -42,10 +42,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.quant.methods import WeightMethod, register
+from diffquant.quant.smoothquant import fold_factors  # SmoothQuant's fold: the same float64 ops
 from diffquant.quant.weightcodes import GroupCodes, WeightGrid, rtn_codes
 
 CLAMP = 1e-4  # the authors' clamp of s_X^alpha before normalising
@@ -238,3 +242,88 @@ def awq_codes(
         raise DiffquantError("awq: scales must be finite and > 0")
     w = weight.detach().to(dtype)
     return rtn_codes(w * scales.to(device=w.device, dtype=dtype), grid, dtype)
+
+
+# ----------------------------------------------------------------------------------- as a weight method
+class AwqCollector:
+    """AWQ's calibration over one stage (:class:`~diffquant.quant.methods.StageCollector`). The groups are
+    the model's own norm -> readers (:meth:`~diffquant.models.transformer.Block.norm_readers`: q / k / v and
+    each attention kind's readers of the same x, e.g. DIFF V2's lambda_proj, gated attention's gate_proj;
+    gate / up): per norm whose readers include AWQ Linears, the mean |x| and a token sample of the readers'
+    input. At ``finish`` the scales are searched over the group's AWQ Linears, folded into the norm and into
+    every reader (quantized or not, so the float model is unchanged), and the AWQ Linears get the RTN codes
+    of their scaled weights. AWQ Linears outside a norm group (o_proj, down, the LM head) get plain RTN
+    codes: the authors also balance v -> o and up -> down, which this does not (a GQA value head feeds
+    several output heads, and DIFF V1's per-head norm sits between v and o)."""
+
+    def __init__(self, pairs: list, modules: Sequence[nn.Module]) -> None:
+        pending = {id(linear): (linear, q) for linear, q in pairs}
+        self.groups: list[tuple[str, nn.Module, dict[str, nn.Module], list, ChannelMeans]] = []
+        grouped: set[int] = set()
+        for module in modules:
+            if not hasattr(module, "norm_readers"):
+                continue
+            for norm_name, norm, readers in module.norm_readers():
+                chosen = [pending[id(r)] for r in readers.values() if id(r) in pending]
+                if not chosen:
+                    continue
+                first_path = next(p for p, r in readers.items() if r is chosen[0][0])
+                prefix = chosen[0][1].site[: -len(f"{first_path}.weight")]
+                means = ChannelMeans(norm.weight.numel())
+                self.groups.append((f"{prefix}{norm_name}", norm, readers, chosen, means))
+                grouped.update(id(linear) for linear, _ in chosen)
+        self.alone = [(linear, q) for linear, q in pairs if id(linear) not in grouped]
+        self.folded: dict[str, torch.Tensor] = {}
+
+    def attach(self) -> list:
+        handles = []
+        for _, _, _, chosen, means in self.groups:
+            # the reader's input tap: what its weight multiplies (the norm's output)
+            handles.append(chosen[0][0].input.register_forward_pre_hook(_recorder(means)))
+        return handles
+
+    def finish(self, stats: Any) -> None:
+        for name, norm, readers, chosen, means in self.groups:
+            if means.total is None:
+                raise DiffquantError(
+                    f"{chosen[0][1].site}: calibration never reached this Linear (no inputs)"
+                )
+            spec = chosen[0][1].spec
+            weights = [linear.weight for linear, _ in chosen]
+            sample = means.sample.to(weights[0].device)
+            search = search_scales(
+                means.mean.to(weights[0].device), weights, sample, spec.grid, spec.alpha_grid
+            )
+            fold_factors(norm, readers.values(), search.scales.double())
+            self.folded[name] = search.scales.double().cpu()
+            for linear, q in chosen:
+                q.set_codes(rtn_codes(linear.weight, spec.grid))
+            stats.linears += len(chosen)
+            stats.tokens = max(stats.tokens, means.tokens)
+            held = sample.numel() * sample.element_size()
+            stats.hessian_bytes = max(stats.hessian_bytes, held)
+        for linear, q in self.alone:
+            q.set_codes(rtn_codes(linear.weight, q.spec.grid))
+            stats.linears += 1
+        stats.held = "activation samples"
+        stats.folded.update(self.folded)
+
+
+def _recorder(means: ChannelMeans) -> Any:
+    def record(_module: nn.Module, args: tuple) -> None:
+        means.add(args[0].detach())
+
+    return record
+
+
+register(
+    WeightMethod(
+        "awq",
+        "activation-aware scales searched per norm group on calibration data, then round-to-nearest",
+        options=("alpha_grid",),
+        default_sym=False,  # the authors' default (zero_point: true) and llm-compressor's W4A16_ASYM
+        collector=AwqCollector,
+        collects="each norm group's mean |x| per input channel and a token sample",
+        transform="awq",
+    )
+)

@@ -25,11 +25,14 @@ is well within float64 and the cost is small on a CPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from diffquant.errors import DiffquantError
+from diffquant.quant.methods import WeightMethod, WeightStats, register
 from diffquant.quant.weightcodes import GroupCodes, WeightGrid
 
 
@@ -136,3 +139,73 @@ def gptq_codes(
     scale, zero = scaleT.T.contiguous(), zeroT.T.contiguous()
     codes = CT[torch.argsort(perm)].T
     return GroupCodes(codes.to(torch.uint8), scale, zero, grid)
+
+
+# ----------------------------------------------------------------------------------- as a weight method
+class GptqCollector:
+    """GPTQ's calibration over one stage (:class:`~diffquant.quant.methods.StageCollector`): each Linear's
+    Hessian from its input (the tap's input: after an online rotation R4, what the weight multiplies);
+    Linears that read the same tensor (q, k and v; gate and up) share one Hessian."""
+
+    def __init__(self, pairs: list, modules: Sequence[nn.Module]) -> None:
+        self.pairs = pairs
+        self.hessians: dict[int, Hessian] = {}  # owner index -> its Hessian
+        self.alias: dict[int, int] = {}  # linear index -> the index whose Hessian it shares
+        # the first batch: the input tensor's identity -> (first linear reading it, the tensor: held, so that
+        # its memory is not reused by a later tensor of the same shape within the batch)
+        self.seen: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    def attach(self) -> list:
+        return [
+            linear.input.register_forward_pre_hook(self._hook(i)) for i, (linear, _) in enumerate(self.pairs)
+        ]
+
+    def _hook(self, index: int) -> Callable:
+        def record(_module: nn.Module, args: tuple) -> None:
+            x = args[0]
+            if index not in self.alias:  # the first batch: who reads the same tensor as whom
+                ident = (x.data_ptr(), x._version, tuple(x.shape))
+                self.alias[index] = self.seen.setdefault(ident, (index, x))[0]
+                if len(self.alias) == len(self.pairs):
+                    self.seen.clear()  # every reader placed: the first batch's inputs need not be held
+            owner = self.alias[index]
+            if owner == index:
+                if owner not in self.hessians:
+                    self.hessians[owner] = Hessian(x.shape[-1], device=x.device)
+                self.hessians[owner].add(x)
+
+        return record
+
+    def finish(self, stats: WeightStats) -> None:
+        held = sum(h.matrix.numel() * h.matrix.element_size() for h in self.hessians.values())
+        stats.hessian_bytes = max(stats.hessian_bytes, held)
+        for i, (linear, q) in enumerate(self.pairs):
+            hessian = self.hessians.get(self.alias.get(i, i))
+            if hessian is None:
+                raise DiffquantError(f"{q.site}: calibration never reached this Linear (no Hessian)")
+            spec = q.spec
+            codes = gptq_codes(
+                linear.weight,
+                hessian.matrix,
+                spec.grid,
+                act_order=spec.act_order,
+                damp=spec.damp,
+                block=spec.block,
+                what=q.site,
+            )
+            q.set_codes(codes)
+            stats.linears += 1
+            stats.tokens = max(stats.tokens, hessian.tokens)
+        self.hessians.clear()
+        self.seen.clear()
+
+
+register(
+    WeightMethod(
+        "gptq",
+        "codes chosen column by column against each Linear's calibration inputs (its Hessian)",
+        options=("act_order", "damp", "block"),
+        collector=GptqCollector,
+        collects="each Linear's input Hessian",
+    )
+)

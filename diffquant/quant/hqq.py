@@ -40,6 +40,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.formats import minmax_params
+from diffquant.quant.methods import WeightMethod, register
 from diffquant.quant.weightcodes import GroupCodes, WeightGrid
 
 
@@ -112,3 +113,15 @@ def hqq_codes(
         return torch.cat([part.reshape(out, -1) for part in parts], dim=1)
 
     return GroupCodes(rows(qs).to(torch.uint8), rows(scales), rows(zeros), grid)
+
+
+register(
+    WeightMethod(
+        "hqq",
+        "data-free; the zero points optimised against an lp-norm of the error, so asymmetric",
+        default_sym=False,
+        sym_allowed=(False,),
+        sym_note="hqq optimises the zero point, so it is asymmetric: sym false",
+        codes=lambda weight, spec, what: hqq_codes(weight, spec.grid, what=what),
+    )
+)

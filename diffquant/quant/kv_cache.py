@@ -408,7 +408,7 @@ class QuantizedLayerKV(LayerKV):
 
 
 class KVCacheLayers:
-    """The model's cache-layer factory (``model.kv_cache_layer``): a QuantizedLayerKV per layer."""
+    """The model's cache-layer factory (``model.quant.kv_cache``): a QuantizedLayerKV per layer."""
 
     def __init__(self, spec: KVCacheSpec) -> None:
         self.spec = spec
@@ -417,12 +417,15 @@ class KVCacheLayers:
         return QuantizedLayerKV(self.spec)
 
 
-def attach_kv_cache(model: nn.Module, spec: KVCacheSpec, where: str = "plan") -> list[tuple[str, str, str]]:
-    """Make ``model.new_cache()`` return quantized caches; checks the group against the model's heads."""
+def attach_kv_cache(
+    model: nn.Module, spec: KVCacheSpec, where: str = "plan"
+) -> tuple[KVCacheLayers, list[tuple[str, str, str]]]:
+    """The cache-layer factory that makes ``model.new_cache()`` return quantized caches once the pipeline
+    puts it in the model's quantization state, and the insertion record; checks the group against the
+    model's heads."""
     config = model.config
     spec.check_model(config.head_dim, config.value_dim, where)
-    model.kv_cache_layer = KVCacheLayers(spec)
-    return [("kv_cache", "layers.*", spec.label())]
+    return KVCacheLayers(spec), [("kv_cache", "layers.*", spec.label())]
 
 
 def cache_nbytes(cache: Any) -> dict[str, int]:
@@ -447,7 +450,7 @@ def kv_cache_error(model: nn.Module, windows: torch.Tensor, batch_size: int = 8)
     then the dequantized body compared with the keys / values it stands for (pre-RoPE keys rotated back to
     their positions first). Returns per layer ``k_sqnr_db`` / ``v_sqnr_db`` (10 log10 of signal over error
     energy; None when nothing was quantized, inf when exact) and ``quantized_tokens`` per window row."""
-    spec = model.kv_cache_layer.spec
+    spec = model.quant.kv_cache.spec
     n_layers = model.config.n_layers
     sums = [{"k": [0.0, 0.0], "v": [0.0, 0.0], "tokens": 0} for _ in range(n_layers)]
     with torch.no_grad():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,9 +21,6 @@ from diffquant.models.taps import Tap, model_taps
 from diffquant.quant.backends.bnb import to_bnb
 from diffquant.quant.backends.quanto import to_quanto
 from diffquant.quant.fake import FakeQuant
-
-if TYPE_CHECKING:
-    from diffquant.quant.plan import BackendSpec
 
 
 class BackendLinear(nn.Module):
@@ -49,10 +46,9 @@ def linear_modules(model: nn.Module) -> dict[str, Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
-def apply_backend(
-    model: nn.Module, spec: BackendSpec, chosen: dict[str, Linear]
-) -> list[tuple[str, str, str]]:
-    """Swap each chosen Linear for ``spec``'s quantized layer behind its input tap; (target, name, label) each."""
+def apply_backend(model: nn.Module, spec: Any, chosen: dict[str, Linear]) -> list[tuple[str, str, str]]:
+    """Swap each chosen Linear for ``spec``'s (a plan's BackendSpec) quantized layer behind its input tap;
+    (target, name, label) each."""
     applied = []
     for name, linear in chosen.items():
         if spec.name == "quanto":

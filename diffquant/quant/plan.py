@@ -17,71 +17,42 @@ A plan is a list of rules and an optional real backend::
     rotate: {residual: hadamard, heads: hadamard, ffn: hadamard, qk: none}   # optional: QuaRot rotation
     kv_cache: {bits: 4, keys: channel, values: token, group: 32, residual: 128}  # optional: KIVI cache
 
-The plan is a pipeline with one order: rotation (:mod:`~diffquant.quant.rotate`) when the plan is applied,
-then the quantizers are inserted, then (at calibration) SmoothQuant smoothing and static scales. The
-``kv_cache`` section (:mod:`~diffquant.quant.kv_cache`) changes no weight: it makes the model's decoding cache
-a quantized one, and is re-attached from the plan when a quantized checkpoint is loaded.
-
-``apply_plan`` inserts FakeQuant modules at the matching taps and weights (weights are quantized once and
-cached), and swaps matching Linears for the backend's layers, keeping their input taps. This module holds
-the schema and ``apply_plan``; re-exported from their own modules: the shipped presets as data
-(:mod:`~diffquant.quant.presets`; ``PRESETS``, ``preset``), ``calibrate``
-(:mod:`~diffquant.quant.calibrate`: smooths first when the plan says so, then observes static scales) and
-``BackendLinear`` with the module lookups (:mod:`~diffquant.quant.modules`).
+This module is the plan's schema only: the sections as dataclasses, checked when a plan is read
+(:meth:`QuantPlan.from_dict`, :meth:`QuantPlan.load`), and the shipped presets
+(:mod:`~diffquant.quant.presets`). Running a plan (its order, each section's phases) is
+:mod:`diffquant.quant.pipeline`'s job; every key is listed in docs/plans.md.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from diffquant.errors import DiffquantError
-from diffquant.models.taps import Tap, select_taps
 from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, BNB_MODES
 from diffquant.quant.backends.quanto import QUANTO_ACTIVATIONS, QUANTO_WEIGHTS
-from diffquant.quant.calibrate import calibrate
-from diffquant.quant.fake import FakeQuant
-from diffquant.quant.kv_cache import KVCacheSpec, attach_kv_cache
-from diffquant.quant.modules import (
-    BackendLinear,
-    apply_backend,
-    fake_quantizers,
-    linear_modules,
-    nan_counts,
-    quantized_taps,
-)
+from diffquant.quant.kv_cache import KVCacheSpec
 from diffquant.quant.presets import PRESETS, preset_data
-from diffquant.quant.rotate import RotateSpec, rotate_model
+from diffquant.quant.rotate import RotateSpec
 from diffquant.quant.schemes import Scheme, is_number
-from diffquant.quant.select import pattern_list, patterns, select_linears
-from diffquant.quant.weights import WeightsSpec, attach_weights, unused_option
+from diffquant.quant.select import pattern_list, patterns
+from diffquant.quant.weights import WeightsSpec, unused_option
 from diffquant.schema import DOCS, check, key
 from diffquant.shipped import shipped_file, shipped_names
 from diffquant.textfiles import read_yaml_file
 
-# Re-exported: the import path of calibration, the presets and the module lookups stays quant.plan.
 __all__ = [
     "BACKENDS",
     "PRESETS",
-    "BackendLinear",
     "BackendSpec",
     "QuantPlan",
     "RotateSpec",
     "Rule",
     "SmoothSpec",
     "WeightsSpec",
-    "apply_plan",
-    "calibrate",
-    "fake_quantizers",
-    "linear_modules",
-    "nan_counts",
     "preset",
-    "quantized_taps",
 ]
 
 BACKENDS = ("quanto", "bnb")
@@ -335,112 +306,3 @@ def _backend(raw: dict[str, Any], given: set[str], where: str) -> BackendSpec:
 def preset(name: str) -> QuantPlan:
     """The shipped plan ``name`` (the table is :data:`diffquant.quant.presets.PRESET_TABLE`)."""
     return QuantPlan.from_dict(preset_data(name), source=f"preset {name}")
-
-
-# ------------------------------------------------------------------------------------------- apply
-
-
-def _select_sites(model: nn.Module, rule: Rule, where: str) -> dict[str, Tap]:
-    """The taps of ``rule.sites`` minus ``rule.exclude``; like :func:`_select_linears`, never empty."""
-    try:
-        taps = select_taps(model, rule.sites)
-    except DiffquantError as err:
-        raise DiffquantError(f"{where}: {err}") from None
-    kept = {n: t for n, t in taps.items() if not any(fnmatch.fnmatchcase(n, e) for e in rule.exclude)}
-    if not kept:
-        raise DiffquantError(
-            f"{where}: site patterns {rule.sites} select {len(taps)} site(s), all removed by exclude "
-            f"{rule.exclude}; it would quantize nothing"
-        )
-    return kept
-
-
-def apply_plan(
-    model: nn.Module, plan: QuantPlan, rotated_weights: bool = False, saved_codes: bool = False
-) -> list[tuple[str, str, str]]:
-    """Insert the plan's quantizers into ``model`` (in place); returns (target, name, scheme) per insertion,
-    after ("rotate", place, what ran) per rotation when the plan rotates (first: rotation changes the
-    weights the quantizers read). ``rotated_weights``: the weights were saved rotated (a quantized
-    checkpoint), so only the online rotations are attached. ``saved_codes``: the ``weights`` section's codes
-    come from a quantized checkpoint's state, so none are computed here.
-
-    The ``weights`` section (:mod:`~diffquant.quant.weights`) puts a QuantizedWeight on its Linears; rtn
-    and hqq codes are computed here unless the plan smooths (then at calibration, after smoothing, as gptq's
-    always are).
-
-    Every selection must select something in this model, checked per rule (and for the backend): each
-    site / weight / module pattern must match (``kind:NAME`` included), and the exclude patterns must not
-    remove everything a rule's sites, weights or the backend's modules selected. Otherwise a one-line
-    DiffquantError names the rule, its patterns and excludes. Per rule rather than per plan because a rule
-    that quantizes nothing is a typo or a plan written for another model, and would otherwise pass silently
-    (down to writing a "0 sites" quantized checkpoint) as long as another rule matched. Every shipped preset
-    selects only sites every attention kind has (Linear inputs, q / k / v, logits, probs), so each
-    applies to baseline, DIFF V1, DIFF V2 and the rival kinds alike (tests/test_quant.py); a plan naming
-    DIFF-only sites (``kind:diff_map``, ``kind:lambda``) is refused on a baseline model for the same reason,
-    as one naming ``kind:attn_gate`` or ``kind:sink_logit`` is on a model without gates or sinks.
-    All selections are resolved before the model is touched, so a refused plan leaves it unquantized.
-    """
-    if getattr(model, "quant_plan", None) is not None:
-        raise DiffquantError("model is already quantized; apply a plan to the unquantized model")
-    selected = []
-    for i, rule in enumerate(plan.rules):
-        where = f"plan {plan.name}: rules[{i}]"
-        taps = _select_sites(model, rule, where) if rule.sites else {}
-        linears = select_linears(model, rule.weights, rule.exclude, where) if rule.weights else {}
-        selected.append((rule, taps, linears))
-    weight_linears = {}
-    if plan.weights is not None:
-        spec = plan.weights
-        weight_linears = select_linears(model, spec.modules, spec.exclude, f"plan {plan.name}: weights")
-        for i, (_, _, linears) in enumerate(selected):
-            clash = sorted(set(linears) & set(weight_linears))
-            if clash:
-                raise DiffquantError(
-                    f"{clash[0]}: plan {plan.name}: rules[{i}] fake-quantizes this weight and the weights "
-                    "section quantizes it too; exclude it from one of them"
-                )
-        for name in weight_linears:
-            spec.grid.check(tuple(weight_linears[name].weight.shape), f"plan {plan.name}: weights: {name}")
-    backend_linears = {}
-    if plan.kv_cache is not None:
-        plan.kv_cache.check_model(model.config.head_dim, model.config.value_dim, f"plan {plan.name}")
-        if plan.kv_cache.pre_rope:
-            for i, (_, taps, _) in enumerate(selected):
-                keys = sorted(name for name, tap in taps.items() if tap.kind == "k")
-                if keys:
-                    raise DiffquantError(
-                        f"{keys[0]}: plan {plan.name}: rules[{i}] quantizes this key site, but kv_cache.pre_rope "
-                        "caches the keys before RoPE, ahead of the site; drop one of the two"
-                    )
-    if plan.backend is not None:
-        spec = plan.backend
-        backend_linears = select_linears(
-            model, spec.modules, spec.exclude, f"plan {plan.name}: backend {spec.name}"
-        )
-        for _, _, linears in selected:
-            clash = sorted(set(linears) & set(backend_linears))
-            if clash:
-                raise DiffquantError(
-                    f"{clash[0]}: a plan rule already fake-quantizes this weight; the backend would too"
-                )
-    applied = []
-    if plan.rotate is not None:
-        for place, what in rotate_model(model, plan.rotate, weights=not rotated_weights):
-            applied.append(("rotate", place, what))
-    for rule, taps, linears in selected:
-        for name, tap in taps.items():
-            tap.quantizer = FakeQuant(rule.scheme, name, tap.kind)
-            applied.append(("site", name, rule.scheme.label()))
-        for name, linear in linears.items():
-            linear.weight_quantizer = FakeQuant(rule.scheme, f"{name}.weight", "weight")
-            linear.weight_quantizer.quantize_weight(linear.weight)  # checks the shape now, not mid-run
-            applied.append(("weight", name, rule.scheme.label()))
-    if plan.weights is not None:
-        fill = plan.smooth is None and not saved_codes
-        applied += attach_weights(plan.weights, weight_linears, fill=fill)
-    if plan.backend is not None:
-        applied += apply_backend(model, plan.backend, backend_linears)
-    if plan.kv_cache is not None:
-        applied += attach_kv_cache(model, plan.kv_cache, f"plan {plan.name}")
-    model.quant_plan = plan
-    return applied

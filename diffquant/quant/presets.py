@@ -205,11 +205,12 @@ def _remedy_presets() -> dict[str, dict[str, Any]]:
 
 
 # ---- weights as the field reports them (the weights section, diffquant/quant/weights.py): one grid (GPTQ's:
-# symmetric 2^b levels, or asymmetric for HQQ), the codes chosen by round-to-nearest, GPTQ or HQQ.
+# symmetric 2^b levels, or asymmetric for HQQ and AWQ), the codes chosen by round-to-nearest, GPTQ, HQQ or AWQ.
 METHOD_WORDS = {
     "rtn": "round to nearest",
     "gptq": "GPTQ (Frantar et al. 2022; sequential, calibration data)",
     "hqq": "HQQ (Badri & Shaji 2023; asymmetric, data-free)",
+    "awq": "AWQ (Lin et al. 2024; activation-aware scales, asymmetric, calibration data)",
 }
 
 

@@ -186,8 +186,9 @@ def _fold_norm(norm: RMSNorm, readers: list[nn.Linear]) -> None:
 
 def _readers(block: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:
     """The Linears reading the attention norm's output (q / k / v and the kind's own: DIFF V2's lambda_proj,
-    gated attention's gate_proj) and the MLP norm's output."""
-    return list(block.attn.input_linears().values()), [block.mlp.gate, block.mlp.up]
+    gated attention's gate_proj) and the MLP norm's output: the block's own ``norm_readers``."""
+    (_, _, first), (_, _, second) = block.norm_readers()
+    return list(first.values()), list(second.values())
 
 
 def _heads_commute(attn: nn.Module) -> bool:
@@ -197,7 +198,7 @@ def _heads_commute(attn: nn.Module) -> bool:
 
 
 def _check_model(model: nn.Module) -> None:
-    if getattr(model, "quant_plan", None) is not None:
+    if getattr(model, "quant", None) is not None:
         raise DiffquantError("rotate: the model is already quantized; rotate the unquantized model")
     if getattr(model, "rotation", None) is not None:
         raise DiffquantError("rotate: the model is already rotated")

@@ -24,7 +24,7 @@ paper.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -192,26 +192,11 @@ def collect_act_scales(
 
 # ------------------------------------------------------------------------------------------- smoothing
 def smoothing_groups(model: nn.Module) -> list[tuple[str, RMSNorm, dict[str, nn.Module]]]:
-    """(norm name, norm, {Linear name: module}) per RMSNorm whose output only Linears read: per block,
-    the attention norm -> q/k/v and the kind's own readers of the same x (DIFF V2's lambda_proj, gated
-    attention's gate_proj: ``Attention.input_linears``) and the MLP norm -> gate/up."""
-    groups = []
-    for i, block in enumerate(model.layers):
-        groups.append(
-            (
-                f"layers.{i}.attn_norm",
-                block.attn_norm,
-                {f"layers.{i}.attn.{n}": m for n, m in block.attn.input_linears().items()},
-            )
-        )
-        groups.append(
-            (
-                f"layers.{i}.mlp_norm",
-                block.mlp_norm,
-                {f"layers.{i}.mlp.{n}": getattr(block.mlp, n) for n in ("gate", "up")},
-            )
-        )
-    return groups
+    """(norm name, norm, {Linear name: module}) per RMSNorm whose output only Linears read: the model's own
+    :meth:`~diffquant.models.transformer.DecoderLM.norm_readers` (per block, the attention norm -> q/k/v and
+    the kind's own readers of the same x: DIFF V2's lambda_proj, gated attention's gate_proj; the MLP norm ->
+    gate/up). The final norm -> LM head is not smoothed (tied to the embedding in many models)."""
+    return model.norm_readers()
 
 
 def _check_group(norm_name: str, norm: nn.Module, linears: dict[str, nn.Module], owners: dict) -> None:
@@ -287,13 +272,16 @@ def smooth_model(
 
 
 @torch.no_grad()
-def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor]) -> None:
+def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor], partial: bool = False) -> None:
     """Divide each norm's weight by its factors s and multiply the input columns of the Linears it feeds
     (float64, cast back). ``factors``: by norm name, as :func:`smooth_model` returns them (applying them to
-    an equal copy of the model reproduces the smoothed one exactly)."""
+    an equal copy of the model reproduces the smoothed one exactly). ``partial``: norms without factors are
+    left alone (AWQ folds only the norms whose readers it quantizes)."""
     groups = _checked_groups(model)
     for norm_name, norm, _ in groups:
         if norm_name not in factors:
+            if partial:
+                continue
             raise DiffquantError(f"{norm_name}: no smoothing factors for it (factors of another model?)")
         shape = tuple(torch.as_tensor(factors[norm_name]).shape)
         if shape != (norm.weight.numel(),):
@@ -304,15 +292,23 @@ def apply_smoothing(model: nn.Module, factors: dict[str, torch.Tensor]) -> None:
     if extra:
         raise DiffquantError(f"{extra[0]}: smoothing factors for a norm this model does not smooth")
     for norm_name, norm, linears in groups:
-        # The factors live on the host (smooth_model returns them there); each product is formed on the
-        # weights' device.
-        s = torch.as_tensor(factors[norm_name]).to(norm.weight.device, torch.float64)
-        # The gain divides: w / s, or with Gemma's (1 + w) norms w' = (1 + w) / s - 1 (RMSNorm.set_gain).
-        norm.set_gain(norm.gain() / s)
-        for linear in linears.values():
-            lw = linear.weight
-            lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))
-            drop_weight_cache(linear.weight_quantizer)  # its cache holds the old weight: quantize afresh
+        if norm_name in factors or not partial:
+            fold_factors(norm, linears.values(), factors[norm_name])
+
+
+@torch.no_grad()
+def fold_factors(norm: RMSNorm, linears: Iterable[nn.Module], factors: torch.Tensor) -> None:
+    """X / s into the norm, W diag(s) into each Linear that reads it (float64, cast back): the float model's
+    output unchanged up to rounding. SmoothQuant's and AWQ's scales fold the same way."""
+    # The factors live on the host (smooth_model returns them there); each product is formed on the weights'
+    # device.
+    s = torch.as_tensor(factors).to(norm.weight.device, torch.float64)
+    # The gain divides: w / s, or with Gemma's (1 + w) norms w' = (1 + w) / s - 1 (RMSNorm.set_gain).
+    norm.set_gain(norm.gain() / s)
+    for linear in linears:
+        lw = linear.weight
+        lw.copy_((lw.to(torch.float64) * s.to(lw.device)[None, :]).to(lw.dtype))
+        drop_weight_cache(linear.weight_quantizer)  # its cache holds the old weight: quantize afresh
 
 
 def _checked_groups(model: nn.Module) -> list[tuple[str, RMSNorm, dict[str, nn.Module]]]:

@@ -31,6 +31,7 @@ from torch import nn
 
 from diffquant.errors import DiffquantError
 from diffquant.formats import minmax_params
+from diffquant.quant.methods import WeightMethod, register
 
 
 @dataclass(frozen=True)
@@ -217,3 +218,12 @@ class QuantizedWeight(nn.Module):
     def extra_repr(self) -> str:
         size = "channel" if self.grid.group_size is None else f"g{self.grid.group_size}"
         return f"site={self.site}, {self.method} int{self.grid.bits} {size} sym={self.grid.sym}"
+
+
+register(
+    WeightMethod(
+        "rtn",
+        "round-to-nearest: each value rounded alone on its group's min-max grid",
+        codes=lambda weight, spec, what: rtn_codes(weight, spec.grid),
+    )
+)

@@ -1,5 +1,6 @@
-"""The weight transform of a plan (``weights:``): Linear weights replaced by integer codes chosen by
-round-to-nearest, GPTQ or HQQ, on one grid (:mod:`~diffquant.quant.weightcodes`).
+"""The weight transform of a plan (``weights:``): Linear weights replaced by integer codes chosen by a
+registered weight method (:mod:`~diffquant.quant.methods`: round-to-nearest, GPTQ, HQQ, AWQ), on one grid
+(:mod:`~diffquant.quant.weightcodes`).
 
 ::
 
@@ -13,20 +14,18 @@ round-to-nearest, GPTQ or HQQ, on one grid (:mod:`~diffquant.quant.weightcodes`)
   come from the inputs the already-quantized layers 0..l-1 produce, with the activations in float (the
   activation quantizers of the plan are off while weights are chosen: QuaRot runs GPTQ before its
   activation quantizers are set, likewise). Within a layer every Linear sees the float layer (GPTQ's
-  default; llm-compressor's sequential pipeline does the same). :func:`gptq_stage` is the one step
-  both the whole-model pass (:func:`quantize_weights`) and the streamed run (one layer resident) take, so
-  both give the same codes.
+  default; llm-compressor's sequential pipeline does the same). :func:`weight_stage` is the one step
+  both the whole-model pass and the streamed run (one layer resident) take, so both give the same codes.
+- ``awq`` (Lin et al. 2024, :mod:`~diffquant.quant.awq`): per-input-channel scales searched on calibration
+  data for each norm's readers, folded into the norm, then round-to-nearest codes.
 
-Order in a plan: rotation (at apply_plan), quantizers inserted, then at calibration SmoothQuant smoothing,
-then the weights (they quantize the rotated and smoothed weights), then the static activation scales (which
-observe the model with its quantized weights). Without smoothing the data-free methods run at apply_plan.
+Where this runs in a plan's order is :data:`diffquant.quant.pipeline.SECTIONS`'s business, not this module's.
 A quantized checkpoint stores the codes, scales and zero points (``quant_state.safetensors``) and records
 ``weights`` in ``plan.json``'s ``transforms``, so a reload serves the stored codes without recomputing them.
 """
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -38,36 +37,30 @@ from torch import nn
 from diffquant.errors import DiffquantError
 from diffquant.models.attention import Linear
 from diffquant.progress import is_quiet, progress, write
-from diffquant.quant.gptq import Hessian, gptq_codes
-from diffquant.quant.hqq import hqq_codes
+from diffquant.quant import awq, gptq, hqq, weightcodes  # noqa: F401  (each registers its method)
+from diffquant.quant.methods import REGISTRY, WeightMethod, WeightStats, weight_method
 from diffquant.quant.modules import taps_detached, weight_quantizers_detached
 from diffquant.quant.select import pattern_list
-from diffquant.quant.weightcodes import GroupCodes, QuantizedWeight, WeightGrid, rtn_codes
+from diffquant.quant.weightcodes import QuantizedWeight, WeightGrid
 from diffquant.schema import key
 
-METHODS = ("rtn", "gptq", "hqq")
 _BOOL = "a boolean (YAML true or false)"
-# The options each method reads. One rule for the rest (:func:`unused_option`): an option the chosen method
-# does not read is refused, never silently ignored (``{method: rtn, damp: 0.5}`` ran plain rtn).
-_COMMON = ("method", "bits", "group_size", "sym", "modules", "exclude")
-METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
-    "rtn": _COMMON,
-    "hqq": _COMMON,
-    "gptq": (*_COMMON, "act_order", "damp", "block"),
-}
 
 
 def unused_option(method: str, given: Iterable[str]) -> str | None:
     """The message for the first option in ``given`` (the keys a plan's ``weights`` section sets) that
-    ``method`` does not read, naming the methods that do; None when every option is read."""
+    ``method`` does not read, naming the methods that do; None when every option is read. One rule for all
+    methods: an option the chosen method does not read is refused, never silently ignored (``{method: rtn,
+    damp: 0.5}`` ran plain rtn)."""
+    reads = REGISTRY[method].reads if method in REGISTRY else ()
     for name in given:
-        if name in METHOD_OPTIONS.get(method, METHOD_OPTIONS["gptq"]):
+        if name in reads:
             continue
-        readers = [m for m, options in METHOD_OPTIONS.items() if name in options]
+        readers = [m for m, entry in REGISTRY.items() if name in entry.reads]
         if not readers:
             continue  # not an option at all: the schema names the allowed keys
         return (
-            f"weights.{name}: a {' / '.join(readers)} option, which method {method} does not read; remove it "
+            f"weights.{name}: {'an' if readers[0][0] in 'aeiou' else 'a'} {' / '.join(readers)} option, which method {method} does not read; remove it "
             f"(or method: {readers[0]})"
         )
     return None
@@ -99,6 +92,7 @@ class WeightsSpec:
     act_order: bool = key(False, what=_BOOL)  # gptq: columns by descending Hessian diagonal, static groups
     damp: float = key(0.01, check=_damp)  # gptq: Hessian damping, a fraction of its mean diagonal
     block: int = key(128, min=1)  # gptq: columns per lazy batch update
+    alpha_grid: int = key(20, min=2, max=1000)  # awq: points of the alpha grid 0, 1/n, .., (n-1)/n
     modules: list[str] = key(["layers.*"], check=pattern_list)
     exclude: list[str] = key([], check=pattern_list)
 
@@ -107,12 +101,12 @@ class WeightsSpec:
             self.modules = [self.modules]
         if isinstance(self.exclude, str):
             self.exclude = [self.exclude]
-        if self.method not in METHODS:
-            raise DiffquantError(f"weights.method: {self.method!r}; valid: {', '.join(METHODS)}")
+        entry = weight_method(self.method)
         if self.sym is None:
-            self.sym = self.method != "hqq"
-        if self.method == "hqq" and self.sym:
-            raise DiffquantError("weights.sym: hqq optimises the zero point, so it is asymmetric: sym false")
+            self.sym = entry.default_sym
+        if self.sym not in entry.sym_allowed:
+            allowed = " or ".join(str(v).lower() for v in entry.sym_allowed)
+            raise DiffquantError(f"weights.sym: {entry.sym_note or f'{self.method} takes sym {allowed}'}")
         # built in Python, a field set away from its default is a given option (a plan's section also names
         # the keys it sets: diffquant.quant.plan applies the same rule to them)
         changed = [
@@ -128,8 +122,13 @@ class WeightsSpec:
         return WeightGrid(int(self.bits), size, bool(self.sym))
 
     @property
+    def entry(self) -> WeightMethod:
+        """The registered method (:mod:`~diffquant.quant.methods`)."""
+        return weight_method(self.method)
+
+    @property
     def needs_data(self) -> bool:
-        return self.method == "gptq"
+        return self.entry.needs_data
 
     def label(self) -> str:
         size = "channel" if self.group_size == "channel" else f"g{self.group_size}"
@@ -146,8 +145,8 @@ class WeightsSpec:
         }
         if self.exclude:
             out["exclude"] = list(self.exclude)
-        if self.method == "gptq":
-            out.update(act_order=self.act_order, damp=self.damp, block=self.block)
+        for name in self.entry.options:
+            out[name] = getattr(self, name)
         return out
 
 
@@ -187,9 +186,9 @@ def _owners(modules: nn.Module | Sequence[nn.Module]) -> list[tuple[Linear, Quan
 
 
 def fill_data_free(modules: nn.Module | Sequence[nn.Module], show: bool = False) -> None:
-    """Codes for the rtn / hqq weights under ``modules`` (Linears or their parents) not filled yet (a
-    streamed skeleton's weights still on the meta device wait until their stage is read); ``show``: progress
-    over the Linears (hqq on a 1.7B model takes minutes)."""
+    """Codes for the data-free weights (rtn, hqq) under ``modules`` (Linears or their parents) not filled
+    yet (a streamed skeleton's weights still on the meta device wait until their stage is read); ``show``:
+    progress over the Linears (hqq on a 1.7B model takes minutes)."""
     pending = [
         (linear, q)
         for linear, q in _owners(modules)
@@ -199,112 +198,47 @@ def fill_data_free(modules: nn.Module | Sequence[nn.Module], show: bool = False)
         return
     desc = f"{pending[0][1].spec.method} weights"
     for linear, q in progress(pending, desc, "linear", leave=False, enabled=show, announce=True):
-        q.set_codes(weight_codes(linear.weight, q.spec))
+        q.set_codes(q.spec.entry.codes(linear.weight, q.spec, q.site))
 
 
-def weight_codes(
-    weight: torch.Tensor, spec: WeightsSpec, hessian: torch.Tensor | None = None, what: str = "weight"
-) -> GroupCodes:
-    """The codes of one weight by ``spec``'s method (gptq needs ``hessian``)."""
-    if spec.method == "rtn":
-        return rtn_codes(weight, spec.grid)
-    if spec.method == "hqq":
-        return hqq_codes(weight, spec.grid, what=what)
-    if hessian is None:
-        raise DiffquantError(f"{what}: gptq needs calibration data (its Hessian); none was given")
-    return gptq_codes(
-        weight, hessian, spec.grid, act_order=spec.act_order, damp=spec.damp, block=spec.block, what=what
-    )
-
-
-# ------------------------------------------------------------------------------------------- gptq
-@dataclass
-class GptqStats:
-    """What a GPTQ pass did: Linears quantized, calibration tokens per Linear, the largest Hessian bytes held
-    at once and the process's peak resident memory."""
-
-    linears: int = 0
-    tokens: int = 0
-    hessian_bytes: int = 0
-
-    def line(self, seconds: float) -> str:
-        s = self.summary()
-        return (
-            f"gptq: {s['linears']} Linears on {s['tokens']:,} calibration tokens each in {seconds:.1f} s; "
-            f"Hessians up to {s['peak_hessian_bytes'] / 2**20:.1f} MiB at once, "
-            f"peak resident memory {s['peak_rss_bytes'] / 2**30:.2f} GiB"
-        )
-
-    def summary(self) -> dict[str, Any]:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        return {
-            "linears": self.linears,
-            "tokens": self.tokens,
-            "peak_hessian_bytes": self.hessian_bytes,
-            "peak_rss_bytes": peak,
-        }
+GptqStats = WeightStats  # the name the GPTQ benchmarks and the streamed run read
 
 
 @torch.no_grad()
-def gptq_stage(
+def weight_stage(
     modules: Sequence[nn.Module],
     fn: Callable[[torch.Tensor], torch.Tensor],
     count: int,
     get: Callable[[int], torch.Tensor],
     put: Callable[[int, torch.Tensor], None] | None,
-    stats: GptqStats | None = None,
+    stats: WeightStats | None = None,
 ) -> None:
-    """One stage of sequential GPTQ: the ``count`` input batches (``get(k)``) through ``fn`` with the stage's
-    GPTQ weights in float, accumulating each Linear's Hessian from its input; the codes chosen; then the
-    batches through again with the new codes, each output handed to ``put(k, y)`` (the next stage's input).
-    Linears that read the same tensor (q, k and v; gate and up) share one Hessian. The caller has the
-    activation quantizers detached (:func:`~diffquant.quant.modules.taps_detached`)."""
+    """One stage of the data-driven weight methods (GPTQ, AWQ), sequential as GPTQ's and llm-compressor's
+    pipelines are: the ``count`` input batches (``get(k)``) through ``fn`` with the stage's pending weights in
+    float, each method's collector (:class:`~diffquant.quant.methods.StageCollector`) hooked on the stage's
+    modules; then each collector sets its codes; then the batches through again with the new codes, each
+    output handed to ``put(k, y)`` (the next stage's input). The whole-model calibration and the streamed run
+    both take this step per stage, so both give the same codes. The caller has the activation quantizers
+    detached (:func:`~diffquant.quant.modules.taps_detached`)."""
     pairs = [(lin, q) for lin, q in _owners(modules) if q.spec.needs_data and not q.filled]
     if pairs:
-        hessians: dict[int, Hessian] = {}  # owner index -> its Hessian
-        alias: dict[int, int] = {}  # linear index -> the index whose Hessian it shares
-        # this batch: the input tensor's identity -> (first linear reading it, the tensor: held, so that its
-        # memory is not reused by a later tensor of the same shape within the batch)
-        seen: dict[tuple, tuple[int, torch.Tensor]] = {}
+        by_method: dict[str, list[tuple[Linear, QuantizedWeight]]] = {}
+        for linear, q in pairs:
+            by_method.setdefault(q.method, []).append((linear, q))
+        collectors = [weight_method(m).collector(chosen, modules) for m, chosen in by_method.items()]
         handles = []
-
-        def hook(index: int) -> Callable:
-            def record(_module: nn.Module, args: tuple) -> None:
-                x = args[0]
-                ident = (x.data_ptr(), x._version, tuple(x.shape))
-                if index not in alias:
-                    alias[index] = seen.setdefault(ident, (index, x))[0]
-                owner = alias[index]
-                if owner == index:
-                    if owner not in hessians:
-                        hessians[owner] = Hessian(x.shape[-1], device=x.device)
-                    hessians[owner].add(x)
-
-            return record
-
-        for i, (linear, _) in enumerate(pairs):
-            # the tap's input: after an online rotation (R4), what the weight multiplies
-            handles.append(linear.input.register_forward_pre_hook(hook(i)))
         try:
+            for collector in collectors:
+                handles += collector.attach()
             with weight_quantizers_detached(lin for lin, _ in pairs):
                 for k in range(count):
-                    seen.clear()
                     fn(get(k))
         finally:
             for handle in handles:
                 handle.remove()
-        if stats is not None:
-            held = sum(h.matrix.numel() * h.matrix.element_size() for h in hessians.values())
-            stats.hessian_bytes = max(stats.hessian_bytes, held)
-        for i, (linear, q) in enumerate(pairs):
-            hessian = hessians.get(alias.get(i, i))
-            if hessian is None:
-                raise DiffquantError(f"{q.site}: calibration never reached this Linear (no Hessian)")
-            q.set_codes(weight_codes(linear.weight, q.spec, hessian.matrix, what=q.site))
-            if stats is not None:
-                stats.linears += 1
-                stats.tokens = max(stats.tokens, hessian.tokens)
-        del hessians
+        for collector in collectors:
+            collector.finish(stats if stats is not None else WeightStats())
+        del collectors
     if put is not None:
         for k in range(count):
             put(k, fn(get(k)))
@@ -322,14 +256,18 @@ def model_stages(model: nn.Module) -> list[tuple[str, list[nn.Module], Callable]
 def quantize_weights(
     model: nn.Module, windows: torch.Tensor | None, batch_size: int = 8, show: bool = True
 ) -> dict[str, Any] | None:
-    """Fill every QuantizedWeight of ``model`` not filled yet: rtn / hqq from the weights, gptq sequentially
-    over ``windows`` (N, L) token ids. Returns the GPTQ pass's :class:`GptqStats` summary (None: no gptq)."""
+    """Fill every QuantizedWeight of ``model`` not filled yet: rtn / hqq from the weights, gptq / awq
+    sequentially over ``windows`` (N, L) token ids (:func:`weight_stage` per stage). Returns the pass's
+    :class:`~diffquant.quant.methods.WeightStats` summary (None: no data-driven method)."""
     fill_data_free(model, show=show)
     pending = [q for _, q in _owners(model) if not q.filled]
     if not pending:
         return None
     if windows is None or windows.numel() == 0:
-        raise DiffquantError(f"{pending[0].site}: gptq needs calibration data; none was given")
+        entry = pending[0].spec.entry
+        raise DiffquantError(
+            f"{pending[0].site}: {entry.name} needs calibration data ({entry.collects}); none was given"
+        )
     device = next(model.parameters()).device
     batches = [windows[s : s + batch_size].to(device) for s in range(0, windows.shape[0], batch_size)]
     stages = model_stages(model)
@@ -337,7 +275,7 @@ def quantize_weights(
         i for i, (_, modules, _) in enumerate(stages) if any(not q.filled for _, q in _owners(modules))
     )
     hidden: list[torch.Tensor | None] = list(batches)
-    stats = GptqStats()
+    stats = WeightStats(pending[0].method)
 
     def get(k: int) -> torch.Tensor:
         return hidden[k]
@@ -347,9 +285,16 @@ def quantize_weights(
 
     start = time.monotonic()
     with taps_detached(model):
-        chosen = progress(stages[: last + 1], "gptq", "stage", leave=False, enabled=show, announce=True)
+        chosen = progress(
+            stages[: last + 1], pending[0].method, "stage", leave=False, enabled=show, announce=True
+        )
         for i, (_, modules, fn) in enumerate(chosen):
-            gptq_stage(modules, fn, len(batches), get, put if i < last else None, stats)
+            weight_stage(modules, fn, len(batches), get, put if i < last else None, stats)
+    state = getattr(model, "quant", None)
+    transform = pending[0].spec.entry.transform
+    if state is not None and transform is not None:
+        state.fold(transform, stats.folded)  # AWQ's scales, folded into the model's norms and readers
+    stats.folded.clear()
     if show and not is_quiet():
         write(stats.line(time.monotonic() - start))  # through tqdm: a bar on the terminal stays whole
     return stats.summary()

@@ -16,6 +16,7 @@ from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.kernels.dispatch import path_summary
 from diffquant.models.transformer import DecoderLM
+from diffquant.options import DEFAULT_TOPK
 from diffquant.profile.profiler import Profile, Profiler
 from diffquant.profile.runner import shard_starts
 from diffquant.quant.plan import QuantPlan
@@ -43,7 +44,7 @@ def _plan(plan: QuantPlan | str | Path | None) -> QuantPlan | None:
 def _calibration_batches(
     plan: QuantPlan | None, calibration: torch.Tensor | None, default: torch.Tensor, batch_size: int
 ) -> list[torch.Tensor] | None:
-    """The calibration windows cut in batches as :func:`~diffquant.quant.calibrate.calibrate` cuts them
+    """The calibration windows cut in batches as :func:`~diffquant.quant.pipeline.calibrate` cuts them
     (None: the plan has no static scales)."""
     if plan is None or not plan.uses_static:
         return None
@@ -59,7 +60,7 @@ def profile_streamed(
     *,
     sites: str | Sequence[str] = "*",
     batch_size: int = 8,
-    topk: int = 100,
+    topk: int = DEFAULT_TOPK,
     attention: bool | None = None,
     plan: QuantPlan | str | Path | None = None,
     calibration: torch.Tensor | None = None,
@@ -79,7 +80,7 @@ def profile_streamed(
     indices, as :func:`~diffquant.profile.runner.profile_model` shards under torchrun; the ranks' profiles
     merged (:func:`~diffquant.profile.runner.gather_profile`) are the one-process profile. Static scales
     are still calibrated on all the calibration windows on every rank, as the whole-model
-    :func:`~diffquant.quant.calibrate.calibrate` is, so every rank quantizes with the one-process scales."""
+    :func:`~diffquant.quant.pipeline.calibrate` is, so every rank quantizes with the one-process scales."""
     if windows.dim() != 2:
         raise DiffquantError(f"windows: expected shape (n, seq_len), got {tuple(windows.shape)}")
     if batch_size < 1:

@@ -11,12 +11,13 @@ windows.
 Everything the whole-model run attaches works unchanged, because the skeleton holds the same modules under
 the same names: a :class:`~diffquant.profile.profiler.Profiler` hooks the same taps (each batch begun with
 :meth:`~diffquant.profile.profiler.Profiler.begin_batch`, so sample indices and tokens are the whole-model
-run's), a :class:`~diffquant.quant.plan.QuantPlan` is applied to the skeleton (a rotating plan's rotation
-runs stage by stage: :meth:`StreamedModel.rotate_stage` rotates each stage's weights as they are read, with
-the matrices the whole-model :func:`~diffquant.quant.rotate.rotate_model` uses), and static scales are
-calibrated stage by stage: the calibration windows go through stage i with its static quantizers observing
-(passing values through, as :func:`~diffquant.quant.calibrate.calibrate` does on the whole model), the
-scales are fixed, and only then do the evaluated windows go through the quantized stage. Each site sees the
+run's), a :class:`~diffquant.quant.plan.QuantPlan` is applied to the skeleton by the same pipeline
+(:mod:`diffquant.quant.pipeline`): each stage's sections run when its weights are read
+(:meth:`StreamedModel.read_stage`: a rotating plan's rotation with the matrices the whole model uses,
+data-free codes), and the calibration runs stage by stage through the same
+:func:`~diffquant.quant.pipeline.calibrate_stage` the whole-model calibration takes (data-driven weight
+codes, then the static quantizers observe, values passing through), and only then do the evaluated windows
+go through the quantized stage. Each site sees the
 same tensors in the same batch order as in the whole-model run, so statistics, scales and logits are the
 whole-model run's, bit for bit on a deterministic device.
 """
@@ -67,11 +68,19 @@ from diffquant.names import CONFIG_FILE
 from diffquant.profile.profiler import Profiler
 from diffquant.progress import progress as show_progress
 from diffquant.quant.caches import drop_weight_cache
-from diffquant.quant.fake import FakeQuant
-from diffquant.quant.modules import taps_detached
-from diffquant.quant.plan import QuantPlan, apply_plan
+from diffquant.quant.methods import WeightStats
+from diffquant.quant.pipeline import (
+    Calibration,
+    Stage,
+    apply_plan,
+    calibrate_stage,
+    check_streams,
+    read_stage,
+    rotate_stage,
+)
+from diffquant.quant.plan import QuantPlan
 from diffquant.quant.rotate import RotateSpec, StageRotation, drop_online, prepare_rotation
-from diffquant.quant.weights import GptqStats, fill_data_free, gptq_stage, model_stages
+from diffquant.quant.weights import model_stages
 from diffquant.zoo import zoo_path
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -454,49 +463,43 @@ class StreamedModel:
         self.peak_stage_bytes = 0
         self.stage_bytes: dict[str, int] = {}
         self.applied: list[tuple[str, str, str]] = []  # apply_plan's record (target, name, scheme)
-        self.rotation: StageRotation | None = None  # a rotating plan's stages: rotated as they are read
-        # a plan with gptq weights: the calibration stream GPTQ reads (float activations, quantized weights
-        # of the stages before), advanced stage by stage beside the static-scale stream
-        self.gptq_store: HiddenStore | None = None
-        self.gptq_stats = GptqStats()
+        # an unplanned run's rotation (the float reference of a streamed quantize); a plan's rotation is a
+        # section of its pipeline
+        self.rotation: StageRotation | None = None
+        self.gptq_stats = WeightStats()  # what the data-driven weight methods did, over the run
 
     def apply_plan(self, plan: QuantPlan) -> list[tuple[str, str, str]]:
-        """:func:`~diffquant.quant.plan.apply_plan` on the skeleton, its record as the whole model's. A
-        rotating plan: the skeleton prepared as :func:`~diffquant.quant.rotate.rotate_model` prepares the
-        whole model (checked, the tied head untied, marked rotated), the quantizers inserted, and each stage's
-        weights rotated when :meth:`materialise` reads them (:meth:`rotate_stage`)."""
-        applied: list[tuple[str, str, str]] = []
-        rest = plan
-        if plan.rotate is not None:
-            applied = [("rotate", place, what) for place, what in self.rotate(plan.rotate)]
-            rest = dataclasses.replace(plan, rotate=None)
-        applied += apply_plan(self.model, rest)
-        self.model.quant_plan = plan
+        """:func:`~diffquant.quant.pipeline.apply_plan` on the skeleton (``skeleton=True``: a section a
+        streamed run cannot carry is refused in one line), its record as the whole model's. Each stage's
+        sections run when :meth:`materialise` reads it (a rotating plan: that stage's weights rotated with
+        the matrices the whole model uses; data-free codes). A rotating plan unties a tied LM head: the head
+        stage then reads the embedding's tensor from the files again, as its own weight."""
+        applied = apply_plan(self.model, plan, skeleton=True)
+        self._follow_untie()
         return applied
 
     def rotate(self, spec: RotateSpec, weights: bool = True) -> list[tuple[str, str]]:
-        """Rotate this run per ``spec``, one stage at a time as the stages are read (``weights=False``: only
-        the online modules, for weights rotated already). A tied LM head is untied: the head stage reads the
-        embedding's tensor from the files again, as its own weight. Returns the rotation's report."""
+        """Rotate this (unplanned) run per ``spec``, one stage at a time as the stages are read
+        (``weights=False``: only the online modules, for weights rotated already: the float reference of a
+        streamed quantize, which shares the planned run's rotated weights). Returns the rotation's report."""
         report = prepare_rotation(self.model, spec, weights)
         self.rotation = StageRotation(spec, weights)
+        self._follow_untie()
+        return report
+
+    def _follow_untie(self) -> None:
         if self.spec.config.tie_embeddings and not self.model.config.tie_embeddings:
             self.spec = _untied(self.spec, self.model.config)
             check_source(self.model, self.source, self.spec.key_map, self.dtype, self.spec.optional)
-        return report
 
-    def rotate_stage(self, prefixes: Sequence[str]) -> None:
-        """The rotation of the stage whose weights under ``prefixes`` were just read (nothing without one)."""
-        if self.rotation is None:
-            return
-        for prefix in prefixes:
-            layer = re.fullmatch(r"layers\.(\d+)\.", prefix)
-            if prefix == "embed.":
-                self.rotation.embedding(self.model)
-            elif prefix == "lm_head.":
-                self.rotation.head(self.model)
-            elif layer is not None:
-                self.rotation.layer(self.model, int(layer[1]))
+    def read_stage(self, prefixes: Sequence[str]) -> None:
+        """The sections' work on the stage whose weights under ``prefixes`` were just read
+        (:func:`~diffquant.quant.pipeline.read_stage`), or an unplanned run's rotation of it."""
+        modules = [self.model.get_submodule(p.rstrip(".")) for p in prefixes]
+        stage = Stage("", list(prefixes), modules, lambda x: x)
+        if self.rotation is not None:
+            rotate_stage(self.model, self.rotation, stage.prefixes)
+        read_stage(self.model, stage)
 
     @property
     def config(self) -> ModelConfig:
@@ -532,9 +535,7 @@ class StreamedModel:
         self.model.load_state_dict(state, strict=False, assign=True)
         if self.config.tie_embeddings:
             self.model.lm_head.weight = self.model.embed.weight
-        self.rotate_stage(prefixes)
-        # rtn / hqq codes of the weights section, from the weights just read (and rotated)
-        fill_data_free([self.model.get_submodule(p.rstrip(".")) for p in prefixes])
+        self.read_stage(prefixes)  # rotated, weight quantizers checked, data-free codes
         size = sum(t.numel() * t.element_size() for t in state.values())
         return size
 
@@ -553,7 +554,7 @@ class StreamedModel:
                 drop_weight_cache(
                     getattr(sub, "weight_quantizer", None)
                 )  # the released weight's quantized copy
-            if self.rotation is not None:
+            if self.rotation is not None or self.model.rotation is not None:
                 drop_online(module)  # the stage's rotation matrices: attached again when it is read
         if self.config.tie_embeddings:
             self.model.lm_head.weight = self.model.embed.weight
@@ -592,7 +593,7 @@ class StreamedModel:
         position-wise (:meth:`head_slices_exactly`), else in one call from 0: a 262k vocabulary's logits of a
         whole batch are never held.
         ``calibration``: batches that calibrate the static quantizers of each stage before the stage runs
-        (the whole-model :func:`~diffquant.quant.calibrate.calibrate` over them, stage by stage).
+        (the whole-model :func:`~diffquant.quant.pipeline.calibrate` over them, stage by stage).
         Returns timings and memory numbers.
         """
         if sample_offsets is None:
@@ -611,7 +612,7 @@ class StreamedModel:
         if not need_head:
             stages = stages[:-1]
         hidden = HiddenStore(hidden_budget)
-        calib = HiddenStore(hidden_budget) if calibration is not None else None
+        calib = self.calibration(calibration, hidden_budget, profiler) if calibration is not None else None
         info: dict[str, Any] = {"stages": len(stages), "batches": len(batches)}
         try:
             # One line every few seconds on a pipe (a bar on a terminal): a streamed 70B run takes hours.
@@ -623,7 +624,7 @@ class StreamedModel:
                 self.stage_bytes[name] = size
                 self.peak_stage_bytes = max(self.peak_stage_bytes, size)
                 if calib is not None:
-                    self.calibrate_stage(name, modules, fn, calibration, calib, profiler)
+                    self.calibrate_stage(calib, name, modules, fn)
                 for k, ids in enumerate(batches):
                     x = ids.to(self.device) if name == "embed" else hidden.get(k, self.device)
                     if profiler is not None:
@@ -649,8 +650,6 @@ class StreamedModel:
             hidden.close()
             if calib is not None:
                 calib.close()
-            if self.gptq_store is not None:
-                self.gptq_store.close()
         info["peak_stage_bytes"] = self.peak_stage_bytes
         return info
 
@@ -678,53 +677,30 @@ class StreamedModel:
         if profiler is not None:
             profiler.end_batch()
 
-    def gptq_step(self, name: str, modules: Sequence[nn.Module], fn: Callable, calibration) -> None:
-        """The stage's GPTQ codes (:func:`~diffquant.quant.weights.gptq_stage`, the step the whole-model
-        :func:`~diffquant.quant.weights.quantize_weights` takes per stage) from the GPTQ stream, which
-        then advances through the stage with its new codes."""
-        if name == "embed" or self.gptq_store is None:
-            if self.gptq_store is not None:
-                self.gptq_store.close()
-            self.gptq_store = HiddenStore(None)
-        store = self.gptq_store
+    def calibration(
+        self, batches: Sequence[torch.Tensor], hidden_budget: int | None, profiler: Profiler | None = None
+    ) -> Calibration:
+        """The run's calibration over ``batches`` (token ids): its hidden streams spill past ``hidden_budget``
+        bytes each; ``profiler`` (a streamed profile's) is paused while calibration batches run."""
+        return Calibration(
+            self.model,
+            batches,
+            self.device,
+            new_store=lambda: HiddenStore(hidden_budget),
+            profiler=profiler,
+            stats=self.gptq_stats,
+        )
 
-        def get(k: int) -> torch.Tensor:
-            return calibration[k].to(self.device) if name == "embed" else store.get(k, self.device)
-
-        with taps_detached(self.model):
-            gptq_stage(
-                modules, fn, len(calibration), get, None if name == "head" else store.put, self.gptq_stats
-            )
-        if name == "head":
-            store.close()
-
-    def calibrate_stage(self, name, modules, fn, calibration, store, profiler) -> None:
-        """Calibration batches through one stage: first the stage's GPTQ codes when the plan has gptq weights
-        (:meth:`gptq_step`), then static quantizers observing (values pass through), then the stage's scales
-        are fixed. The calibration hidden states advance with the stage."""
-        plan = getattr(self.model, "quant_plan", None)
-        if plan is not None and plan.weights is not None and plan.weights.needs_data:
-            self.gptq_step(name, modules, fn, calibration)
-        quantizers = [
-            q for mod in modules for q in mod.modules() if isinstance(q, FakeQuant) and q.scheme.is_static
-        ]
-        for q in quantizers:
-            q.start_calibration()
-        if profiler is not None:
-            profiler.paused = True
-        try:
-            for k, ids in enumerate(calibration):
-                x = ids.to(self.device) if name == "embed" else store.get(k, self.device)
-                y = fn(x)
-                if name == "head":
-                    store.drop(k)
-                else:
-                    store.put(k, y)
-        finally:
-            if profiler is not None:
-                profiler.paused = False
-        for q in quantizers:
-            q.finish_calibration()
+    def calibrate_stage(
+        self, calib: Calibration, name: str, modules: Sequence[nn.Module], fn: Callable
+    ) -> None:
+        """One stage of the plan's calibration (:func:`~diffquant.quant.pipeline.calibrate_stage`, the step
+        the whole-model :func:`~diffquant.quant.pipeline.calibrate` takes per stage): the data-driven weight
+        methods' codes, then the static scales; each calibration stream advances through the stage."""
+        if self.model.quant is None:
+            return
+        stage = Stage(name, [], list(modules), fn)
+        calibrate_stage(calib, stage, first=name == "embed", last=name == "head")
 
 
 @contextlib.contextmanager
@@ -739,14 +715,8 @@ def open_streamed(
     skeleton is built on the meta device and ``plan`` applied to it."""
     check_float_dtype(dtype, "requested dtype")
     resolved = resolve_stream_spec(spec)
-    if plan is not None and (plan.smooth is not None or plan.backend is not None):
-        # smoothing rewrites norms and their readers from statistics of all layers; backend Linears hold
-        # their own copies of the weights. (Rotation streams: each stage is rotated as it is read; so do
-        # the weights section's codes: rtn / hqq as a stage is read, gptq as it is calibrated.)
-        what = "smooth (SmoothQuant)" if plan.smooth is not None else f"backend {plan.backend.name}"
-        raise DiffquantError(
-            f"plan {plan.name}: {what} is not supported in a streamed run (fake-quant rules only)"
-        )
+    if plan is not None:
+        check_streams(plan)  # before any file is opened
     device = torch.device(device)
     # Each stage's weights, freed when the next is read, are blocks of tens of MB: glibc's default would serve
     # them from its heaps after the first free (its threshold for own mappings rises to 32 MiB), and a

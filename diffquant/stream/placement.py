@@ -32,7 +32,6 @@ import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from diffquant.errors import DiffquantError
 from diffquant.io.assemble import check_float_dtype, check_source
 from diffquant.io.checkpoint import meta_skeleton
 from diffquant.io.fetch import resolve_fetch
+from diffquant.io.options import Placement
 from diffquant.io.quantized import is_quantized
 from diffquant.io.safetensors_source import open_tensors
 from diffquant.models.config import ModelConfig
@@ -63,17 +63,6 @@ Namer = Callable[[str], str]
 
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A checked ``device_map`` option: a strategy name or a {module: device} mapping (devices as ``cpu``,
-    ``disk``, ``cuda:N``), the ``max_memory`` of a strategy (bytes by GPU index or ``cpu``), and how the
-    user wrote the option (``--device-map`` or the recipe key ``device_map``) for messages."""
-
-    device_map: str | dict[str, str]
-    max_memory: dict[int | str, int] | None = None
-    what: str = "--device-map"
 
 
 # ================================================================================================ options

@@ -23,7 +23,7 @@ comes from the same tensors in the same order:
   (:func:`~diffquant.io.artifacts.write_folder_atomic`), so a failed run leaves no half-written output.
 
 A rotating plan (QuaRot / SpinQuant) streams: each stage's weights are rotated as they are read
-(:meth:`~diffquant.stream.executor.StreamedModel.rotate_stage`), so the checkpoint holds the rotated weights
+(:meth:`~diffquant.stream.executor.StreamedModel.read_stage`), so the checkpoint holds the rotated weights
 the whole-model quantize saves, and its plan records the rotation (``transforms``). Plans with SmoothQuant
 smoothing or a backend are refused in one line (:func:`open_streamed`): smoothing rewrites weights from
 statistics of all layers, and backend Linears hold their own copies of the weights.
@@ -47,7 +47,7 @@ from diffquant.data.corpus import default_text
 from diffquant.errors import DiffquantError
 from diffquant.io.artifacts import write_folder_atomic
 from diffquant.io.checkpoint import write_config
-from diffquant.io.options import parse_device, parse_dtype
+from diffquant.io.options import run_options
 from diffquant.io.quantize import (
     check_calibration_memory,
     check_quantize_target,
@@ -96,9 +96,10 @@ def quantize_streamed(
     run's memory numbers (bytes per stage, largest stage, hidden-state peaks)."""
     out = check_quantize_target(checkpoint, out, force)
     plan = QuantPlan.load(plan_spec)
-    device = parse_device(device)
+    parsed = run_options(device, dtype)  # at this entry point's edge, once (a torch.device: as it is)
+    device = parsed.device
     # Without gradients, applying the plan to the weightless skeleton runs no quantizer on a meta weight.
-    with torch.no_grad(), open_streamed(checkpoint, device, parse_dtype(dtype), plan) as streamed:
+    with torch.no_grad(), open_streamed(checkpoint, device, parsed.dtype, plan) as streamed:
         check_seq_len(seq_len, streamed.config.max_seq_len, checkpoint)
         if tokenizer is not None:  # as load_model(checkpoint, tokenizer=...) sets it
             streamed.model.tokenizer = model_tokenizer(streamed.model, str(checkpoint), override=tokenizer)
@@ -162,19 +163,20 @@ def _run(
     stream), compared site by site as :func:`~diffquant.quant.report.compare_models` compares. Returns the
     report and the run's memory numbers."""
     reference = StreamedModel(streamed.spec, streamed.source, streamed.device, streamed.dtype)
-    if streamed.rotation is not None:
+    if streamed.model.rotation is not None:
         # the whole-model reference is rotated alike; here it shares the rotated weights, so only the
         # online rotations (R3, R4) are attached to it, stage by stage
-        reference.rotate(streamed.rotation.spec, weights=False)
+        reference.rotate(streamed.model.rotation, weights=False)
     ref_taps, q_taps = select_taps(reference.model, "*"), select_taps(streamed.model, "*")
     names = [n for n in ref_taps if n in q_taps]
     site_stats = {name: ErrorStats() for name in names}
     logits = ErrorStats()
     calib = None
     if calibration is not None:
-        calib = [calibration[s : s + batch_size] for s in range(0, calibration.shape[0], batch_size)]
+        cut = [calibration[s : s + batch_size] for s in range(0, calibration.shape[0], batch_size)]
+        calib = streamed.calibration(cut, hidden_budget)
     batches = [held_out[s : s + batch_size] for s in range(0, held_out.shape[0], batch_size)]
-    stores = {key: HiddenStore(hidden_budget) for key in ("calib", "ref", "quant")}
+    stores = {key: HiddenStore(hidden_budget) for key in ("ref", "quant")}
     info: dict[str, Any] = {"stages": 0, "batches": len(batches)}
     try:
         # One line every few seconds on a pipe (a bar on a terminal): a streamed 70B quantize takes hours.
@@ -187,11 +189,13 @@ def _run(
             streamed.stage_bytes[name] = size
             streamed.peak_stage_bytes = max(streamed.peak_stage_bytes, size)
             state = _share(streamed, reference, prefixes)
-            reference.rotate_stage(prefixes)
-            weights.write_all(state)
+            reference.read_stage(prefixes)
             _count_weight_nans(modules)
             if calib is not None:
-                streamed.calibrate_stage(name, modules, fn, calib, stores["calib"], None)
+                streamed.calibrate_stage(calib, name, modules, fn)
+            # after the calibration: a section may fold scales into the stage's weights (AWQ), and the
+            # checkpoint stores the weights the codes were chosen on
+            weights.write_all(state)
             stage = [n for n in names if n.startswith(_module_prefixes(streamed.model, modules))]
             _compare_stage(
                 name,
@@ -210,12 +214,15 @@ def _run(
             reference.release(ref_modules)
             info["stages"] += 1
     finally:
+        static = calib.streams.get("static") if calib is not None else None
+        info["hidden_peak_bytes_calib"] = static.peak_bytes if static is not None else 0
+        info["hidden_spilled_calib"] = static.spilled if static is not None else 0
+        if calib is not None:
+            calib.close()
         for key, store in stores.items():
             info[f"hidden_peak_bytes_{key}"] = store.peak_bytes
             info[f"hidden_spilled_{key}"] = store.spilled
             store.close()
-        if streamed.gptq_store is not None:
-            streamed.gptq_store.close()
     weights.check_complete()
     report = {name: s.summary() for name, s in site_stats.items()}
     report["logits"] = logits.summary()
