@@ -129,8 +129,10 @@ def test_windows_that_do_not_match_are_not_paired():
     )
     assert four.basis == PAIRED and four.se == pytest.approx(per_window.std(ddof=1) / math.sqrt(N), rel=1e-12)
     # a window scored differently (bytes): no match
-    moved = _tally(base, [201, *([200] * (N - 1))])
+    moved = Tally(ua.tokenizer, ua.nats, ua.targets, (201, *ua.bytes[1:]))  # same targets, a byte more
     assert se_of_difference("bits_per_byte", _cell(ua), _cell(moved)).basis == UNPAIRED
+    shifted = Tally(ua.tokenizer, ua.nats, (198, *ua.targets[1:]), ua.bytes)  # same bytes, a target fewer
+    assert se_of_difference("bits_per_byte", _cell(ua), _cell(shifted)).basis == UNPAIRED
     assert se_of_change("bits_per_byte", Measure(1.0), Measure(0.9)) is None  # nothing known
 
 
