@@ -3680,6 +3680,35 @@ MUTANTS = [
         "            weights.write_all(state)\n            _count_weight_nans(modules)\n",
         ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
     ),
+    # --- parse once (issue item "Parse once"): one min-max rule, run options parsed at the edge
+    M(
+        "minmax_params: the range not widened to include 0",
+        "diffquant/formats.py",
+        "        lo, hi = torch.minimum(lo, origin), torch.maximum(hi, origin)",
+        "        pass",
+        ("tests/test_minmax_params.py::test_minmax_params_is_the_float64_formula",),
+    ),
+    M(
+        "minmax_params: the integer zero point never clamped",
+        "diffquant/formats.py",
+        "    return scale, zero_point.clamp(0, qmax) if clamp_zero else zero_point",
+        "    return scale, zero_point",
+        ("tests/test_minmax_params.py::test_minmax_params_conventions_on_their_edge_cases",),
+    ),
+    M(
+        "run options: a parsed torch.device parsed again (CUDA asked again)",
+        "diffquant/io/options.py",
+        "    if isinstance(name, torch.device):\n        return name\n",
+        "",
+        ("tests/test_run_options.py::test_a_parsed_device_is_not_parsed_again",),
+    ),
+    M(
+        "run options: the sweep parses --device again instead of taking the command's",
+        "diffquant/stages.py",
+        "        options=options,\n",
+        "        options=None,\n",
+        ("tests/test_run_options.py::test_a_command_parses_its_device_once[eval]",),
+    ),
 ]
 
 
