@@ -33,6 +33,19 @@ IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _spelled(weights: dict) -> dict:
+    """A weights section written here as ``bits`` / ``group_size``, in the spelling this tree's schema reads
+    (``format: int4`` / ``group`` since the keys were renamed)."""
+    from dataclasses import fields
+
+    from diffquant.quant.weights import WeightsSpec
+
+    if "format" not in {f.name for f in fields(WeightsSpec)}:
+        return weights
+    out = {k: v for k, v in weights.items() if k not in ("bits", "group_size")}
+    return {**out, "format": f"int{weights['bits']}", "group": weights["group_size"]}
+
+
 def _quantized(tmp_path, weights: dict, name: str = "q", **extra) -> str:
     """A tiny HF Llama (hidden 96: not a multiple of 64) quantized by ``diffquant quantize`` under a plan
     with ``weights`` (and ``extra`` plan sections); the quantized folder's path."""
@@ -40,7 +53,7 @@ def _quantized(tmp_path, weights: dict, name: str = "q", **extra) -> str:
     if not base.exists():
         save_tiny_llama(base, context=64, hidden_size=96, intermediate_size=128)
     plan = tmp_path / f"{name}.json"
-    plan.write_text(json.dumps({"name": name, "weights": weights, **extra}))
+    plan.write_text(json.dumps({"name": name, "weights": _spelled(weights), **extra}))
     out = tmp_path / name
     argv = ["quantize", f"hf:{base}", "--plan", str(plan), "--out", str(out), "--tokenizer", "byte"]
     assert main([*argv, "--seq-len", "16", "--calib-tokens", "64", "--eval-tokens", "32"]) == 0
@@ -83,6 +96,7 @@ CT_CASES = {
         "act_order": True,
     },
     "rtn-int8-channel-asym": {"method": "rtn", "bits": 8, "group_size": "channel", "sym": False},
+    "awq-int4-g32-asym": {"method": "awq", "bits": 4, "group_size": 32, "sym": False},  # its scales folded into norms
     "rtn-int8-g32-sym": {"method": "rtn", "bits": 8, "group_size": 32},
     "rtn-int2-g32-asym": {"method": "rtn", "bits": 2, "group_size": 32, "sym": False},
 }
@@ -329,7 +343,7 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
     )
     _refused(capsys, tmp_path, "compressed-tensors", online, "rotate.ffn", "online")
     kv = _quantized(
-        tmp_path, {"method": "rtn", "bits": 4, "group_size": 32}, name="kv", kv_cache={"bits": 8, "group": 8}
+        tmp_path, {"method": "rtn", "bits": 4, "group_size": 32}, name="kv", kv_cache={"group": 8}
     )
     _refused(capsys, tmp_path, "compressed-tensors", kv, "KV cache")
     partial = _quantized(
@@ -359,7 +373,8 @@ def test_other_kinds_are_refused(tmp_path, capsys):
     for kind in ("diff_v1", "diff_v2", "gated"):
         assert main(["init", str(tmp_path / kind), "--kind", kind]) == 0
         plan = tmp_path / "plan.json"
-        plan.write_text(json.dumps({"name": "w", "weights": {"method": "rtn", "bits": 4, "group_size": 32}}))
+        weights = _spelled({"method": "rtn", "bits": 4, "group_size": 32})
+        plan.write_text(json.dumps({"name": "w", "weights": weights}))
         argv = ["quantize", str(tmp_path / kind), "--plan", str(plan), "--out", str(tmp_path / f"q-{kind}")]
         assert main([*argv, "--seq-len", "16", "--calib-tokens", "64", "--eval-tokens", "32"]) == 0
         _refused(

@@ -7,8 +7,6 @@ the bf16 model (docs/checkpoints.md prints them).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -42,13 +40,12 @@ def smollm2(tmp_path_factory):
     return f"gguf:{path}", tmp_path_factory.mktemp("smollm2-export"), ids
 
 
-def _quantize(smollm2, name: str, weights: dict) -> str:
+def _quantize(smollm2, preset: str) -> str:
+    """SmolLM2 quantized by ``diffquant quantize --plan PRESET`` (once per module)."""
     spec, tmp, _ = smollm2
-    out = tmp / name
+    out = tmp / preset
     if not out.exists():
-        plan = tmp / f"{name}.json"
-        plan.write_text(json.dumps({"name": name, "weights": weights}))
-        assert main(["quantize", spec, "--plan", str(plan), "--out", str(out), *CALIB]) == 0
+        assert main(["quantize", spec, "--plan", preset, "--out", str(out), *CALIB]) == 0
     return str(out)
 
 
@@ -64,21 +61,15 @@ def _ours(folder: str, ids) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "name, weights",
-    [
-        ("rtn-g128-sym", {"method": "rtn", "bits": 4, "group_size": 128}),
-        ("gptq-g128-asym", {"method": "gptq", "bits": 4, "group_size": 128, "sym": False}),
-    ],
+    "preset, sym", [("w4a16-rtn-g128", True), ("w4a16-gptq-g128", True), ("w4a16-awq-g128", False)]
 )
-def test_compressed_tensors_export_of_smollm2_in_transformers(smollm2, name, weights):
+def test_compressed_tensors_export_of_smollm2_in_transformers(smollm2, preset, sym):
     _, tmp, ids = smollm2
-    folder = _quantize(smollm2, name, weights)
-    out = tmp / f"{name}-ct"
+    folder = _quantize(smollm2, preset)
+    out = tmp / f"{preset}-ct"
     assert main(["export", folder, "--to", "compressed-tensors", str(out), "--force"]) == 0
     kwargs = {}
-    if not weights.get(
-        "sym", True
-    ):  # transformers' compressed route reads asymmetric folders only dequantized
+    if not sym:  # transformers' compressed route reads an asymmetric folder only dequantized
         kwargs["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
@@ -86,12 +77,11 @@ def test_compressed_tensors_export_of_smollm2_in_transformers(smollm2, name, wei
     assert _max_diff(theirs, _ours(folder, ids)) < 1e-3
 
 
-def test_gptq_export_of_smollm2_read_from_the_format_description(smollm2):
+@pytest.mark.parametrize("preset", ["w4a16-gptq-g128", "w4a16-awq-g128"])  # symmetric, asymmetric
+def test_gptq_export_of_smollm2_read_from_the_format_description(smollm2, preset):
     _, tmp, ids = smollm2
-    folder = _quantize(
-        smollm2, "gptq-g128-asym", {"method": "gptq", "bits": 4, "group_size": 128, "sym": False}
-    )
-    out = tmp / "gptq-g128-asym-gptq"
+    folder = _quantize(smollm2, preset)
+    out = tmp / f"{preset}-gptq"
     assert main(["export", folder, "--to", "gptq", str(out), "--scale-dtype", "float32", "--force"]) == 0
     with torch.no_grad():
         theirs = _gptq_into_transformers(out)(ids).logits
@@ -102,7 +92,7 @@ def test_export_sizes_against_bf16(smollm2):
     """int4 in groups of 128 (written at 64): the packed decoder Linears take 4.25 / 16 of their bf16 bytes
     with 16-bit scales, and the folder (whose tied 49,152 x 576 embedding stays bf16) about 0.41 of bf16's."""
     spec, tmp, _ = smollm2
-    folder = _quantize(smollm2, "rtn-g128-sym", {"method": "rtn", "bits": 4, "group_size": 128})
+    folder = _quantize(smollm2, "w4a16-rtn-g128")
     bf16 = tmp / "bf16"
     assert main(["export", spec, "--to", "hf", str(bf16), "--dtype", "bfloat16", "--force"]) == 0
     folders = {"bf16": bf16}

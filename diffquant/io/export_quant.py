@@ -156,7 +156,7 @@ def check_exportable(model: DecoderLM, to: str) -> Any:
     if plan is None:
         raise DiffquantError(
             f"{to}: the model is not quantized (no plan); quantize it first with a weights plan (diffquant "
-            "quantize MODEL --plan w4-rtn --out Q) and export Q, or write it unquantized with --to hf"
+            "quantize MODEL --plan w4a16-rtn-g128 --out Q) and export Q, or write it unquantized with --to hf"
         )
     kind = model.config.attention
     if kind != "baseline":
@@ -175,13 +175,13 @@ def check_exportable(model: DecoderLM, to: str) -> Any:
     if plan.weights is None:
         raise DiffquantError(
             f"{to}: {name} has no weights: section, so no integer codes to pack; quantize with a weights plan "
-            "(e.g. w4-rtn, w4-gptq)"
+            "(e.g. w4a16-rtn-g128, w4a16-gptq-g128, w4a16-awq-g128)"
         )
     if plan.rules:
-        rule = plan.rules[0]
-        what = ", ".join([*rule.sites, *rule.weights][:2])
+        rule = plan.rules[0].to_dict()
+        what = ", ".join([*rule.get("sites", []), *rule.get("modules", rule.get("weights", []))][:2])
         raise DiffquantError(
-            f"{to}: {name} has {len(plan.rules)} fake-quant rule(s) (rules[0]: {rule.scheme} on {what}), "
+            f"{to}: {name} has {len(plan.rules)} fake-quant rule(s) (rules[0]: {rule['scheme']} on {what}), "
             "which a weight-only format cannot hold (activations are quantized by the server, if at all); "
             "quantize with the weights: section alone"
         )
