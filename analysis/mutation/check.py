@@ -3709,6 +3709,131 @@ MUTANTS = [
         "        options=None,\n",
         ("tests/test_run_options.py::test_a_command_parses_its_device_once[eval]",),
     ),
+    # --- issue 49 item 1: diffquant export --to compressed-tensors / gptq (diffquant/io/export_*.py)
+    M(
+        "export: nibbles packed highest bits first",
+        "diffquant/io/export_pack.py",
+        "shifts = torch.arange(per_word, dtype=torch.int64) * bits",
+        "shifts = (per_word - 1 - torch.arange(per_word, dtype=torch.int64)) * bits",
+        (
+            "tests/test_export_quant.py::test_compressed_tensors_export_loads_in_transformers_with_diffquants_logits[rtn-int4-g32-sym]",
+        ),
+    ),
+    M(
+        "export: int32 words wrapped by 2^31",
+        "diffquant/io/export_pack.py",
+        "words - (1 << 32)",
+        "words - (1 << 31)",
+        (
+            "tests/test_export_quant.py::test_compressed_tensors_export_loads_in_transformers_with_diffquants_logits[rtn-int4-g32-sym]",
+        ),
+    ),
+    M(
+        "export: compressed-tensors zero point off by one",
+        "diffquant/io/export_quant.py",
+        "pack_rows(lin.zero.T, bits).T.contiguous()",
+        "pack_rows((lin.zero.T + 1) % (1 << bits), bits).T.contiguous()",
+        (
+            "tests/test_export_quant.py::test_compressed_tensors_export_loads_in_transformers_with_diffquants_logits[rtn-int4-g64-asym]",
+        ),
+    ),
+    M(
+        "export: compressed-tensors scales transposed in place",
+        "diffquant/io/export_quant.py",
+        'out[f"{lin.name}.weight_scale"] = lin.scale.to(scale_dtype).contiguous()',
+        'out[f"{lin.name}.weight_scale"] = lin.scale.T.reshape(lin.scale.shape).to(scale_dtype).contiguous()',
+        (
+            "tests/test_export_quant.py::test_compressed_tensors_export_loads_in_transformers_with_diffquants_logits[rtn-int4-g32-sym]",
+        ),
+    ),
+    M(
+        "export: compressed-tensors always symmetric",
+        "diffquant/io/export_quant.py",
+        '"symmetric": sym,',
+        '"symmetric": True,',
+        (
+            "tests/test_export_quant.py::test_compressed_tensors_export_loads_in_transformers_with_diffquants_logits[rtn-int4-g64-asym]",
+        ),
+    ),
+    M(
+        "export: regrouped scales tiled instead of repeated",
+        "diffquant/io/export_quant.py",
+        "return scale.repeat_interleave(repeat, dim=1)[:, :groups], zero.repeat_interleave(repeat, dim=1)[",
+        "return scale.repeat(1, repeat)[:, :groups], zero.repeat(1, repeat)[",
+        (
+            "tests/test_export_quant.py::test_compressed_tensors_export_loads_in_transformers_with_diffquants_logits[rtn-int4-g64-asym]",
+        ),
+    ),
+    M(
+        "export: the dense Linears left out of ignore",
+        "diffquant/io/export_quant.py",
+        'ignore = [n for n in all_linears if f"{n}.weight" not in quantized]',
+        'ignore = ["lm_head"]',
+        ("tests/test_export_quant.py::test_refusals_are_one_line_and_write_nothing",),
+    ),
+    M(
+        "export: a quantized tied head left tied",
+        "diffquant/io/export_quant.py",
+        'hf["tie_word_embeddings"] = False',
+        'hf["tie_word_embeddings"] = True',
+        ("tests/test_export_quant.py::test_tied_model_with_a_quantized_head_unties_it",),
+    ),
+    M(
+        "export: GPTQ zeros without v1's minus one",
+        "diffquant/io/export_quant.py",
+        "pack_rows((lin.zero - 1).T & mask, bits)",
+        "pack_rows(lin.zero.T & mask, bits)",
+        ("tests/test_export_quant.py::test_gptq_layout_read_from_the_format_description[rtn-int4-g64-asym]",),
+    ),
+    M(
+        "export: GPTQ scales in the wrong order",
+        "diffquant/io/export_quant.py",
+        'out[f"{lin.name}.scales"] = lin.scale.T.to(scale_dtype).contiguous()',
+        'out[f"{lin.name}.scales"] = lin.scale.reshape(lin.scale.shape[1], -1).to(scale_dtype).contiguous()',
+        ("tests/test_export_quant.py::test_gptq_layout_read_from_the_format_description[gptq-int4-g32-sym]",),
+    ),
+    M(
+        "export: GPTQ g_idx all group 0",
+        "diffquant/io/export_quant.py",
+        "(torch.arange(cols) // size).to(torch.int32)",
+        "(torch.arange(cols) * 0).to(torch.int32)",
+        ("tests/test_export_quant.py::test_gptq_layout_read_from_the_format_description[gptq-int4-g32-sym]",),
+    ),
+    M(
+        "export: GPTQ's default scales float32",
+        "diffquant/io/export_quant.py",
+        '"gptq": "float16"}',
+        '"gptq": "float32"}',
+        ("tests/test_export_quant.py::test_gptq_default_scales_are_float16_and_the_codes_unchanged",),
+    ),
+    M(
+        "export: GPTQ v1 takes a zero point of 0",
+        "diffquant/io/export_quant.py",
+        "bool((zero == 0).any())",
+        "bool((zero < 0).any())",
+        ("tests/test_export_quant.py::test_gptq_v1_refuses_a_zero_point_of_zero",),
+    ),
+    M(
+        "export: HQQ's float zero points rounded silently",
+        "diffquant/io/export_quant.py",
+        "if not torch.equal(zero, torch.round(zero)):",
+        "if False:",
+        ("tests/test_export_quant.py::test_refusals_are_one_line_and_write_nothing",),
+    ),
+    M(
+        "export: an online rotation exported",
+        "diffquant/io/export_quant.py",
+        "        if online:\n",
+        "        if False:\n",
+        ("tests/test_export_quant.py::test_refusals_are_one_line_and_write_nothing",),
+    ),
+    M(
+        "export: DIFF V1 exported as diffllama",
+        "diffquant/io/export_quant.py",
+        'if kind != "baseline":',
+        'if kind not in ("baseline", "diff_v1"):',
+        ("tests/test_export_quant.py::test_other_kinds_are_refused",),
+    ),
 ]
 
 
