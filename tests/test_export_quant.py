@@ -96,7 +96,8 @@ CT_CASES = {
         "act_order": True,
     },
     "rtn-int8-channel-asym": {"method": "rtn", "bits": 8, "group_size": "channel", "sym": False},
-    "awq-int4-g32-asym": {"method": "awq", "bits": 4, "group_size": 32, "sym": False},  # its scales folded into norms
+    # AWQ: its scales folded into the norms, its codes those of W diag(s)
+    "awq-int4-g32-asym": {"method": "awq", "bits": 4, "group_size": 32, "sym": False},
     "rtn-int8-g32-sym": {"method": "rtn", "bits": 8, "group_size": 32},
     "rtn-int2-g32-asym": {"method": "rtn", "bits": 2, "group_size": 32, "sym": False},
 }
