@@ -95,7 +95,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if plan is not None:
         print(f"quantized    plan {plan.name}: {plan.description or 'custom'}")
         for rule in plan.rules:
-            targets = ", ".join(rule.sites + rule.weights)
+            targets = ", ".join(rule.sites + rule.modules)
             print(f"  {rule.scheme.label():<22}{rule.scheme.calibration:<10} {targets}")
         if plan.backend is not None:
             print(f"  backend {plan.backend.name}: {plan.backend.to_dict()}")

@@ -8,7 +8,9 @@ choices, ``Any``); its default makes it optional; :func:`key` adds metadata: int
 what was expected, or None when the value is fine), and the ``help`` of the command-line option made from
 the field (:func:`add_options`). An unknown key is an error naming the allowed ones; a missing required key,
 a wrong type and a value out of range are one-line :class:`DiffquantError` messages naming the key's path
-(``profile.tokens``, ``eval.tasks[1].seq_len``), what was expected and what was given.
+(``profile.tokens``, ``eval.tasks[1].seq_len``), what was expected and what was given. A key a schema
+renamed is refused in one line naming the new one: the dataclass lists ``RENAMED: ClassVar[dict[str, str]]``
+(old key -> new key), which :func:`check` consults before the unknown-key error.
 
 How a message names a key is a :class:`Style`: recipes name paths (the default), tasks name their
 parameters (``bpb parameter 'tokens'``); the checks are the same.
@@ -70,6 +72,10 @@ class Style:
     def missing(self, path: str) -> str:
         return f"missing required key '{path}'"
 
+    def renamed(self, path: str, new: str) -> str:
+        """The message of a key the schema renamed (``RENAMED``): ``KEY: renamed 'NEW'``."""
+        return f"{self.name(path)}: renamed '{new}'"
+
     def words(self, tp: Any, meta: Mapping[str, Any]) -> str:
         """What a value must be, in words (:func:`describe`)."""
         return describe(tp, meta)
@@ -123,6 +129,9 @@ class DocStyle(Style):
         parent, _, leaf = path.rpartition(".")
         return f"{parent}: missing key '{leaf}'" if parent else f"missing key '{leaf}'"
 
+    def renamed(self, path: str, new: str) -> str:
+        return f"{super().renamed(path, new)} (see {KEYS_PAGE})"
+
     def got(self, value: Any, expected: str) -> str:
         if expected == "a mapping":
             return type(value).__name__
@@ -130,6 +139,7 @@ class DocStyle(Style):
 
 
 DOCS = DocStyle()
+KEYS_PAGE = "docs/plans.md"  # the table of every plan key, old spellings included (DocStyle.renamed)
 
 
 def fields_of(cls: type) -> list[tuple[dataclasses.Field, Any]]:
@@ -145,8 +155,11 @@ def check(cls: type, raw: Any, where: str, *, style: Style = PATHS, prefix: str 
         raise _error(where, f"expected a mapping at the top level, got {type(raw).__name__}")
     spec = fields_of(cls)
     allowed = [f.name for f, _ in spec]
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
     for name in raw:
         if name not in allowed:
+            if name in renamed:
+                raise _error(where, style.renamed(f"{prefix}{name}", renamed[name]))
             raise _error(where, f"{style.unknown(prefix, str(name), allowed)}")
     out: dict[str, Any] = {}
     for f, tp in spec:

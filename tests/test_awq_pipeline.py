@@ -25,7 +25,7 @@ KINDS = ("baseline", "diff_v1", "diff_v2", "gated")
 
 
 def _plan(**weights) -> QuantPlan:
-    spec = {"method": "awq", "bits": 4, "group_size": 16, "alpha_grid": 10, **weights}
+    spec = {"method": "awq", "format": "int4", "group": 16, "alpha_grid": 10, **weights}
     return QuantPlan.from_dict({"name": "awq", "weights": spec})
 
 
@@ -134,7 +134,7 @@ def test_awq_lowers_the_output_error_below_rtn_on_salient_channels():
         model = _model("baseline")
         with torch.no_grad():
             reference = model(ids)
-        grid = {"method": method, "bits": 4, "group_size": 16, "sym": False}  # the same grid
+        grid = {"method": method, "format": "int4", "group": 16, "sym": False}  # the same grid
         plan = _plan(**grid) if method == "awq" else QuantPlan.from_dict({"name": "rtn", "weights": grid})
         apply_plan(model, plan)
         calibrate(model, ids, batch_size=4)

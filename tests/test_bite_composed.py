@@ -33,7 +33,7 @@ from diffquant.quant.weightcodes import QuantizedWeight, WeightGrid
 
 EVERY_PLACE = {"residual": "hadamard", "heads": "hadamard", "ffn": "hadamard", "qk": "hadamard"}
 BATCH = 2
-GPTQ = {"method": "gptq", "bits": 4, "group_size": 24, "sym": False, "act_order": True, "block": 32}
+GPTQ = {"method": "gptq", "format": "int4", "group": 24, "sym": False, "act_order": True, "lazy_batch": 32}
 
 
 def _windows() -> torch.Tensor:
@@ -95,7 +95,7 @@ def _reference_codes(
                 hessian.matrix,
                 grid,
                 act_order=GPTQ["act_order"],
-                block=GPTQ["block"],
+                block=GPTQ["lazy_batch"],
                 what=name,
             )
         for name, codes in chosen.items():

@@ -301,7 +301,7 @@ description: static scales by percentile, MSE and abs-max
 rules:
   - sites: ["kind:logits"]
     scheme: {format: int8, granularity: head, calibration: percentile}
-  - weights: ["layers.*"]
+  - modules: ["layers.*"]
     scheme: int4:channel
   - sites: ["layers.*.input"]
     scheme: {format: int8, granularity: tensor, calibration: mse}

@@ -219,11 +219,12 @@ def test_cached_decoding_matches_full_forward(folders, name, path):
 def test_quantized_kv_cache_decodes_with_window(folders, name, pre_rope):
     """A plan's quantized cache goes through the same windowed attention (pre-RoPE keys: after the qk-norm):
     8-bit codes stay near fp32."""
-    from diffquant.quant.kv_cache import KVCacheSpec, attach_kv_cache
+    from diffquant.quant import QuantPlan, apply_plan
 
     hf_model, folder = folders[name]
     model = load_model(f"hf:{folder}")
-    attach_kv_cache(model, KVCacheSpec(bits=8, group=8, residual=8, pre_rope=pre_rope), where="test")
+    kv = {"format": "int8", "group": 8, "window": 8, "pre_rope": pre_rope}
+    apply_plan(model, QuantPlan.from_dict({"name": "test", "kv_cache": kv}))
     ids = _ids(batch=1, seed=4)
     with torch.no_grad():
         ref = hf_model(ids).logits

@@ -248,11 +248,13 @@ def test_cached_decoding_matches_full_forward(folders, path):
 def test_quantized_kv_cache_decodes_per_layer(folders, pre_rope):
     """A plan's quantized cache: pre-RoPE keys are rotated back with each layer's own base (50 on sliding
     layers, 5000 on full ones); 8-bit codes stay near fp32, and the cache error report is finite."""
-    from diffquant.quant.kv_cache import KVCacheSpec, attach_kv_cache, kv_cache_error
+    from diffquant.quant import QuantPlan, apply_plan
+    from diffquant.quant.kv_cache import kv_cache_error
 
     hf_model, folder = folders["gemma-scaled"]
     model = load_model(f"hf:{folder}")
-    attach_kv_cache(model, KVCacheSpec(bits=8, group=4, residual=4, pre_rope=pre_rope), where="test")
+    kv = {"format": "int8", "group": 4, "window": 4, "pre_rope": pre_rope}
+    apply_plan(model, QuantPlan.from_dict({"name": "test", "kv_cache": kv}))
     ids = _ids(batch=1, seed=4)
     with torch.no_grad():
         ref = hf_model(ids).logits

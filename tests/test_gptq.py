@@ -292,10 +292,10 @@ def test_hessian_accumulates():
 
 def test_errors():
     W, X, H = linear(1, 8, 40)
-    with pytest.raises(DiffquantError, match="group_size 48 is wider than the 40 input channels") as e:
+    with pytest.raises(DiffquantError, match="group 48 is wider than the 40 input channels") as e:
         gptq_codes(W, H, WeightGrid(4, 48, True))
     assert "\n" not in str(e.value)
-    with pytest.raises(DiffquantError, match="group_size"):
+    with pytest.raises(DiffquantError, match="group 48"):
         rtn_codes(W, WeightGrid(4, 48, True))
     with pytest.raises(DiffquantError, match="Hessian") as e:
         gptq_codes(W, H[:32, :32], WeightGrid(4, 8, True))

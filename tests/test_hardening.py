@@ -456,7 +456,7 @@ def test_fuzzed_plans_never_trace_back(tmp_path_factory, where, key, value):
     (tmp / "t.txt").write_text("Some text to read. " * 30)
     scheme = {"format": "int8", "granularity": "tensor", "calibration": "absmax"}
     rule = {"sites": ["kind:logits"], "scheme": scheme}
-    plan = {"name": "p", "rules": [rule, {"weights": ["layers.*"], "scheme": "int8:channel"}]}
+    plan = {"name": "p", "rules": [rule, {"modules": ["layers.*"], "scheme": "int8:channel"}]}
     {"plan": plan, "rule": rule, "scheme": scheme}[where][key] = value
     path = tmp / "plan.yaml"
     try:
@@ -931,7 +931,7 @@ def test_plan_name_is_a_string_and_unused_weight_options_are_refused():
         with pytest.raises(DiffquantError) as err:
             QuantPlan.from_dict({"name": name, "rules": [rule]}, "p.yaml")
         assert str(err.value) == f"p.yaml: name: expected a string, got {got}"
-    for method, option, value in (("rtn", "damp", 0.5), ("rtn", "block", 64), ("hqq", "act_order", True),
+    for method, option, value in (("rtn", "damp", 0.5), ("rtn", "lazy_batch", 64), ("hqq", "act_order", True),
                                   ("rtn", "damp", 0.01)):  # fmt: skip
         with pytest.raises(DiffquantError) as err:
             QuantPlan.from_dict({"weights": {"method": method, option: value}}, "p.yaml")
@@ -939,10 +939,12 @@ def test_plan_name_is_a_string_and_unused_weight_options_are_refused():
             f"p.yaml: weights.{option}: a gptq option, which method {method} does not read; remove it "
             "(or method: gptq)"
         )
-    plan = QuantPlan.from_dict({"weights": {"method": "gptq", "damp": 0.5, "block": 64, "act_order": True}})
-    assert (plan.weights.damp, plan.weights.block, plan.weights.act_order) == (0.5, 64, True)
-    hqq = QuantPlan.from_dict({"weights": {"method": "hqq", "bits": 3, "group_size": 64, "sym": False}})
-    assert hqq.weights.label() == "hqq int3 g64 asym"
+    plan = QuantPlan.from_dict(
+        {"weights": {"method": "gptq", "damp": 0.5, "lazy_batch": 64, "act_order": True}}
+    )
+    assert (plan.weights.damp, plan.weights.lazy_batch, plan.weights.act_order) == (0.5, 64, True)
+    hqq = QuantPlan.from_dict({"weights": {"method": "hqq", "format": "int3", "group": 64, "sym": False}})
+    assert hqq.weights.label() == "hqq int3 g64 asym (GPTQ grid, codes 0..7 - zero)"
 
 
 def test_unknown_top_level_key_of_a_native_config_is_refused(tiny, capsys):
@@ -966,7 +968,7 @@ def test_kv_cache_that_quantizes_nothing_is_refused(tmp_path):
     from diffquant.quant import QuantPlan, apply_plan
     from diffquant.recipes import validate
 
-    kv = {"kv_cache": {"bits": 2, "group": 4, "residual": 8, "sinks": 2, "keys": "token"}}
+    kv = {"kv_cache": {"format": "int2", "group": 4, "window": 8, "sinks": 2, "keys": "token"}}
     plan_file = tmp_path / "kv.yaml"
     plan_file.write_text(yaml.safe_dump(kv))
     plain = tiny_model("baseline", vocab_size=259)  # the byte vocabulary: evaluate_bpb reads text

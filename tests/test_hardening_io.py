@@ -71,7 +71,7 @@ def test_calibration_beyond_memory_is_refused_in_one_line(tmp_path, capsys, monk
     room = 1000 * per_token + 7  # room for 1,000 tokens' hidden states
     monkeypatch.setattr(io_quantize, "available_bytes", lambda device="cpu": room)
     out = tmp_path / "q"
-    plan = _plan(tmp_path, "method: gptq, bits: 4, group_size: channel")
+    plan = _plan(tmp_path, "method: gptq, format: int4, group: channel")
     argv = ["quantize", str(tiny), "--plan", str(plan), "--calib-data", str(text), "--calib-tokens"]
     argv += [
         "1000000000000",
@@ -89,10 +89,11 @@ def test_calibration_beyond_memory_is_refused_in_one_line(tmp_path, capsys, monk
     assert all(line.startswith("diffquant: warning: data source") for line in lines[:-1]), lines  # short
     err = _one_line(lines[-1] + "\n")
     assert "calibration tokens (--calib-tokens" in err and f"{per_token:,} bytes per token" in err
-    # what fits: whole, one GPTQ stream of the calibration tokens; streamed, two calibration streams (GPTQ
-    # and static scales) beside the report's two held-out streams (one window of 64 tokens: the source is
-    # short, so calibration takes every window but the last)
-    fit = 1000 if stream == "off" else (room - 2 * 64 * per_token) // (2 * per_token)
+    # what fits: one GPTQ stream of the calibration tokens (this plan has no static scales, so no second
+    # calibration stream: diffquant.quant.pipeline.calibration_streams); streamed, beside the report's two
+    # held-out streams (one window of 64 tokens: the source is short, so calibration takes every window but
+    # the last)
+    fit = 1000 if stream == "off" else (room - 2 * 64 * per_token) // per_token
     assert err.rstrip().endswith(f"ask for at most {fit:,} tokens"), err
     assert _left_behind(out) == []
     monkeypatch.setattr(io_quantize, "available_bytes", lambda device="cpu": 1 << 40)
@@ -105,7 +106,7 @@ def test_calibration_memory_bound_is_exact_at_the_boundary(tiny, text, monkeypat
     from diffquant.quant.plan import QuantPlan
 
     plan = QuantPlan.from_dict(
-        {"name": "w", "weights": {"method": "gptq", "bits": 4, "group_size": "channel"}}
+        {"name": "w", "weights": {"method": "gptq", "format": "int4", "group": "channel"}}
     )
     windows = io_quantize.split_windows(str(text), 640, 64, 64, ByteTokenizer(), "cpu")
     need = windows.calib.numel() * 96 * 4
@@ -115,7 +116,9 @@ def test_calibration_memory_bound_is_exact_at_the_boundary(tiny, text, monkeypat
     monkeypatch.setattr(io_quantize, "available_bytes", lambda device="cpu": need - 1)
     with pytest.raises(DiffquantError, match="ask for at most 639 tokens"):
         io_quantize.check_calibration_memory(plan, windows, 96, torch.float32, "cpu")
-    rtn = QuantPlan.from_dict({"name": "r", "weights": {"method": "rtn", "bits": 4, "group_size": "channel"}})
+    rtn = QuantPlan.from_dict(
+        {"name": "r", "weights": {"method": "rtn", "format": "int4", "group": "channel"}}
+    )
     io_quantize.check_calibration_memory(rtn, windows, 96, torch.float32, "cpu")  # no calibration: no bound
     # a sweep's cell: the planned model itself says d_model and dtype (bfloat16: half the bytes per token)
     model = load_model(tiny, dtype=torch.bfloat16)
@@ -138,7 +141,7 @@ def test_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing(
     monkeypatch.setattr(safetensors.torch, "save_file", _full_disk_save_file)  # every writer saves through it
     out = tmp_path / "out"
     if command == "quantize":
-        plan = _plan(tmp_path, "method: rtn, bits: 4, group_size: channel")
+        plan = _plan(tmp_path, "method: rtn, format: int4, group: channel")
         argv = ["quantize", str(tiny), "--plan", str(plan), "--seq-len", "64", "--out", str(out)]
     else:
         argv = ["export", str(tiny), str(out), "--to", command.split("-")[1]]
@@ -654,7 +657,7 @@ def test_an_eval_sweep_bounds_calibration_by_memory_too(tmp_path, capsys, monkey
     model is calibrated, not grown into the OOM killer."""
     per_token = read_config(tiny).d_model * 4
     monkeypatch.setattr(io_quantize, "available_bytes", lambda device="cpu": 1000 * per_token + 7)
-    plan = _plan(tmp_path, "method: gptq, bits: 4, group_size: channel")
+    plan = _plan(tmp_path, "method: gptq, format: int4, group: channel")
     argv = ["eval", str(tiny), "--plan", str(plan), "--task", "bpb:tokens=128,seq_len=64"]
     argv += ["--calib-data", str(text), "--calib-tokens", "1000000000000", "--calib-seq-len", "64"]
     assert main([*argv, "--out", str(tmp_path / "e")]) == 2

@@ -220,7 +220,7 @@ def test_sym_refused() -> None:
 
 
 def test_group_wider_than_weight_refused() -> None:
-    with pytest.raises(DiffquantError, match="group_size 128 is wider than the 64 input channels"):
+    with pytest.raises(DiffquantError, match="group 128 is wider than the 64 input channels"):
         hqq_codes(gaussian((8, 64), 0), WeightGrid(4, 128, False))
     with pytest.raises(DiffquantError, match="2-D"):
         hqq_codes(torch.zeros(4, 8, 64), WeightGrid(4, 64, False))

@@ -191,14 +191,14 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
                                 spec.bits,
                                 axis,
                                 spec.group,
-                                spec.format,
+                                spec.codes,
                                 spec.scale_dtype,
                             )
                         )
                     body = torch.cat(pieces, 2)
                 out.append(torch.cat([seq[:, :, :n_sink], body, seq[:, :, body_end:]], 2))
                 window = seq.shape[2] - body_end
-                if window and window >= spec.residual:
+                if window and window >= spec.window:
                     moved[self.i][name] += window - (window % spec.group if axis == "channel" else 0)
             if spec.pre_rope:
                 out[0] = apply_rope(out[0], *rotation(0, out[0].shape[2], 1.0))
@@ -221,12 +221,12 @@ def _brute_decode(model, ids: torch.Tensor, prefill: int, spec: KVCacheSpec) -> 
 
 
 SPECS = [
-    dict(bits=8, format="fp8", keys="channel", values="token", group=4, residual=4),
-    dict(bits=4, keys="channel", values="token", group=4, residual=8),
-    dict(bits=2, keys="token", values="channel", group=4, residual=4, sinks=3),
-    dict(bits=8, keys="channel", values="token", group=4, residual=4, sinks=1, pre_rope=True),
-    dict(bits=4, keys="channel", values="token", group=4, residual=8, scale_dtype="float16"),
-    dict(bits=8, format="fp8", keys="token", values="token", group=4, residual=4, scale_dtype="bfloat16"),
+    dict(format="fp8", keys="channel", values="token", group=4, window=4),
+    dict(format="int4", keys="channel", values="token", group=4, window=8),
+    dict(format="int2", keys="token", values="channel", group=4, window=4, sinks=3),
+    dict(format="int8", keys="channel", values="token", group=4, window=4, sinks=1, pre_rope=True),
+    dict(format="int4", keys="channel", values="token", group=4, window=8, scale_dtype="float16"),
+    dict(format="fp8", keys="token", values="token", group=4, window=4, scale_dtype="bfloat16"),
 ]
 
 
@@ -249,7 +249,9 @@ def test_quantized_decode_equals_a_float64_brute_force(any_kind, spec):
 
 @pytest.mark.parametrize("scale_dtype", ["model", "float16"])
 def test_packed_bytes_equal_the_formula(kind, scale_dtype):
-    spec = dict(bits=4, keys="channel", values="token", group=4, residual=8, sinks=2, scale_dtype=scale_dtype)
+    spec = dict(
+        format="int4", keys="channel", values="token", group=4, window=8, sinks=2, scale_dtype=scale_dtype
+    )
     model = tiny_model(kind)
     apply_plan(model, _plan(**spec))
     ids = torch.randint(0, 61, (3, 37), generator=torch.Generator().manual_seed(4))
@@ -312,11 +314,11 @@ def test_decode_logits_equal_transformers_quantized_cache(tmp_path, axis_key):
     apply_plan(
         ours,
         _plan(
-            bits=4,
+            format="int4",
             keys="token" if axis_key == 0 else "channel",
             values="token",
             group=group,
-            residual=residual,
+            window=residual,
         ),
     )
     ids = torch.randint(0, 320, (2, prompt + 40), generator=torch.Generator().manual_seed(5))
@@ -345,11 +347,11 @@ def test_decode_logits_equal_transformers_quantized_cache(tmp_path, axis_key):
 @pytest.mark.parametrize(
     "spec, words",
     [
-        (dict(bits=3), "kv_cache.bits"),
+        (dict(format="int3"), "kv_cache.format"),
         (dict(keys="head"), "kv_cache.keys"),
         (dict(group=0), "kv_cache.group"),
         (dict(format="nf4"), "kv_cache.format"),
-        (dict(format="fp8", bits=4), "fp8 stores 8-bit codes; bits must be 8, got 4"),
+        (dict(format="int"), r"kv_cache.format: .*the old bits: 4 \+ format: int is format: int4"),
         (dict(pre_rope=1), "kv_cache.pre_rope"),
         (dict(scale_dtype="float8"), "kv_cache.scale_dtype"),
         (dict(bogus=1), "bogus"),
@@ -364,15 +366,15 @@ def test_bad_kv_cache_sections_are_one_line_errors(spec, words):
 def test_groups_that_do_not_tile_the_heads_are_refused(kind):
     model = tiny_model(kind)  # head_dim 8
     with pytest.raises(DiffquantError, match="group 3 does not divide"):
-        apply_plan(model, _plan(bits=4, keys="token", values="token", group=3, residual=0))
+        apply_plan(model, _plan(format="int4", keys="token", values="token", group=3, window=0))
     with pytest.raises(DiffquantError, match="multiple of group 4"):
-        apply_plan(model, _plan(bits=4, keys="channel", group=4, residual=6))
+        apply_plan(model, _plan(format="int4", keys="channel", group=4, window=6))
     assert model.quant is None and model.quant_plan is None
 
 
 def test_pre_rope_refuses_a_key_site_quantizer_and_a_qk_rotation():
     model = tiny_model("baseline")
-    doc = {"name": "kv", "kv_cache": {"pre_rope": True, "group": 4, "residual": 8}}
+    doc = {"name": "kv", "kv_cache": {"pre_rope": True, "group": 4, "window": 8}}
     plan = QuantPlan.from_dict({**doc, "rules": [{"sites": ["kind:k"], "scheme": "int8:token"}]})
     with pytest.raises(DiffquantError, match="pre_rope"):
         apply_plan(model, plan)
@@ -381,7 +383,7 @@ def test_pre_rope_refuses_a_key_site_quantizer_and_a_qk_rotation():
 
 
 def test_the_plan_round_trips_its_kv_cache_section():
-    plan = _plan(bits=2, keys="token", values="channel", group=16, residual=32, sinks=4)
+    plan = _plan(format="int2", keys="token", values="channel", group=16, window=32, sinks=4)
     again = QuantPlan.from_dict(plan.to_dict())
     assert again.kv_cache == plan.kv_cache and again.to_dict() == plan.to_dict()
 
@@ -407,7 +409,7 @@ def test_decode_mode_perplexity_scores_the_decoded_targets(kind):
     scored = logp[:, 10:]  # targets 11 .. 47: each predicted by a decode step
     assert got["n_tokens_scored"] == scored.numel() == 4 * 37
     assert abs(got["perplexity"] - float(torch.exp(-scored.mean()))) <= 1e-6 * got["perplexity"]
-    apply_plan(model, _plan(bits=2, keys="channel", values="token", group=4, residual=4))
+    apply_plan(model, _plan(format="int2", keys="channel", values="token", group=4, window=4))
     quantized = evaluate_stream(
         model, stream, tokenizer=tok, seq_len=48, windows="disjoint", batch_size=3, decode=10
     )
@@ -419,7 +421,7 @@ def test_a_kv_cache_plan_on_a_task_that_never_decodes_says_so():
     from diffquant.eval.tasks import parse_task, run_task
 
     model = tiny_model("diff_v2", vocab_size=259)
-    apply_plan(model, _plan(bits=4, group=4, residual=8))
+    apply_plan(model, _plan(format="int4", group=4, window=8))
     for spec in ("ppl:data=stdlib:validation,tokens=256,seq_len=64", "bpb:tokens=256,seq_len=64"):
         with pytest.raises(DiffquantError, match="kv_cache acts only when the model decodes") as err:
             run_task(model, parse_task(spec))
@@ -430,7 +432,7 @@ def test_a_kv_cache_plan_on_a_task_that_never_decodes_says_so():
 
 def test_a_quantized_cache_branches_by_rows(kind):
     model = tiny_model(kind)
-    apply_plan(model, _plan(bits=4, keys="channel", values="token", group=4, residual=4, sinks=1))
+    apply_plan(model, _plan(format="int4", keys="channel", values="token", group=4, window=4, sinks=1))
     ids = torch.randint(0, 61, (3, 23), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         cache = model.new_cache()
@@ -449,14 +451,16 @@ def test_cli_quantize_records_the_cache_and_eval_measures_it(tmp_path, capsys):
     from diffquant.cli import main
 
     plan = tmp_path / "kv2.yaml"
-    plan.write_text("name: kv2\nkv_cache: {bits: 2, keys: channel, values: token, group: 8, residual: 16}\n")
+    plan.write_text(
+        "name: kv2\nkv_cache: {format: int2, keys: channel, values: token, group: 8, window: 16}\n"
+    )
     out = tmp_path / "q"
     args = ["--calib-tokens", "256", "--seq-len", "64", "--eval-tokens", "256"]
     assert main(["quantize", "init:diff_v2:tiny", "--plan", str(plan), "--out", str(out), *args]) == 0
     assert "KV cache for decoding: kv2 K:channel V:token g8 r16" in capsys.readouterr().out
     reloaded = load_model(str(out))
     assert isinstance(reloaded.new_cache().layers[0], QuantizedLayerKV)
-    assert reloaded.quant_plan.kv_cache == KVCacheSpec(bits=2, group=8, residual=16)
+    assert reloaded.quant_plan.kv_cache == KVCacheSpec(format="int2", group=8, window=16)
     # a task that never decodes is refused before the run folder exists
     task = "ppl:data=stdlib:validation,tokens=512,seq_len=128"
     assert (
@@ -476,7 +480,7 @@ def test_kv_cache_error_is_the_sqnr_of_the_dequantized_body(kind):
     from diffquant.quant.kv_cache import kv_cache_error
 
     model = tiny_model(kind)
-    spec = dict(bits=2, keys="channel", values="token", group=4, residual=8, sinks=2)
+    spec = dict(format="int2", keys="channel", values="token", group=4, window=8, sinks=2)
     apply_plan(model, _plan(**spec))
     ids = torch.randint(0, 61, (3, 26), generator=torch.Generator().manual_seed(8))  # 2 sinks + 24 moved
     rows = kv_cache_error(model, ids, batch_size=2)
@@ -502,7 +506,7 @@ def test_greedy_generation_equals_transformers_generate_with_a_quantized_cache(t
     folder = save_tiny_llama(tmp_path / "llama", context=128)
     hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = load_model(f"hf:{folder}").eval()
-    apply_plan(ours, _plan(bits=4, keys="token", values="token", group=8, residual=16))
+    apply_plan(ours, _plan(format="int4", keys="token", values="token", group=8, window=16))
     prompt = torch.randint(0, 320, (1, 32), generator=torch.Generator().manual_seed(9))
     config = {
         "backend": "quanto",
@@ -528,7 +532,7 @@ def test_a_bfloat16_model_decodes_through_its_cache_in_bfloat16(scale_dtype):
     model's dtype (or float16), and its body reads back the definition x_hat = code * scale + lo computed
     in float64 from the stored codes, scales and zeros, rounded once to bf16 per operation."""
     model = tiny_model("diff_v2").to(torch.bfloat16)
-    spec = dict(bits=4, keys="channel", values="token", group=4, residual=8, scale_dtype=scale_dtype)
+    spec = dict(format="int4", keys="channel", values="token", group=4, window=8, scale_dtype=scale_dtype)
     apply_plan(model, _plan(**spec))
     ids = torch.randint(0, 61, (2, 30), generator=torch.Generator().manual_seed(12))
     got, cache = _decode(model, ids, 9)

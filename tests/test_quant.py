@@ -213,7 +213,7 @@ def test_plan_pattern_matching_nothing():
     plan = QuantPlan.from_dict({"rules": [{"sites": "layers.*.attn.nowhere", "scheme": "int8"}]})
     with pytest.raises(DiffquantError, match="matches no site"):
         apply_plan(tiny_model("baseline"), plan)
-    plan = QuantPlan.from_dict({"rules": [{"weights": "nothing.*", "scheme": "int8:channel"}]})
+    plan = QuantPlan.from_dict({"rules": [{"modules": "nothing.*", "scheme": "int8:channel"}]})
     with pytest.raises(DiffquantError, match="weight pattern 'nothing.\\*' matches no Linear"):
         apply_plan(tiny_model("baseline"), plan)
 
@@ -229,7 +229,7 @@ def test_plan_pattern_matching_nothing():
             {
                 "rules": [
                     {
-                        "weights": "layers.0.*",
+                        "modules": "layers.0.*",
                         "exclude": ["layers.0.attn.*", "layers.0.mlp.*"],
                         "scheme": "int8",
                     }
@@ -542,7 +542,7 @@ def _backend_plan(name: str, **backend) -> QuantPlan:
 
 
 def _fake_weights(scheme: str) -> QuantPlan:
-    return QuantPlan.from_dict({"rules": [{"weights": "layers.*", "scheme": scheme}]})
+    return QuantPlan.from_dict({"rules": [{"modules": "layers.*", "scheme": scheme}]})
 
 
 def _logits_pair(real: QuantPlan, fake: QuantPlan, **model_kw):
@@ -558,7 +558,7 @@ def _logits_pair(real: QuantPlan, fake: QuantPlan, **model_kw):
 def test_quanto_int8_weights_agree_with_fake_int8_per_channel():
     # Same grid (absmax / 127 per output row, round half to even): the dequantized weights are equal,
     # so the logits differ only by fp32 summation order.
-    real, fake = _logits_pair(_backend_plan("quanto", weights="qint8"), _fake_weights("int8:channel"))
+    real, fake = _logits_pair(_backend_plan("quanto", weight_type="qint8"), _fake_weights("int8:channel"))
     torch.testing.assert_close(real, fake, rtol=1e-5, atol=1e-5)
 
 
@@ -604,10 +604,10 @@ def test_bnb_int8_agrees_with_fake_w8a8_on_a_linear():
 @pytest.mark.parametrize(
     "backend",
     [
-        {"name": "quanto", "weights": "qint8", "activations": "qint8"},
+        {"name": "quanto", "weight_type": "qint8", "activation_type": "qint8"},
         {"name": "bnb", "mode": "int8"},
         {"name": "bnb", "mode": "nf4", "blocksize": 32},
-        {"name": "quanto", "weights": "qint4"},
+        {"name": "quanto", "weight_type": "qint4"},
     ],
 )
 def test_backend_round_trip_identical_logits(tmp_path, backend):

@@ -267,8 +267,8 @@ def test_plans_explained_from_the_plans_themselves(tmp_path):
     )
     kv2 = describe_plan("kv2", preset("kv2").to_dict())
     assert kv2.endswith(
-        "In detail: a quantized KV cache when the model decodes (bits 2, keys channel, values token, group 32, "
-        "residual 128, sinks 0, pre_rope False)."
+        "In detail: a quantized KV cache when the model decodes (format int2, keys channel, values token, "
+        "group 32, window 128, sinks 0, pre_rope False)."
     )
 
 

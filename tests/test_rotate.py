@@ -212,7 +212,7 @@ def test_rotate_key_is_schema_checked():
         "hadamrd": ({"residual": "hadamrd"}, "rotate.residual: expected one of 'hadamard', 'random', 'none'"),
         "unknown": ({"r1": "hadamard"}, "rotate: unknown key 'r1'"),
         "bool seed": ({"seed": True}, "rotate.seed: expected an integer"),
-        "block 0": ({"block": 0}, "rotate.block"),
+        "block 0": ({"hadamard_block": 0}, "rotate.hadamard_block"),
         "not a mapping": ("hadamard", "rotate: expected a mapping"),
     }
     for name, (value, message) in cases.items():
@@ -229,7 +229,7 @@ def test_rotate_key_is_schema_checked():
         "ffn": "hadamard",
         "qk": "random",
         "seed": 3,
-        "block": None,
+        "hadamard_block": None,
     }
 
 
@@ -248,11 +248,11 @@ def test_a_size_without_hadamard_is_refused_before_anything_changes():
     ids = _ids(model.config.vocab_size)
     with torch.no_grad():
         want = model(ids)
-        report = dict(rotate_model(model, dataclasses.replace(RotateSpec(), block=4)))
+        report = dict(rotate_model(model, dataclasses.replace(RotateSpec(), hadamard_block=4)))
         assert _rel(model(ids), want) < 1e-12
     assert report["ffn (R4, online before mlp.down)"].startswith("block-diagonal hadamard 39 x 4")
     with pytest.raises(DiffquantError, match="block 8 does not divide it"):
-        rotate_model(_scrambled("baseline", torch.float64, ffn_dim=156), RotateSpec(block=8))
+        rotate_model(_scrambled("baseline", torch.float64, ffn_dim=156), RotateSpec(hadamard_block=8))
 
 
 def test_rotating_a_quantized_or_rotated_model_is_refused():

@@ -38,7 +38,7 @@ KINDS = ("baseline", "diff_v1", "diff_v2")
 RANDOM_STATIC = """name: random-static
 rotate: {residual: random, heads: random, ffn: random, qk: random, seed: 11}
 rules:
-  - weights: ["layers.*", "lm_head"]
+  - modules: ["layers.*", "lm_head"]
     scheme: int8:channel
   - sites: ["layers.*.input", "kind:q", "kind:k"]
     scheme: {format: int8, granularity: tensor, calibration: absmax}
@@ -46,7 +46,7 @@ rules:
 ALL_HADAMARD = """name: all-hadamard
 rotate: {residual: hadamard, heads: hadamard, ffn: hadamard, qk: hadamard}
 rules:
-  - weights: ["layers.*"]
+  - modules: ["layers.*"]
     scheme: int4:channel
   - sites: ["layers.*.input"]
     scheme: int8:token

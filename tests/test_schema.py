@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -81,6 +81,32 @@ def test_doc_style_messages(doc, message):
     with pytest.raises(DiffquantError) as err:
         check(_Doc, doc, "p", style=DOCS)
     assert str(err.value) == message
+
+
+@dataclass
+class _Renamed:
+    RENAMED: ClassVar[dict[str, str]] = {"group_size": "group"}
+    group: int = key(32, min=1)
+
+
+@dataclass
+class _RenamedDoc:
+    section: _Renamed = field(default_factory=_Renamed)
+
+
+def test_a_renamed_key_is_refused_naming_the_new_one():
+    from diffquant.schema import DOCS
+
+    Doc = _RenamedDoc
+    with pytest.raises(DiffquantError) as err:
+        check(Doc, {"section": {"group_size": 8}}, "p")
+    assert str(err.value) == "p: section.group_size: renamed 'group'"
+    with pytest.raises(DiffquantError) as err:  # a plan document's style says where the keys are listed
+        check(Doc, {"section": {"group_size": 8}}, "p", style=DOCS)
+    assert str(err.value) == "p: section.group_size: renamed 'group' (see docs/plans.md)"
+    assert check(Doc, {"section": {"group": 8}}, "p") == {"section": {"group": 8}}
+    with pytest.raises(DiffquantError, match="unknown key 'size'"):  # any other key: the usual message
+        check(Doc, {"section": {"size": 8}}, "p", style=DOCS)
 
 
 def test_assign_style_messages():

@@ -308,7 +308,7 @@ def test_plan_smooth_key():
     assert doc["smooth"] == {"alpha": 0.5} and doc["rules"] == tensor["rules"] and "smooth" not in tensor
     assert QuantPlan.from_dict(doc).to_dict() == doc
     dynamic = QuantPlan.from_dict(
-        {"smooth": {}, "rules": [{"weights": "layers.*", "scheme": "int8:channel"}]}
+        {"smooth": {}, "rules": [{"modules": "layers.*", "scheme": "int8:channel"}]}
     )
     assert dynamic.smooth.alpha == 0.5 and dynamic.uses_static  # smoothing alone needs a calibration pass
     assert QuantPlan.from_dict({"smooth": {"alpha": 1}, **tensor}).smooth.alpha == 1.0

@@ -31,7 +31,7 @@ FILES = ("config.json", "quant_plan.json", "quant_report.json")
 # a percentile clip on the LM head's input, dynamic int8 weights including the LM head
 MAPS_PLAN = """name: maps-static
 rules:
-  - weights: ["layers.*", "lm_head"]
+  - modules: ["layers.*", "lm_head"]
     scheme: int8:channel
   - sites: ["kind:logits", "kind:probs"]
     scheme: {format: int8, granularity: tensor, calibration: absmax}
@@ -43,7 +43,7 @@ rules:
 # run must choose the same codes stage by stage as the whole-model pass does.
 GPTQ_PLAN = """name: gptq-rotated
 rotate: {residual: hadamard, heads: hadamard, ffn: hadamard}
-weights: {method: gptq, bits: 4, group_size: 16, act_order: true, modules: ["layers.*", "lm_head"]}
+weights: {method: gptq, format: int4, group: 16, act_order: true, modules: ["layers.*", "lm_head"]}
 rules:
   - sites: ["kind:linear_in"]
     scheme: int8:token
@@ -55,7 +55,7 @@ rules:
 # their readers, then RTN codes): the streamed run folds and codes stage by stage as the whole model does, and
 # its checkpoint stores the folded weights.
 AWQ_PLAN = """name: awq
-weights: {method: awq, bits: 4, group_size: 16, alpha_grid: 8}
+weights: {method: awq, format: int4, group: 16, alpha_grid: 8}
 rules:
   - sites: ["kind:logits"]
     scheme: {format: int8, granularity: tensor, calibration: absmax}

@@ -69,16 +69,16 @@ def _grid_rtn(w: torch.Tensor, bits: int, group: int, sym: bool) -> torch.Tensor
     ("weights", "message"),
     [
         ({"method": "squeeze"}, r"weights.method: 'squeeze'; valid: awq, gptq, hqq, rtn"),
-        ({"method": "gptq", "bits": 9}, r"weights.bits"),
-        ({"method": "gptq", "bits": 1}, r"weights.bits"),
-        ({"method": "gptq", "bits": True}, r"weights.bits"),
-        ({"method": "gptq", "group_size": 0}, r"weights.group_size: .*integer >= 1.*'channel'"),
-        ({"method": "gptq", "group_size": True}, r"weights.group_size"),
-        ({"method": "gptq", "group_size": "row"}, r"weights.group_size"),
+        ({"method": "gptq", "format": "int9"}, r"weights.format: expected one of 'int2', .* 'int8'"),
+        ({"method": "gptq", "format": "int1"}, r"weights.format"),
+        ({"method": "gptq", "format": 4}, r"weights.format"),
+        ({"method": "gptq", "group": 0}, r"weights.group: .*integer >= 1.*'channel'"),
+        ({"method": "gptq", "group": True}, r"weights.group"),
+        ({"method": "gptq", "group": "row"}, r"weights.group"),
         ({"method": "gptq", "damp": 0}, r"weights.damp: .*\(0, 1\]"),
         ({"method": "gptq", "damp": "0.1"}, r"weights.damp"),
         ({"method": "gptq", "act_order": "yes"}, r"weights.act_order"),
-        ({"method": "gptq", "block": 0}, r"weights.block"),
+        ({"method": "gptq", "lazy_batch": 0}, r"weights.lazy_batch"),
         ({"method": "hqq", "sym": True}, r"hqq optimises the zero point.*sym false"),
         ({"method": "rtn", "act_order": True}, r"weights.act_order: a gptq option"),
         ({"method": "gptq", "groupsize": 64}, r"unknown key 'groupsize'"),
@@ -94,18 +94,18 @@ def test_sym_follows_the_method_and_the_plan_round_trips():
     assert _plan({"method": "gptq"}).weights.sym is True
     assert _plan({"method": "rtn"}).weights.sym is True
     assert _plan({"method": "hqq"}).weights.sym is False
-    plan = _plan({"method": "gptq", "bits": 3, "group_size": "channel", "act_order": True})
+    plan = _plan({"method": "gptq", "format": "int3", "group": "channel", "act_order": True})
     again = QuantPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.to_dict() == plan.to_dict() and again.weights.grid == WeightGrid(3, None, True)
 
 
 def test_refusals_at_apply_time_leave_the_model_untouched():
     model = _model("baseline")
-    with pytest.raises(DiffquantError, match=r"weights: layers.0.attn.q_proj: group_size 96 is wider than"):
-        apply_plan(model, _plan({"method": "rtn", "group_size": 96}))
+    with pytest.raises(DiffquantError, match=r"weights: layers.0.attn.q_proj: group 96 is wider than"):
+        apply_plan(model, _plan({"method": "rtn", "group": 96}))
     assert getattr(model, "quant_plan", None) is None
     assert all(m.weight_quantizer is None for m in model.modules() if isinstance(m, Linear))
-    clash = _plan({"method": "rtn", "group_size": 16}, rules=[{"weights": ["layers.0.*"], "scheme": "int8"}])
+    clash = _plan({"method": "rtn", "group": 16}, rules=[{"modules": ["layers.0.*"], "scheme": "int8"}])
     with pytest.raises(
         DiffquantError, match=r"rules\[0\] fake-quantizes this weight and the weights section"
     ):
@@ -118,7 +118,7 @@ def test_refusals_at_apply_time_leave_the_model_untouched():
 
 def test_gptq_without_calibration_data_is_refused():
     model = _model("baseline")
-    apply_plan(model, _plan({"method": "gptq", "group_size": 16}))
+    apply_plan(model, _plan({"method": "gptq", "group": 16}))
     with pytest.raises(DiffquantError, match="gptq needs calibration data"):
         quantize_weights(model, None)
     with pytest.raises(DiffquantError, match="used before they were computed"):
@@ -131,7 +131,7 @@ def test_rtn_weights_are_the_grid_of_the_float_weights(sym, group):
     # group 48: the 64-wide Linears get groups of 48 and 16, the 128-wide down projection 48, 48 and 32
     model = _model("diff_v1")
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Linear)}
-    apply_plan(model, _plan({"method": "rtn", "bits": 3, "group_size": group, "sym": sym}))
+    apply_plan(model, _plan({"method": "rtn", "format": "int3", "group": group, "sym": sym}))
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.startswith("layers."):
             served = module.weight_quantizer.quantize_weight(module.weight)
@@ -227,7 +227,7 @@ def test_gptq_is_sequential_and_beats_rtn_on_every_linear(kind):
     # asymmetric: the symmetric grid puts a group's negative extreme on a rounding tie (-2^(b-1) + 1/2
     # steps), which the last bit of a float64 sum decides (tests/test_gptq.py covers sym away from ties)
     plan = _plan(
-        {"method": "gptq", "bits": 3, "group_size": 16, "sym": False},
+        {"method": "gptq", "format": "int3", "group": 16, "sym": False},
         rules=[{"sites": ["kind:linear_in"], "scheme": "int4:token"}],  # off while weights are chosen
     )
     apply_plan(model, plan)
@@ -240,7 +240,7 @@ def test_gptq_is_sequential_and_beats_rtn_on_every_linear(kind):
 
 def test_linears_reading_one_input_share_a_hessian_and_the_stats_say_so():
     model = _model("baseline")
-    apply_plan(model, _plan({"method": "gptq", "group_size": 16}))
+    apply_plan(model, _plan({"method": "gptq", "group": 16}))
     stats = quantize_weights(model, _windows(4, 16), batch_size=2, show=False)
     # q, k, v read one tensor, gate and up another: 4 Hessians per layer (64, 64, 64 and 128 wide)
     assert stats["linears"] == 21 and stats["tokens"] == 64
@@ -252,7 +252,7 @@ def test_linears_reading_one_input_share_a_hessian_and_the_stats_say_so():
 def test_gptq_after_rotation_quantizes_the_rotated_weights(tmp_path):
     model = _model("diff_v2")
     plan = _plan(
-        {"method": "gptq", "bits": 4, "group_size": 16, "act_order": True},
+        {"method": "gptq", "format": "int4", "group": 16, "act_order": True},
         rotate={"residual": "hadamard", "heads": "hadamard", "ffn": "hadamard"},
         rules=[{"sites": ["kind:linear_in"], "scheme": "int8:token"}],
     )
@@ -283,7 +283,7 @@ def test_gptq_after_rotation_quantizes_the_rotated_weights(tmp_path):
 def test_smoothing_then_weights(tmp_path):
     model = _model("baseline")
     original = model.layers[0].mlp.up.weight.detach().clone()
-    plan = _plan({"method": "rtn", "bits": 4, "group_size": 16}, smooth={"alpha": 0.5})
+    plan = _plan({"method": "rtn", "format": "int4", "group": 16}, smooth={"alpha": 0.5})
     apply_plan(model, plan)
     assert not model.layers[0].mlp.up.weight_quantizer.filled  # after smoothing, at calibration
     calibrate(model, _windows(), batch_size=4)
@@ -300,7 +300,7 @@ def test_smoothing_then_weights(tmp_path):
 def test_checkpoint_stores_codes_and_reloads_bit_for_bit(tmp_path, method):
     base = save_checkpoint(_model("diff_v1"), tmp_path / "base")
     model = load_model(str(base))
-    apply_plan(model, _plan({"method": method, "bits": 4, "group_size": 32}))
+    apply_plan(model, _plan({"method": method, "format": "int4", "group": 32}))
     calibrate(model, _windows(), batch_size=4)
     save_quantized(model, tmp_path / "q")
     from safetensors.torch import load_file
@@ -342,7 +342,7 @@ def test_gptq_beats_rtn_on_every_linear_of_smollm2():
     model = load_model(f"gguf:{path}")
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Linear)}
     windows = token_windows("wikitext2:validation", 512, 256, model.tokenizer)
-    apply_plan(model, _plan({"method": "gptq", "bits": 4, "group_size": 128, "sym": False}))
+    apply_plan(model, _plan({"method": "gptq", "format": "int4", "group": 128, "sym": False}))
     calibrate(model, windows, batch_size=4)
     grid = WeightGrid(4, 128, False)
     rtn = lambda w: _grid_rtn(w, 4, 128, False)  # noqa: E731

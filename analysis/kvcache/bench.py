@@ -5,7 +5,7 @@ model's cache, then decode ``--steps`` tokens greedily, one forward each; timed 
 Memory is what the cache's tensors hold after the prefill (measured from the tensors: codes, scales, zeros
 and the full-precision sinks / window), against the unquantized cache in the model's dtype and against the
 same elements in bf16 (2 bytes each, the usual reference). Caches: none (full precision), and the KIVI
-settings given by --settings (bits / group / residual).
+settings given by --settings (format / group / window).
 
 Rounds interleave the caches so that machine load hits all alike; the speed is the median over rounds.
 Prints a table and writes bench-DTYPE.json beside this file. Set OMP_WAIT_POLICY=PASSIVE on a shared machine.

@@ -125,7 +125,7 @@ def dq_decode(settings: dict[str, Any], ids):
     from diffquant.quant import QuantPlan, apply_plan
 
     model = load_model("fetch:smollm2").eval()
-    section = {"bits": 4, "residual": 128, **settings}
+    section = {"format": "int4", "window": 128, **settings}
     apply_plan(model, QuantPlan.from_dict({"name": "vs-hf", "kv_cache": section}))
     return -decode_logprobs(model, ids, PREFILL)[:, PREFILL:].double()
 
@@ -175,7 +175,7 @@ def same_inputs_gap(hf_settings: dict[str, Any], dq_settings: dict[str, Any], se
     k[..., 5] *= 20
     k[:, :, 0] *= 10
     hf = QuantoQuantizedLayer(nbits=4, residual_length=128, **hf_settings)
-    dq = QuantizedLayerKV(KVCacheSpec(bits=4, residual=128, **dq_settings))
+    dq = QuantizedLayerKV(KVCacheSpec(format="int4", window=128, **dq_settings))
     gap = 0.0
     for a, b in [(0, PREFILL), *((t, t + 1) for t in range(PREFILL, SEQ_LEN - 1))]:
         pairs = zip(hf.update(k[:, :, a:b], v[:, :, a:b]), dq.append(k[:, :, a:b], v[:, :, a:b]), strict=True)

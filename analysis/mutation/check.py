@@ -67,15 +67,15 @@ MUTANTS = [
     M(
         "fp8 preset weights per tensor",
         "diffquant/quant/presets.py",
-        '{"weights": ["layers.*"], "scheme": "fp8_e4m3:channel"}',
-        '{"weights": ["layers.*"], "scheme": "fp8_e4m3:tensor"}',
+        '{"modules": ["layers.*"], "scheme": "fp8_e4m3:channel"}',
+        '{"modules": ["layers.*"], "scheme": "fp8_e4m3:tensor"}',
         ("tests/test_presets_reference.py",),
     ),
     M(
         "w4a16 groups of 64",
         "diffquant/quant/presets.py",
-        '"rules": [{"weights": ["layers.*"], "scheme": "int4:group(32)"}],',
-        '"rules": [{"weights": ["layers.*"], "scheme": "int4:group(64)"}],',
+        '"rules": [{"modules": ["layers.*"], "scheme": "int4:group(32)"}],',
+        '"rules": [{"modules": ["layers.*"], "scheme": "int4:group(64)"}],',
         ("tests/test_presets_reference.py",),
     ),
     M(
@@ -285,7 +285,10 @@ MUTANTS = [
         "diffquant/quant/pipeline.py",
         "        for q in quantizers:\n            q.finish_calibration()\n",
         "",
-        ("tests/test_stream.py::test_static_plan_streamed_equals_whole",),
+        (
+            "tests/test_stream.py::test_static_plan_streamed_equals_whole",
+            "tests/test_quant.py::test_static_absmax_calibration_and_percentile_mse_clip",
+        ),
     ),
     M(
         "stream: GGUF q/k not un-permuted per layer",
@@ -963,7 +966,10 @@ MUTANTS = [
         "diffquant/quant/pipeline.py",
         "            rotation.layer(model, int(layer[1]))",
         "            pass",
-        ("tests/test_rotate_stream.py::test_rotated_streamed_profile_equals_whole",),
+        (
+            "tests/test_rotate_stream.py::test_rotated_streamed_profile_equals_whole",
+            "tests/test_rotate.py::test_rotation_alone_is_no_error_in_the_quantize_report",
+        ),
     ),
     M(
         "tied head not untied in the stream",
@@ -1852,8 +1858,8 @@ MUTANTS = [
     M(
         "kv-window-off-by-one",
         "diffquant/quant/kv_cache.py",
-        "        if n == 0 or n < self.spec.residual:",
-        "        if n == 0 or n <= self.spec.residual:",
+        "        if n == 0 or n < self.spec.window:",
+        "        if n == 0 or n <= self.spec.window:",
         (
             "tests/test_kv_cache.py::test_quantized_decode_equals_a_float64_brute_force",
             "tests/test_kv_cache.py::test_decode_logits_equal_transformers_quantized_cache",
@@ -2916,8 +2922,8 @@ MUTANTS = [
     M(
         "kv cache: the last decode step's flush counted as read",
         "diffquant/quant/kv_cache.py",
-        "        return self.sinks + max(self.residual, 1) + 2\n",
-        "        return self.sinks + max(self.residual, 1) + 1\n",
+        "        return self.sinks + max(self.window, 1) + 2\n",
+        "        return self.sinks + max(self.window, 1) + 1\n",
         ("tests/test_hardening.py::test_kv_cache_that_quantizes_nothing_is_refused",),
     ),
     M(
@@ -3680,35 +3686,6 @@ MUTANTS = [
         "            weights.write_all(state)\n            _count_weight_nans(modules)\n",
         ("tests/test_stream_quantize.py::test_streamed_quantize_equals_whole",),
     ),
-    # --- parse once (issue item "Parse once"): one min-max rule, run options parsed at the edge
-    M(
-        "minmax_params: the range not widened to include 0",
-        "diffquant/formats.py",
-        "        lo, hi = torch.minimum(lo, origin), torch.maximum(hi, origin)",
-        "        pass",
-        ("tests/test_minmax_params.py::test_minmax_params_is_the_float64_formula",),
-    ),
-    M(
-        "minmax_params: the integer zero point never clamped",
-        "diffquant/formats.py",
-        "    return scale, zero_point.clamp(0, qmax) if clamp_zero else zero_point",
-        "    return scale, zero_point",
-        ("tests/test_minmax_params.py::test_minmax_params_conventions_on_their_edge_cases",),
-    ),
-    M(
-        "run options: a parsed torch.device parsed again (CUDA asked again)",
-        "diffquant/io/options.py",
-        "    if isinstance(name, torch.device):\n        return name\n",
-        "",
-        ("tests/test_run_options.py::test_a_parsed_device_is_not_parsed_again",),
-    ),
-    M(
-        "run options: the sweep parses --device again instead of taking the command's",
-        "diffquant/stages.py",
-        "        options=options,\n",
-        "        options=None,\n",
-        ("tests/test_run_options.py::test_a_command_parses_its_device_once[eval]",),
-    ),
     # --- issue 49 item 1: diffquant export --to compressed-tensors / gptq (diffquant/io/export_*.py)
     M(
         "export: nibbles packed highest bits first",
@@ -3833,6 +3810,49 @@ MUTANTS = [
         'if kind != "baseline":',
         'if kind not in ("baseline", "diff_v1"):',
         ("tests/test_export_quant.py::test_other_kinds_are_refused",),
+    ),
+    # --- parse once (issue item "Parse once"): one min-max rule, run options parsed at the edge
+    M(
+        "minmax_params: the range not widened to include 0",
+        "diffquant/formats.py",
+        "        lo, hi = torch.minimum(lo, origin), torch.maximum(hi, origin)",
+        "        pass",
+        ("tests/test_minmax_params.py::test_minmax_params_is_the_float64_formula",),
+    ),
+    M(
+        "minmax_params: the integer zero point never clamped",
+        "diffquant/formats.py",
+        "    return scale, zero_point.clamp(0, qmax) if clamp_zero else zero_point",
+        "    return scale, zero_point",
+        ("tests/test_minmax_params.py::test_minmax_params_conventions_on_their_edge_cases",),
+    ),
+    M(
+        "run options: a parsed torch.device parsed again (CUDA asked again)",
+        "diffquant/io/options.py",
+        "    if isinstance(name, torch.device):\n        return name\n",
+        "",
+        ("tests/test_run_options.py::test_a_parsed_device_is_not_parsed_again",),
+    ),
+    M(
+        "run options: the sweep parses --device again instead of taking the command's",
+        "diffquant/stages.py",
+        "        options=options,\n",
+        "        options=None,\n",
+        ("tests/test_run_options.py::test_a_command_parses_its_device_once[eval]",),
+    ),
+    M(
+        "plan keys: a renamed key's RENAMED lookup skipped (an old spelling reads as an unknown key)",
+        "diffquant/schema.py",
+        '    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})\n',
+        '    renamed: Mapping[str, str] = getattr(cls, "RENAMES", {})\n',
+        ("tests/test_plan_keys.py::test_an_old_spelling_is_refused_naming_the_new_one",),
+    ),
+    M(
+        "plan keys: the rename message names the old key instead of the new one",
+        "diffquant/schema.py",
+        'raise _error(where, style.renamed(f"{prefix}{name}", renamed[name]))',
+        'raise _error(where, style.renamed(f"{prefix}{name}", name))',
+        ("tests/test_plan_keys.py::test_an_old_spelling_is_refused_naming_the_new_one",),
     ),
 ]
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -264,3 +266,43 @@ class StreamScorer:
             "perplexity_stderr": ppl * _ratio_stderr(self.per_window, 1),
         }
         return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+# Where a scored stream (:func:`keep_scored`) leaves each evaluation's per-window tally while :func:`keep_per_window` is open
+# (a sweep keeps them beside its cell records, for paired standard errors); None: nowhere.
+_PER_WINDOW: ContextVar[list[dict[str, Any] | None] | None] = ContextVar("per_window", default=None)
+
+
+@contextmanager
+def keep_per_window() -> Iterator[list[dict[str, Any] | None]]:
+    """A list that collects, in order, the per-window tally (:func:`per_window_record`) of every scored
+    stream inside the ``with`` block (whole-model :func:`diffquant.eval.perplexity.evaluate_stream` and the
+    layer-streamed :func:`diffquant.stream.api.evaluate_streamed` alike: :func:`keep_scored`)."""
+    kept: list[dict[str, Any] | None] = []
+    token = _PER_WINDOW.set(kept)
+    try:
+        yield kept
+    finally:
+        _PER_WINDOW.reset(token)
+
+
+def per_window_record(scorer: StreamScorer) -> dict[str, Any] | None:
+    """Each scored window's tally, in window order: ``nats`` (natural-log NLL of its scored targets),
+    ``targets`` and ``bytes`` (what it scored), with the ``tokenizer``; None when a window's NLL is not finite
+    (nothing to pair). Windows of two evaluations match by index when their tokenizer, targets and bytes do."""
+    nats = [float(w[0]) for w in scorer.per_window]
+    if not all(math.isfinite(x) for x in nats):
+        return None
+    return {
+        "tokenizer": scorer.tokenizer.name,
+        "nats": nats,
+        "targets": [int(w[1]) for w in scorer.per_window],
+        "bytes": [int(w[2]) for w in scorer.per_window],
+    }
+
+
+def keep_scored(scorer: StreamScorer) -> None:
+    """Hand ``scorer``'s per-window tally to the :func:`keep_per_window` block around this call, if any."""
+    kept = _PER_WINDOW.get()
+    if kept is not None:
+        kept.append(per_window_record(scorer))

@@ -31,10 +31,7 @@ tokens scored:
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +47,10 @@ from diffquant.data.scoring import (  # noqa: F401 (the window schedule and scor
     default_windows,
     gather_logprobs,
     head_slice,
+    keep_per_window,
+    keep_scored,
     log,
+    per_window_record,
     window_batches,
     window_plan,
 )
@@ -159,42 +159,8 @@ def evaluate_stream(
     out = scorer.result()
     if decode is not None:
         out["decode"] = decode
-    kept = _PER_WINDOW.get()
-    if kept is not None:
-        kept.append(per_window_record(scorer))
+    keep_scored(scorer)
     return out
-
-
-# Where :func:`evaluate_stream` leaves each evaluation's per-window tally while :func:`keep_per_window` is open
-# (a sweep keeps them beside its cell records, for paired standard errors); None: nowhere.
-_PER_WINDOW: ContextVar[list[dict[str, Any] | None] | None] = ContextVar("per_window", default=None)
-
-
-@contextmanager
-def keep_per_window() -> Iterator[list[dict[str, Any] | None]]:
-    """A list that collects, in order, the per-window tally (:func:`per_window_record`) of every
-    :func:`evaluate_stream` run inside the ``with`` block (a layer-streamed run adds nothing)."""
-    kept: list[dict[str, Any] | None] = []
-    token = _PER_WINDOW.set(kept)
-    try:
-        yield kept
-    finally:
-        _PER_WINDOW.reset(token)
-
-
-def per_window_record(scorer: StreamScorer) -> dict[str, Any] | None:
-    """Each scored window's tally, in window order: ``nats`` (natural-log NLL of its scored targets),
-    ``targets`` and ``bytes`` (what it scored), with the ``tokenizer``; None when a window's NLL is not finite
-    (nothing to pair). Windows of two evaluations match by index when their tokenizer, targets and bytes do."""
-    nats = [float(w[0]) for w in scorer.per_window]
-    if not all(math.isfinite(x) for x in nats):
-        return None
-    return {
-        "tokenizer": scorer.tokenizer.name,
-        "nats": nats,
-        "targets": [int(w[1]) for w in scorer.per_window],
-        "bytes": [int(w[2]) for w in scorer.per_window],
-    }
 
 
 def _warn_idle_kv_cache(model: Any, window: int) -> None:

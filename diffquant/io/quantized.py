@@ -26,7 +26,7 @@ from diffquant.names import CONFIG_FILE, PLAN_FILE, STATE_FILE, WEIGHTS_FILE
 from diffquant.quant.backends.quanto import load_quanto_state, quanto_state
 from diffquant.quant.modules import BackendLinear, fake_quantizers
 from diffquant.quant.pipeline import apply_plan, transforms
-from diffquant.quant.plan import QuantPlan
+from diffquant.quant.plan import QuantPlan, upgrade_plan
 from diffquant.quant.weightcodes import GroupCodes
 from diffquant.quant.weights import weight_modules
 
@@ -114,7 +114,8 @@ def read_plan(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise DiffquantError(
             f"{plan_path}: not a diffquant quantization plan (expected 'format': '{PLAN_FORMAT}')"
         )
-    return QuantPlan.from_dict(doc["plan"], source=str(plan_path)), doc.get("meta", {})
+    # a checkpoint diffquant wrote before the plan keys were renamed reads in today's spelling
+    return QuantPlan.from_dict(upgrade_plan(doc["plan"]), source=str(plan_path)), doc.get("meta", {})
 
 
 def load_quantized(

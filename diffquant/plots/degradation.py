@@ -12,7 +12,7 @@ from diffquant.errors import DiffquantError
 from diffquant.plots.common import legend_proxy
 from diffquant.plots.noise import BINOMIAL, PAIRED, UNPAIRED, Interval, Z, interval_of_change, measures
 from diffquant.plots.style import MAX_WIDTH_IN, colors_for, new_figure, style_context
-from diffquant.quant.plan import QuantPlan
+from diffquant.quant.plan import QuantPlan, upgrade_plan
 from diffquant.quant.schemes import bits_of
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ def _granularity_label(scheme: Any) -> str:
 
 
 def _read_plan(plan: Mapping[str, Any]) -> QuantPlan:
-    return QuantPlan.from_dict(dict(plan), source=f"plan {plan.get('name')!r}")
+    # a sweep recorded before the plan keys were renamed reads in today's spelling
+    return QuantPlan.from_dict(upgrade_plan(dict(plan)), source=f"plan {plan.get('name')!r}")
 
 
 def not_a_point(plan: Mapping[str, Any] | None) -> str | None:
@@ -99,7 +100,7 @@ def plan_targets(plan: Mapping[str, Any]) -> str:
     found: set[str] = set()
     for rule in _read_plan(plan).rules:
         found.update(rule.sites)
-        found.update(f"weights {w}" for w in rule.weights)
+        found.update(f"weights {w}" for w in rule.modules)
     return ", ".join(sorted(found))
 
 

@@ -67,6 +67,7 @@ from typing import Any, NamedTuple
 import torch
 
 from diffquant.kernels import native
+from diffquant.options import DEFAULT_TOPK
 from diffquant.profile.accumulators import (
     ACCUMULATORS,
     BINS_PER_OCTAVE,
@@ -534,7 +535,7 @@ class SiteStats:
     _massive_acc: Massive
     _squares: ChannelSquares
 
-    def __init__(self, site: str, kind: str, topk: int = 100, massive_cap: int = 1000) -> None:
+    def __init__(self, site: str, kind: str, topk: int = DEFAULT_TOPK, massive_cap: int = 1000) -> None:
         if topk < 0 or massive_cap < 0:
             raise ValueError(f"site {site!r}: topk and massive_cap must be >= 0")
         self.site = site

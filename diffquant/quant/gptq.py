@@ -190,7 +190,7 @@ class GptqCollector:
                 spec.grid,
                 act_order=spec.act_order,
                 damp=spec.damp,
-                block=spec.block,
+                block=spec.lazy_batch,
                 what=q.site,
             )
             q.set_codes(codes)
@@ -204,7 +204,7 @@ register(
     WeightMethod(
         "gptq",
         "codes chosen column by column against each Linear's calibration inputs (its Hessian)",
-        options=("act_order", "damp", "block"),
+        options=("act_order", "damp", "lazy_batch"),
         collector=GptqCollector,
         collects="each Linear's input Hessian",
     )

@@ -231,7 +231,7 @@ def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     if factors is None:
         raise DiffquantError(
             f"size {n}: no Hadamard matrix is built for it (sizes K * 2^m with K from Paley's constructions); "
-            "ask for a block-diagonal Hadamard (block: 64) or a random orthogonal matrix"
+            "ask for a block-diagonal Hadamard (rotate.hadamard_block: 64) or a random orthogonal matrix"
         )
     k, power = factors
     return torch.kron(_base(k), sylvester(power)).to(dtype)

@@ -7,10 +7,10 @@ not affected. Per layer, keys and values each hold three parts, in token order::
 
     [ sinks: the first ``sinks`` tokens, full precision ]   (attention sinks, Xiao et al. 2024)
     [ body: quantized, packed codes + scale + zero per group ]
-    [ window: up to ``residual`` recent tokens, full precision ]
+    [ window: up to ``window`` recent tokens, full precision ]
 
 New tokens join the window (after the sinks are full). Attention at a step reads sinks + the dequantized
-body + the window, the new tokens included in full precision; then, when the window holds ``residual``
+body + the window, the new tokens included in full precision; then, when the window holds ``window``
 tokens or more, its tokens move into the body, quantized (tokens grouped along the token axis move in
 whole groups; the rest waits). That is KIVI's streaming scheme.
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ from diffquant.schema import key
 
 AXES = ("token", "channel")
 Axis = Literal["token", "channel"]
-FORMATS = ("int", "fp8")
+FORMATS = ("int2", "int4", "int8", "fp8")  # a plan's kv_cache.format: asymmetric min-max integers, or float8
 FP8_MAX = 448.0  # largest float8_e4m3fn magnitude
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -64,27 +64,38 @@ SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 @dataclass
 class KVCacheSpec:
     """A plan's ``kv_cache`` section (checked by :func:`diffquant.schema.check`). Defaults: KIVI's setting
-    (keys per channel, values per token) at 4 bits, groups of 32, a 128-token full-precision window."""
+    (keys per channel, values per token) at int4, groups of 32, a 128-token full-precision window. ``bits``
+    is a read-only view of ``format`` (fp8: 8) for the code that packs."""
 
-    bits: Literal[2, 4, 8] = key(4)
+    # the old spellings: bits + format int / fp8 are one format key, residual is the window
+    RENAMED: ClassVar[dict[str, str]] = {"bits": "format", "residual": "window"}
+
+    format: Literal["int2", "int4", "int8", "fp8"] = key(
+        "int4", what="one of 'int2', 'int4', 'int8', 'fp8' (the old bits: 4 + format: int is format: int4)"
+    )
     keys: Axis = key("channel")
     values: Axis = key("token")
     group: int = key(32, min=1)
-    residual: int = key(128, min=0)
+    window: int = key(128, min=0)
     sinks: int = key(0, min=0)
     pre_rope: bool = key(False)
-    format: Literal["int", "fp8"] = key("int")
     scale_dtype: Literal["model", "float16", "bfloat16"] = key("model")
 
-    def __post_init__(self) -> None:
-        if self.format == "fp8" and self.bits != 8:
-            raise DiffquantError(f"kv_cache.format fp8 stores 8-bit codes; bits must be 8, got {self.bits}")
+    @property
+    def bits(self) -> int:
+        """Bits per code: 2, 4 or 8 (fp8: 8)."""
+        return 8 if self.format == "fp8" else int(self.format.removeprefix("int"))
+
+    @property
+    def codes(self) -> str:
+        """How a group is coded: ``int`` (asymmetric min-max) or ``fp8`` (:func:`quantize_groups`'s ``fmt``)."""
+        return "fp8" if self.format == "fp8" else "int"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def label(self) -> str:
-        extra = [f"r{self.residual}"] + ([f"sinks{self.sinks}"] if self.sinks else [])
+        extra = [f"r{self.window}"] + ([f"sinks{self.sinks}"] if self.sinks else [])
         extra += ["pre-rope"] if self.pre_rope else []
         extra += [f"scales:{self.scale_dtype}"] if self.scale_dtype != "model" else []
         kind = "fp8" if self.format == "fp8" else f"kv{self.bits}"
@@ -94,8 +105,8 @@ class KVCacheSpec:
         """The shortest decode-mode window (prefill + one token per step, ``L`` tokens) whose decode steps
         read a quantized token: the cache holds at most L - 2 tokens before the last step (the tokens
         moved into the body after the last step are never read), of which the first ``sinks`` stay in
-        full precision and a move needs a full window of ``residual`` tokens (at least one)."""
-        return self.sinks + max(self.residual, 1) + 2
+        full precision and a move needs a full window of ``window`` tokens (at least one)."""
+        return self.sinks + max(self.window, 1) + 2
 
     def idle_within(self, window: int, where: str) -> str | None:
         """Why decode-mode windows of ``window`` tokens would never read a quantized token under this
@@ -104,11 +115,11 @@ class KVCacheSpec:
         if window >= self.shortest_window():
             return None
         return (
-            f"{where}: the kv_cache keeps {self.sinks} sink(s) + a residual window of {self.residual} tokens "
+            f"{where}: the kv_cache keeps {self.sinks} sink(s) + a window of {self.window} recent tokens "
             f"in full precision, and decode-mode windows of {window} tokens read at most {max(window - 2, 0)} "
             f"cached tokens: nothing would be quantized (the numbers would be the unquantized cache's, "
             f"labelled {self.label().split()[0]}); use seq_len >= {self.shortest_window()}, or fewer "
-            "sinks / a smaller residual"
+            "sinks / a smaller window"
         )
 
     def check_model(self, head_dim: int, value_dim: int, where: str) -> None:
@@ -124,9 +135,9 @@ class KVCacheSpec:
                     f"{where}: kv_cache: {self.bits}-bit codes of {width} channels do not fill whole bytes"
                 )
             if axis == "channel":
-                if self.residual == 0 or self.residual % self.group:
+                if self.window == 0 or self.window % self.group:
                     raise DiffquantError(
-                        f"{where}: kv_cache.residual {self.residual} must be a positive multiple of "
+                        f"{where}: kv_cache.window {self.window} must be a positive multiple of "
                         f"group {self.group} ({name}: channel groups {self.group} tokens, which wait in the "
                         "window until a group is full)"
                     )
@@ -332,7 +343,7 @@ class _Stream:
 
     def _flush(self) -> None:
         n = self._len(self.window)
-        if n == 0 or n < self.spec.residual:
+        if n == 0 or n < self.spec.window:
             return
         if self.axis == "channel":
             n -= n % self.spec.group  # whole groups of tokens only
@@ -342,7 +353,7 @@ class _Stream:
         self.dtype = move.dtype
         scale_dtype = SCALE_DTYPES.get(self.spec.scale_dtype)
         codes, scale, zero = quantize_groups(
-            move, self.spec.bits, self.axis, self.spec.group, self.spec.format, scale_dtype
+            move, self.spec.bits, self.axis, self.spec.group, self.spec.codes, scale_dtype
         )
         codes = pack(codes, self.spec.bits)
         if self.codes is None:

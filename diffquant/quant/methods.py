@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 
-# The keys every method reads (bits, group, sym are the grid; modules / exclude select the Linears).
-COMMON_OPTIONS = ("method", "bits", "group_size", "sym", "modules", "exclude")
+# The keys every method reads (format, group, sym are the grid; modules / exclude select the Linears).
+COMMON_OPTIONS = ("method", "format", "group", "sym", "modules", "exclude")
 
 
 class StageCollector(Protocol):

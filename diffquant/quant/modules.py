@@ -52,8 +52,10 @@ def apply_backend(model: nn.Module, spec: Any, chosen: dict[str, Linear]) -> lis
     applied = []
     for name, linear in chosen.items():
         if spec.name == "quanto":
-            inner = to_quanto(linear, weights=spec.weights, activations=spec.activations)
-            label = f"quanto {spec.weights}" + (f"/{spec.activations}" if spec.activations else "")
+            inner = to_quanto(linear, weights=spec.weight_type, activations=spec.activation_type)
+            label = f"quanto {spec.weight_type}" + (
+                f"/{spec.activation_type}" if spec.activation_type else ""
+            )
         else:
             inner = to_bnb(linear, mode=spec.mode, threshold=spec.threshold, blocksize=spec.blocksize)
             label = f"bnb {spec.mode}"

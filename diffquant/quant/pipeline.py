@@ -280,7 +280,7 @@ class RulesSection(Section):
         for i, rule in enumerate(run.plan.rules):
             where = f"{run.where}: rules[{i}]"
             taps = _select_sites(run.model, rule, where) if rule.sites else {}
-            linears = select_linears(run.model, rule.weights, rule.exclude, where) if rule.weights else {}
+            linears = select_linears(run.model, rule.modules, rule.exclude, where) if rule.modules else {}
             selected.append((rule, taps, linears))
         run.selected["rules"] = selected
 
@@ -445,7 +445,11 @@ class StaticSection(Section):
 
 
 def _quanto_activations(plan: QuantPlan) -> bool:
-    return plan.backend is not None and plan.backend.name == "quanto" and plan.backend.activations is not None
+    return (
+        plan.backend is not None
+        and plan.backend.name == "quanto"
+        and plan.backend.activation_type is not None
+    )
 
 
 @contextlib.contextmanager

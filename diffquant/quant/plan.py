@@ -4,18 +4,18 @@ A plan is a list of rules and an optional real backend::
 
     name: w4a8
     rules:
-      - weights: ["layers.*"]            # Linear modules by name glob
+      - modules: ["layers.*"]            # Linear modules (their weights) by name glob
         scheme: {format: int4, granularity: group(32)}
       - sites: ["layers.*.input"]         # taps by site glob, or kind:NAME
         scheme: int8:token
     backend:                              # optional: real quantized layers (optimum-quanto or bitsandbytes)
       name: quanto
-      weights: qint8
-      activations: qint8
+      weight_type: qint8
+      activation_type: qint8
       modules: ["layers.*"]
     smooth: {alpha: 0.5}                  # optional: SmoothQuant smoothing before calibration (fake-quant only)
     rotate: {residual: hadamard, heads: hadamard, ffn: hadamard, qk: none}   # optional: QuaRot rotation
-    kv_cache: {bits: 4, keys: channel, values: token, group: 32, residual: 128}  # optional: KIVI cache
+    kv_cache: {format: int4, keys: channel, values: token, group: 32, window: 128}  # optional: KIVI cache
 
 This module is the plan's schema only: the sections as dataclasses, checked when a plan is read
 (:meth:`QuantPlan.from_dict`, :meth:`QuantPlan.load`), and the shipped presets
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, BNB_MODES
@@ -66,8 +66,10 @@ def _finite_at_least_0(value: Any) -> str | None:
 class RuleDoc:
     """The schema of a plan's rule (its scheme is checked by :meth:`Scheme.parse`)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"weights": "modules"}
+
     sites: list[str] = key([], check=pattern_list)
-    weights: list[str] = key([], check=pattern_list)
+    modules: list[str] = key([], check=pattern_list)
     exclude: list[str] = key([], check=pattern_list)
     scheme: Any = key()
 
@@ -76,12 +78,12 @@ class RuleDoc:
 class Rule:
     scheme: Scheme
     sites: list[str] = field(default_factory=list)
-    weights: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name in ("sites", "weights", "exclude"):
+        for name in ("sites", "modules", "exclude"):
             if getattr(self, name):
                 out[name] = list(getattr(self, name))
         out["scheme"] = self.scheme.to_dict()
@@ -91,13 +93,15 @@ class Rule:
 @dataclass
 class BackendSpec:
     """A plan's ``backend`` section; also its schema (:func:`diffquant.schema.check`), which reads a single
-    pattern as a list of one."""
+    pattern as a list of one. ``weight_type`` / ``activation_type``: quanto's qtypes (``qint8``, ...)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"weights": "weight_type", "activations": "activation_type"}
 
     name: str = key()
     modules: list[str] = key(["layers.*"], check=pattern_list)
     exclude: list[str] = key([], check=pattern_list)
-    weights: str = key("qint8")  # quanto
-    activations: str | None = key(None)  # quanto
+    weight_type: str = key("qint8")  # quanto
+    activation_type: str | None = key(None)  # quanto
     mode: str = key("int8")  # bnb
     # bnb LLM.int8 outlier threshold (Dettmers et al. 2022). No coercion: float("6") would accept a string.
     threshold: float = key(6.0, check=_finite_at_least_0)
@@ -109,7 +113,7 @@ class BackendSpec:
         if self.exclude:
             out["exclude"] = list(self.exclude)
         if self.name == "quanto":
-            out.update(weights=self.weights, activations=self.activations)
+            out.update(weight_type=self.weight_type, activation_type=self.activation_type)
         else:
             out.update(mode=self.mode, threshold=self.threshold, blocksize=self.blocksize)
         return out
@@ -188,11 +192,11 @@ class QuantPlan:
         rules = []
         for i, raw in enumerate(doc["rules"]):
             where = f"{source}: rules[{i}]"
-            sites, weights = patterns(raw["sites"]), patterns(raw["weights"])
-            if not sites and not weights:
-                raise DiffquantError(f"{where}: give 'sites' (taps) and/or 'weights' (Linear modules)")
+            sites, modules = patterns(raw["sites"]), patterns(raw["modules"])
+            if not sites and not modules:
+                raise DiffquantError(f"{where}: give 'sites' (taps) and/or 'modules' (Linear weights)")
             scheme = Scheme.parse(raw["scheme"], where=f"{where}.scheme")
-            rules.append(Rule(scheme, sites, weights, patterns(raw["exclude"])))
+            rules.append(Rule(scheme, sites, modules, patterns(raw["exclude"])))
         backend = None
         if doc["backend"] is not None:
             backend = _backend(doc["backend"], set(data["backend"]), f"{source}: backend")
@@ -263,7 +267,7 @@ class QuantPlan:
             or (
                 self.backend is not None
                 and self.backend.name == "quanto"
-                and self.backend.activations is not None
+                and self.backend.activation_type is not None
             )
         )
 
@@ -279,16 +283,19 @@ def _backend(raw: dict[str, Any], given: set[str], where: str) -> BackendSpec:
         extra = sorted(given & {"mode", "threshold", "blocksize"})
         if extra:
             raise DiffquantError(
-                f"{where}: '{extra[0]}' is a bnb option; quanto takes weights and activations"
+                f"{where}: '{extra[0]}' is a bnb option; quanto takes weight_type and activation_type"
             )
-        if spec.weights not in QUANTO_WEIGHTS:
-            raise DiffquantError(f"{where}.weights: {spec.weights!r}; valid: {', '.join(QUANTO_WEIGHTS)}")
-        if spec.activations is not None and spec.activations not in QUANTO_ACTIVATIONS:
+        if spec.weight_type not in QUANTO_WEIGHTS:
             raise DiffquantError(
-                f"{where}.activations: {spec.activations!r}; valid: {', '.join(QUANTO_ACTIVATIONS)} or null"
+                f"{where}.weight_type: {spec.weight_type!r}; valid: {', '.join(QUANTO_WEIGHTS)}"
+            )
+        if spec.activation_type is not None and spec.activation_type not in QUANTO_ACTIVATIONS:
+            raise DiffquantError(
+                f"{where}.activation_type: {spec.activation_type!r}; valid: {', '.join(QUANTO_ACTIVATIONS)} "
+                "or null"
             )
     else:
-        extra = sorted(given & {"weights", "activations"})
+        extra = sorted(given & {"weight_type", "activation_type"})
         if extra:
             raise DiffquantError(
                 f"{where}: '{extra[0]}' is a quanto option; bnb takes mode, threshold, blocksize"
@@ -301,6 +308,40 @@ def _backend(raw: dict[str, Any], given: set[str], where: str) -> BackendSpec:
             )
         spec.threshold = float(spec.threshold)
     return spec
+
+
+def upgrade_plan(data: Any) -> Any:
+    """A plan dict diffquant itself wrote before the plan keys were renamed (a quantized checkpoint's
+    ``quant_plan.json``, a sweep's recorded plans) in today's spelling; anything else is returned as it is.
+    A plan file a user writes is not upgraded: its old spellings are refused naming the new key (each
+    section's ``RENAMED``), so the file gets fixed; what diffquant wrote itself stays readable."""
+    if not isinstance(data, dict):
+        return data
+
+    def renamed(section: Any, names: dict[str, str]) -> Any:
+        return {names.get(k, k): v for k, v in section.items()} if isinstance(section, dict) else section
+
+    out = dict(data)
+    if isinstance(out.get("rules"), list):
+        out["rules"] = [renamed(rule, RuleDoc.RENAMED) for rule in out["rules"]]
+    for section, cls in (("backend", BackendSpec), ("rotate", RotateSpec)):
+        if section in out:
+            out[section] = renamed(out[section], cls.RENAMED)
+    weights = out.get("weights")
+    if isinstance(weights, dict) and "bits" in weights:
+        weights = {
+            ("format" if k == "bits" else k): (f"int{v}" if k == "bits" else v) for k, v in weights.items()
+        }
+    if "weights" in out:
+        out["weights"] = renamed(weights, WeightsSpec.RENAMED)
+    kv = out.get("kv_cache")
+    if isinstance(kv, dict) and "bits" in kv:
+        kv = dict(kv)
+        kind, bits = kv.pop("format", "int"), kv.pop("bits")
+        kv["format"] = "fp8" if kind == "fp8" else f"int{bits}"
+    if "kv_cache" in out:
+        out["kv_cache"] = renamed(kv, KVCacheSpec.RENAMED)
+    return out
 
 
 def preset(name: str) -> QuantPlan:

@@ -72,7 +72,7 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
     "w8a8": {
         "description": "int8 weights per output channel, int8 Linear inputs per token (dynamic)",
         "rules": [
-            {"weights": ["layers.*"], "scheme": "int8:channel"},
+            {"modules": ["layers.*"], "scheme": "int8:channel"},
             {"sites": ["layers.*.input"], "scheme": "int8:token"},
         ],
     },
@@ -80,7 +80,7 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
         "description": "int8 weights per output channel, int8 Linear inputs per tensor (static absmax "
         "from calibration: SmoothQuant's per-tensor static setting, without smoothing)",
         "rules": [
-            {"weights": ["layers.*"], "scheme": "int8:channel"},
+            {"modules": ["layers.*"], "scheme": "int8:channel"},
             {
                 "sites": ["layers.*.input"],
                 "scheme": {"format": "int8", "granularity": "tensor", "calibration": "absmax"},
@@ -92,7 +92,7 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
         "then w8a8-tensor (int8 weights per output channel, int8 Linear inputs per tensor, static absmax)",
         "smooth": {"alpha": 0.5},
         "rules": [
-            {"weights": ["layers.*"], "scheme": "int8:channel"},
+            {"modules": ["layers.*"], "scheme": "int8:channel"},
             {
                 "sites": ["layers.*.input"],
                 "scheme": {"format": "int8", "granularity": "tensor", "calibration": "absmax"},
@@ -100,49 +100,50 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
         ],
     },
     "w4a8": {
-        "description": "int4 weights in groups of 32, int8 Linear inputs per token (dynamic)",
+        "description": "int4 weights (the scheme's levels -7..7) in groups of 32, int8 Linear inputs per token "
+        "(dynamic)",
         "rules": [
-            {"weights": ["layers.*"], "scheme": "int4:group(32)"},
+            {"modules": ["layers.*"], "scheme": "int4:group(32)"},
             {"sites": ["layers.*.input"], "scheme": "int8:token"},
         ],
     },
     "w4a16": {
-        "description": "int4 weights in groups of 32, activations unquantized",
-        "rules": [{"weights": ["layers.*"], "scheme": "int4:group(32)"}],
+        "description": "int4 weights (the scheme's levels -7..7) in groups of 32, activations unquantized",
+        "rules": [{"modules": ["layers.*"], "scheme": "int4:group(32)"}],
     },
     "fp8": {
         "description": "fp8_e4m3 weights per output channel and Linear inputs per token",
         "rules": [
-            {"weights": ["layers.*"], "scheme": "fp8_e4m3:channel"},
+            {"modules": ["layers.*"], "scheme": "fp8_e4m3:channel"},
             {"sites": ["layers.*.input"], "scheme": "fp8_e4m3:token"},
         ],
     },
     "mxfp4": {
         "description": "OCP MXFP4 weights and Linear inputs (32-element blocks, E8M0 scales)",
         "rules": [
-            {"weights": ["layers.*"], "scheme": "mxfp4"},
+            {"modules": ["layers.*"], "scheme": "mxfp4"},
             {"sites": ["layers.*.input"], "scheme": "mxfp4"},
         ],
     },
     "nvfp4": {
         "description": "NVFP4 weights and Linear inputs (16-element blocks, E4M3 scales, fp32 tensor scale)",
         "rules": [
-            {"weights": ["layers.*"], "scheme": "nvfp4"},
+            {"modules": ["layers.*"], "scheme": "nvfp4"},
             {"sites": ["layers.*.input"], "scheme": "nvfp4"},
         ],
     },
     # ---- real backends
     "quanto-w8a8": {
         "description": "optimum-quanto qint8 weights and qint8 activations (static, calibrated)",
-        "backend": {"name": "quanto", "weights": "qint8", "activations": "qint8"},
+        "backend": {"name": "quanto", "weight_type": "qint8", "activation_type": "qint8"},
     },
     "quanto-w8": {
         "description": "optimum-quanto qint8 weights",
-        "backend": {"name": "quanto", "weights": "qint8"},
+        "backend": {"name": "quanto", "weight_type": "qint8"},
     },
     "quanto-w4": {
         "description": "optimum-quanto qint4 weights",
-        "backend": {"name": "quanto", "weights": "qint4"},
+        "backend": {"name": "quanto", "weight_type": "qint4"},
     },
     "bnb-int8": {
         "description": "bitsandbytes LLM.int8 (threshold 6.0)",
@@ -159,6 +160,7 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
 # Linear inputs per token (dynamic), with no remedy, SmoothQuant smoothing (alpha 0.5), QuaRot rotation
 # (R1 residual, R2 heads, R4 online before down_proj; Hadamard) or both (rotation first, then smoothing).
 QUAROT_ROTATION = {"residual": "hadamard", "heads": "hadamard", "ffn": "hadamard", "qk": "none"}
+INT4_SCHEME = " (the scheme's levels -7..7)"  # the rule schemes' int4, not the weights section's GPTQ grid
 ROTATION_WORDS = "QuaRot rotation (Hadamard R1 residual, R2 heads, R4 online before down)"
 
 
@@ -184,10 +186,10 @@ def _remedy_presets() -> dict[str, dict[str, Any]]:
         for suffix, (words, smooth, rotate) in remedies.items():
             name = bits.removesuffix("-channel") + suffix if suffix else bits
             entry: dict[str, Any] = {
-                "description": f"{words}{w} weights per output channel (round to nearest), {a} Linear inputs "
-                "per token (dynamic)",
+                "description": f"{words}{w} weights{INT4_SCHEME if w == 'int4' else ''} per output channel "
+                f"(round to nearest), {a} Linear inputs per token (dynamic)",
                 "rules": [
-                    {"weights": ["layers.*"], "scheme": f"{w}:channel"},
+                    {"modules": ["layers.*"], "scheme": f"{w}:channel"},
                     {"sites": ["layers.*.input"], "scheme": f"{a}:token"},
                 ],
             }
@@ -205,7 +207,8 @@ def _remedy_presets() -> dict[str, dict[str, Any]]:
 
 
 # ---- weights as the field reports them (the weights section, diffquant/quant/weights.py): one grid (GPTQ's:
-# symmetric 2^b levels, or asymmetric for HQQ and AWQ), the codes chosen by round-to-nearest, GPTQ, HQQ or AWQ.
+# symmetric 2^b levels, -8..7 at int4, or asymmetric for HQQ and AWQ), the codes chosen by round-to-nearest,
+# GPTQ, HQQ or AWQ. Not the rule schemes' int4 (levels -7..7): docs/plans.md, "two int4 grids".
 METHOD_WORDS = {
     "rtn": "round to nearest",
     "gptq": "GPTQ (Frantar et al. 2022; sequential, calibration data)",
@@ -222,10 +225,10 @@ def _weight_presets() -> dict[str, dict[str, Any]]:
     for group in (128, 32):
         for bits in (4, 3):
             for method, words in METHOD_WORDS.items():
-                weights: dict[str, Any] = {"method": method, "bits": bits, "group_size": group}
+                weights: dict[str, Any] = {"method": method, "format": f"int{bits}", "group": group}
                 out[f"w{bits}a16-{method}-g{group}"] = {
-                    "description": f"int{bits} weights in groups of {group} by {words}, activations "
-                    "unquantized",
+                    "description": f"int{bits} weights on GPTQ's grid ({2**bits} levels) in groups of {group} "
+                    f"by {words}, activations unquantized",
                     "weights": weights,
                 }
     for act in ("int8", "int4"):
@@ -234,9 +237,9 @@ def _weight_presets() -> dict[str, dict[str, Any]]:
             for rotate in (False, True):
                 words = f"{ROTATION_WORDS}, then " if rotate else ""
                 entry: dict[str, Any] = {
-                    "description": f"{words}int4 weights per output channel by {METHOD_WORDS[method]}, "
-                    f"{act} Linear inputs per token (dynamic)",
-                    "weights": {"method": method, "bits": 4, "group_size": "channel"},
+                    "description": f"{words}int4 weights on GPTQ's grid (16 levels) per output channel by "
+                    f"{METHOD_WORDS[method]}, {act} Linear inputs per token (dynamic)",
+                    "weights": {"method": method, "format": "int4", "group": "channel"},
                     "rules": [{"sites": ["layers.*.input"], "scheme": f"{act}:token"}],
                 }
                 if rotate:
@@ -253,38 +256,38 @@ def _weight_presets() -> dict[str, dict[str, Any]]:
 def _kv_presets() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for suffix, group, window, small in (("", 32, 128, 32), ("-g8", 8, 32, 8)):
-        base = {"keys": "channel", "values": "token", "group": group, "residual": window}
+        base = {"keys": "channel", "values": "token", "group": group, "window": window}
         words = f"groups of {group}, {window} recent tokens in full precision"
         for bits in (8, 4, 2):
             out[f"kv{bits}{suffix}"] = {
                 "description": f"KV cache int{bits} (KIVI): keys per channel, values per token, {words}",
-                "kv_cache": {"bits": bits, **base},
+                "kv_cache": {"format": f"int{bits}", **base},
             }
         out[f"kv4{suffix}-token-keys"] = {
             "description": f"KV cache int4 with keys per token (transformers' QuantizedCache default), {words}",
-            "kv_cache": {**base, "bits": 4, "keys": "token"},
+            "kv_cache": {**base, "format": "int4", "keys": "token"},
         }
         out[f"kv2{suffix}-sinks"] = {
             "description": f"KV cache int2 (KIVI), {words}, the first 4 tokens (attention sinks) kept",
-            "kv_cache": {**base, "bits": 2, "sinks": 4},
+            "kv_cache": {**base, "format": "int2", "sinks": 4},
         }
         out[f"kv2{suffix}-r{small}"] = {
             "description": f"KV cache int2 (KIVI), groups of {group}, only {small} recent tokens in full precision",
-            "kv_cache": {**base, "bits": 2, "residual": small},
+            "kv_cache": {**base, "format": "int2", "window": small},
         }
         out[f"kv2{suffix}-prerope"] = {
             "description": f"KV cache int2, keys quantized before RoPE (KVQuant), {words}",
-            "kv_cache": {**base, "bits": 2, "pre_rope": True},
+            "kv_cache": {**base, "format": "int2", "pre_rope": True},
         }
     out["kv4-compact"] = {
         "description": "KV cache int4 (KIVI) in 0.28x the bytes of bf16: groups of 64, float16 scales and zeros, "
         "128 recent tokens in full precision",
         "kv_cache": {
-            "bits": 4,
+            "format": "int4",
             "keys": "channel",
             "values": "token",
             "group": 64,
-            "residual": 128,
+            "window": 128,
             "scale_dtype": "float16",
         },
     }

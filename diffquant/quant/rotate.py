@@ -25,9 +25,9 @@ Linears that read its output:
   lambda's parameters (V1) are not touched.
 
 Matrices are ``hadamard`` (H / sqrt(n), :mod:`diffquant.quant.hadamard`; a size with none uses a
-block-diagonal Hadamard of ``block`` if given), ``random`` (seeded: Q of the QR of a Gaussian, signs fixed
-so the draw is Haar-distributed) or ``none``. Weights are transformed in float64 and cast back, so a
-float64 model is rotated to rounding (1e-12) and a float32 one to float32 rounding.
+block-diagonal Hadamard of ``hadamard_block`` if given), ``random`` (seeded: Q of the QR of a Gaussian,
+signs fixed so the draw is Haar-distributed) or ``none``. Weights are transformed in float64 and cast back,
+so a float64 model is rotated to rounding (1e-12) and a float32 one to float32 rounding.
 
 Order in a plan: rotation runs when the plan is applied, before any quantizer sees a weight, and before
 SmoothQuant smoothing (which runs at calibration): smoothing then balances the rotated channels, whose norms
@@ -41,7 +41,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -60,12 +60,15 @@ PLACES = ("residual", "heads", "ffn", "qk")
 class RotateSpec:
     """A plan's ``rotate`` section (checked by :func:`diffquant.schema.check`)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"block": "hadamard_block"}
+
     residual: Method = key("hadamard")  # R1
     heads: Method = key("hadamard")  # R2
     ffn: Method = key("hadamard")  # R4 (online)
     qk: Method = key("none")  # R3 (online)
     seed: int = key(0, min=0)
-    block: int | None = key(None, min=1)  # block-diagonal Hadamard for a size with no Hadamard matrix
+    # a block-diagonal Hadamard of this size for a width with no Hadamard matrix
+    hadamard_block: int | None = key(None, min=1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +106,7 @@ def orthogonal(n: int, method: str, spec: RotateSpec, tag: str, where: str) -> t
     """The (n, n) float64 orthogonal matrix of ``method`` for the matrix named ``tag``, and its description."""
     if method == "random":
         return random_orthogonal(n, spec.seed, tag), f"random orthogonal (seed {spec.seed})"
-    return hadamard_orthogonal(n, spec.block, where)
+    return hadamard_orthogonal(n, spec.hadamard_block, where)
 
 
 # Below this size a dense matmul by the (float32) matrix beats the butterflies on CPU (analysis/rotate/bench.py:
@@ -220,7 +223,8 @@ def _check_sizes(model: nn.Module, spec: RotateSpec) -> None:
         del sizes["heads"]  # R2 is skipped for this model: its size needs no matrix
     for place, n in sizes.items():
         if getattr(spec, place) == "hadamard" and not had.has_hadamard(n):
-            hadamard_orthogonal(n, spec.block, f"rotate.{place}")  # raises unless the block form exists
+            # raises unless the block form exists
+            hadamard_orthogonal(n, spec.hadamard_block, f"rotate.{place}")
 
 
 def rotate_model(model: nn.Module, spec: RotateSpec, weights: bool = True) -> list[tuple[str, str]]:
@@ -272,7 +276,7 @@ def _hadamard_how(n: int, block: int | None, where: str) -> str:
         return f"block-diagonal hadamard {n // block} x {block}"
     raise DiffquantError(
         f"{where}: size {n} has no Hadamard matrix here (sizes K * 2^m with K from Paley's constructions); "
-        "set rotate.block (a size that divides it, e.g. 64) or use random"
+        "set rotate.hadamard_block (a size that divides it, e.g. 64) or use random"
     )
 
 
@@ -280,7 +284,7 @@ def describe(n: int, method: str, spec: RotateSpec, where: str) -> str:
     """What :func:`orthogonal` returns as its description, without building the matrix."""
     if method == "random":
         return f"random orthogonal (seed {spec.seed})"
-    return _hadamard_how(n, spec.block, where)
+    return _hadamard_how(n, spec.hadamard_block, where)
 
 
 def prepare_rotation(model: nn.Module, spec: RotateSpec, weights: bool = True) -> list[tuple[str, str]]:

@@ -1,11 +1,12 @@
 """Integer weight codes on the GPTQ grid, and the module that serves them to a Linear.
 
 Every weight method of a plan's ``weights:`` section (round-to-nearest, GPTQ, HQQ) produces the same thing:
-per output channel and per group of ``group_size`` consecutive input channels, a float scale ``s`` and a zero
-point ``z``, and codes ``q`` in ``0 .. 2^bits - 1``; the weight the model computes with is ``(q - z) * s``.
-This is the storage layout of GPTQ checkpoints (Frantar et al. 2022, and GPTQModel / AutoGPTQ after it),
-of compressed-tensors' pack-quantized weights and of optimum-quanto's grouped int weights, so the three
-methods differ only in how they choose the codes and the scales, never in the grid they choose them on.
+per output channel and per group of ``group`` consecutive input channels, a float scale ``s`` and a zero
+point ``z``, and codes ``q`` in ``0 .. 2^b - 1`` (``format: intB``); the weight the model computes with is
+``(q - z) * s``. This is the storage layout of GPTQ checkpoints (Frantar et al. 2022, and GPTQModel /
+AutoGPTQ after it), of compressed-tensors' pack-quantized weights and of optimum-quanto's grouped int
+weights, so the three methods differ only in how they choose the codes and the scales, never in the grid
+they choose them on.
 
 The grid (the reference GPTQ code's quantizer, written here from its formula):
 
@@ -63,8 +64,8 @@ class WeightGrid:
             raise DiffquantError(f"{what}: expected a 2-D weight [out, in], got shape {tuple(shape)}")
         if self.group_size is not None and self.group_size > shape[1]:
             raise DiffquantError(
-                f"{what}: group_size {self.group_size} is wider than the {shape[1]} input channels "
-                "(use group_size: channel for one scale per output channel)"
+                f"{what}: group {self.group_size} is wider than the {shape[1]} input channels "
+                "(use group: channel for one scale per output channel)"
             )
 
     def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

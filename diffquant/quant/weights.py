@@ -4,7 +4,12 @@ registered weight method (:mod:`~diffquant.quant.methods`: round-to-nearest, GPT
 
 ::
 
-    weights: {method: gptq, bits: 4, group_size: 128, sym: true, act_order: false, damp: 0.01, block: 128}
+    weights: {method: gptq, format: int4, group: 128, sym: true, act_order: false, damp: 0.01,
+              lazy_batch: 128}
+
+The grid is GPTQ's (:mod:`~diffquant.quant.weightcodes`): ``format: int4`` means 2^4 = 16 codes, symmetric
+levels ``-8 .. 7`` times the scale, not the 15-level ``int4`` codebook (``-7 .. 7``) of the rule schemes.
+Every key, and the old spellings (``bits``, ``group_size``, ``block``), are in docs/plans.md.
 
 - ``rtn``: each value rounded alone (the baseline every paper's tables start from);
 - ``hqq`` (Badri & Shaji 2023, :mod:`~diffquant.quant.hqq`): data-free, the zero points optimised against an
@@ -29,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -66,7 +71,7 @@ def unused_option(method: str, given: Iterable[str]) -> str | None:
     return None
 
 
-def _group_size(value: Any) -> str | None:
+def _group(value: Any) -> str | None:
     ok = value == "channel" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
     return None if ok else "an integer >= 1 (input channels per scale) or 'channel'"
 
@@ -80,18 +85,24 @@ def _sym(value: Any) -> str | None:
     return None if value is None or isinstance(value, bool) else _BOOL + " or null (the method's default)"
 
 
+WeightFormat = Literal["int2", "int3", "int4", "int5", "int6", "int7", "int8"]
+
+
 @dataclass
 class WeightsSpec:
     """A plan's ``weights`` section (checked by :func:`diffquant.schema.check`). ``sym`` null: the method's
-    convention (true for rtn and gptq, false for hqq, which optimises the zero point)."""
+    convention (true for rtn and gptq, false for hqq, which optimises the zero point). ``bits`` and
+    ``group_size`` are read-only views of ``format`` and ``group`` for the code that computes."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"bits": "format", "group_size": "group", "block": "lazy_batch"}
 
     method: str = key(what="a string")
-    bits: int = key(4, min=2, max=8)
-    group_size: int | str = key(128, check=_group_size)
+    format: WeightFormat = key("int4")  # on GPTQ's grid: 2^b codes (weightcodes)
+    group: int | str = key(128, check=_group)  # input channels per scale, or "channel"
     sym: bool | None = key(None, check=_sym)
     act_order: bool = key(False, what=_BOOL)  # gptq: columns by descending Hessian diagonal, static groups
     damp: float = key(0.01, check=_damp)  # gptq: Hessian damping, a fraction of its mean diagonal
-    block: int = key(128, min=1)  # gptq: columns per lazy batch update
+    lazy_batch: int = key(128, min=1)  # gptq: columns per lazy batch update (the paper's B)
     alpha_grid: int = key(20, min=2, max=1000)  # awq: points of the alpha grid 0, 1/n, .., (n-1)/n
     modules: list[str] = key(["layers.*"], check=pattern_list)
     exclude: list[str] = key([], check=pattern_list)
@@ -117,6 +128,16 @@ class WeightsSpec:
             raise DiffquantError(problem)
 
     @property
+    def bits(self) -> int:
+        """Bits per code (``format`` int4: 4)."""
+        return int(self.format.removeprefix("int"))
+
+    @property
+    def group_size(self) -> int | str:
+        """``group``: input channels per scale, or ``channel``."""
+        return self.group
+
+    @property
     def grid(self) -> WeightGrid:
         size = None if self.group_size == "channel" else int(self.group_size)
         return WeightGrid(int(self.bits), size, bool(self.sym))
@@ -131,15 +152,21 @@ class WeightsSpec:
         return self.entry.needs_data
 
     def label(self) -> str:
-        size = "channel" if self.group_size == "channel" else f"g{self.group_size}"
+        """``rtn int4 g32 sym (GPTQ grid, levels -8..7)``: the grid said, since the rule schemes' ``int4`` is
+        another one (levels -7..7; docs/plans.md)."""
+        size = "channel" if self.group == "channel" else f"g{self.group}"
         extra = " act-order" if self.act_order else ""
-        return f"{self.method} int{self.bits} {size} {'sym' if self.sym else 'asym'}{extra}"
+        half = 2 ** (self.bits - 1)
+        grid = f"levels -{half}..{half - 1}" if self.sym else f"codes 0..{2 * half - 1} - zero"
+        return (
+            f"{self.method} {self.format} {size} {'sym' if self.sym else 'asym'}{extra} (GPTQ grid, {grid})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "method": self.method,
-            "bits": self.bits,
-            "group_size": self.group_size,
+            "format": self.format,
+            "group": self.group,
             "sym": self.sym,
             "modules": list(self.modules),
         }

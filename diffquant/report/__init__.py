@@ -191,8 +191,8 @@ def describe_plan(name: str, plan: dict[str, Any] | None) -> str:
             scheme = describe(Scheme.parse(rule.get("scheme"), where=f"plan {name!r}"))
         except DiffquantError:
             scheme = str(rule.get("scheme"))
-        if rule.get("weights"):
-            parts.append(f"weights of {', '.join(map(str, rule['weights']))} to {scheme}")
+        if rule.get("modules"):
+            parts.append(f"weights of {', '.join(map(str, rule['modules']))} to {scheme}")
         if rule.get("sites"):
             parts.append(f"{', '.join(_site_words(str(p)) for p in rule['sites'])} to {scheme}")
     backend = plan.get("backend")
@@ -205,7 +205,7 @@ def describe_plan(name: str, plan: dict[str, Any] | None) -> str:
             parts.append(f"{transform} transform first")
     cache = plan.get("kv_cache")
     if isinstance(cache, dict):
-        defaults = {"format": "int", "scale_dtype": "model"}  # said only when a plan changes them
+        defaults = {"scale_dtype": "model"}  # said only when a plan changes it
         settings = ", ".join(f"{k} {v}" for k, v in cache.items() if defaults.get(k, object()) != v)
         parts.append(f"a quantized KV cache when the model decodes ({settings})")
     text = str(plan.get("description") or "").strip().rstrip(".")
@@ -299,6 +299,9 @@ def build_sections(run: Path, figures: list[Any]) -> list[Section]:
             )
             + "."
         )
+        sites = t5.get("sites")
+        if isinstance(sites, list) and sites != ["*"]:  # a subset must not read as the whole model
+            sec.text += f" Only the sites matching {', '.join(f'`{p}`' for p in sites)}, not the whole model."
         cols = ["top1", "top2", "top3", "top10", "top100", "median"]
         found = [
             (name, label, row)

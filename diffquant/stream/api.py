@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from diffquant.data.scoring import StreamScorer, gather_logprobs
+from diffquant.data.scoring import StreamScorer, gather_logprobs, keep_scored
 from diffquant.data.tokenizer import Tokenizer, model_tokenizer
 from diffquant.errors import DiffquantError
 from diffquant.kernels.dispatch import path_summary
@@ -184,7 +184,9 @@ def evaluate_streamed(
             hidden_budget=hidden_budget,
         )
         _report(stats, info, streamed)
-    return scorer.result()
+    result = scorer.result()
+    keep_scored(scorer)  # a sweep's per-window tally, as the whole-model evaluate_stream leaves it
+    return result
 
 
 def logits_streamed(
