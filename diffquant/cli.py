@@ -23,6 +23,7 @@ from diffquant.errors import DiffquantError
 from diffquant.models.config import ATTENTION_KINDS
 from diffquant.models.config import PRESETS as SIZE_PRESETS  # model sizes (not quant.plan.PRESETS)
 from diffquant.names import MODEL_FORMS, plain_name_from
+from diffquant.schema import Extend
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -310,6 +311,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         layer=args.layer,
         head=args.head,
         linear=args.linear,
+        layers=args.layers,
     )
     if not records:
         raise DiffquantError(f"{args.run_dir}: no figure could be drawn from its artifacts")
@@ -404,7 +406,7 @@ def _cmd_zoo(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from diffquant.io import save_checkpoint
-    from diffquant.io.convert_hf import export_hf
+    from diffquant.io.convert_hf import export_hf, hf_model_type
     from diffquant.io.runfolder import claim_checkpoint_folder
 
     if args.scale_dtype is not None and args.to not in ("compressed-tensors", "gptq"):
@@ -419,7 +421,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             target = "native"
         else:
             out = export_hf(model, args.out, overwrite=True)
-            target = "HF " + ("diffllama" if model.config.attention == "diff_v1" else "llama")
+            target = "HF " + hf_model_type(
+                model.config
+            )  # llama, diffllama, qwen2, qwen3, mistral, gemma3_text
     print(
         f"wrote {out}: {target} ({model.config.attention}), {model.num_parameters():,} parameters, "
         f"{str(model.embed.weight.dtype).removeprefix('torch.')}, tokenizer {_tokenizer_line(model, args.model)}"
@@ -605,8 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument(
         "--plan",
         required=True,
+        action=_OnePlan,
         help="a preset name (list them with `diffquant presets`), a YAML plan file or a shipped plan by name "
-        "(list them with `diffquant recipes`)",
+        "(list them with `diffquant recipes`); one per run (to compare plans: diffquant eval --plan A B)",
     )
     add_options(quant, CalibData, flags=QUANTIZE_CALIB_FLAGS)
     add_options(quant, QuantizeStage)
@@ -636,9 +641,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--plan",
         nargs="+",
+        action=Extend,
         default=["none"],
-        help="plans: none, preset names, YAML files or shipped plan names (default: none, the unquantized "
-        "model, which is always included)",
+        help="plans: none, preset names, YAML files or shipped plan names; --plan a b and --plan a --plan b "
+        "alike (default: none, the unquantized model, which is always included)",
     )
     add_options(ev, CalibData, flags=CALIB_FLAGS)
     add_options(ev, EvalStage)
@@ -672,11 +678,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--what",
         nargs="+",
+        action=Extend,
         help="figure families: hist, hist-layers, layerwise, maps, degradation, act-scales, lambda",
     )
     plot.add_argument(
         "--format",
         nargs="+",
+        action=Extend,
         default=["png"],
         choices=("png", "svg", "pdf"),
         help="image formats, each figure written once per format (default: png)",
@@ -691,6 +699,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="layer of the attention-map figure (default: the middle layer that every model's profile has)",
     )
     plot.add_argument("--head", type=int, default=0, help="head of the attention-map figure (default: 0)")
+    plot.add_argument(
+        "--layers",
+        default=None,
+        metavar="LIST",
+        help="layers of the per-layer figures (hist-layers, layerwise, lambda): numbers and ranges, e.g. 3-5 "
+        "or 0,4,8-11 (default: every layer)",
+    )
     plot.add_argument(
         "--linear",
         default=None,
@@ -740,8 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export",
-        help="write a model as a Hugging Face folder (baseline -> llama, diff_v1 -> diffllama), or a "
-        "weight-quantized one as compressed-tensors / GPTQ (docs/checkpoints.md)",
+        help="write a model as a Hugging Face folder (diff_v1 -> diffllama; baseline -> llama, or qwen2 / qwen3 "
+        "/ mistral / gemma3_text when its config needs that family), or a weight-quantized one as "
+        "compressed-tensors / GPTQ (docs/checkpoints.md)",
     )
     export.add_argument("model", metavar="MODEL", help=f"the model: {MODEL_FORMS}")
     export.add_argument(
@@ -889,6 +905,20 @@ def _fail(command: str, message: str) -> int:
     prog = f"diffquant {command}" if command else "diffquant"
     print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
     return 2
+
+
+class _OnePlan(argparse.Action):
+    """``quantize --plan``: one plan per run. A second ``--plan`` is refused in one line (argparse would keep
+    the last and drop the first without a word; the run would look complete)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        current = getattr(namespace, self.dest, None)
+        if current is not None:
+            parser.error(
+                f"{option_string} given twice ({current!r}, {values!r}): a quantized checkpoint holds one "
+                "plan; quantize once per plan, or compare plans with diffquant eval MODEL --plan A B"
+            )
+        setattr(namespace, self.dest, values)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -24,7 +24,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # not in diffquant.io.artifacts, which re-exports it, so the CLI's parser reads it without importing yaml).
 MODEL_FORMS = (
     "a native checkpoint folder (quantized or not), zoo:NAME, init:KIND:PRESET[:SEED], hf:FOLDER (a Hugging "
-    "Face llama / diffllama folder), gguf:FILE, unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
+    "Face Llama, DiffLlama, Qwen2, Qwen3, Mistral or Gemma 3 text folder), gguf:FILE (llama, qwen2, qwen3 "
+    "or gemma3), unilm:FOLDER or fetch:NAME (e.g. fetch:smollm2)"
 )
 
 # A plain name: what a user may call a model, a seed group, a task or a recipe (a run's default folder) where

@@ -112,7 +112,12 @@ class ProfileStage:
     tokens: int = key(16384, min=1, help="tokens to profile (default: 16384)")
     seq_len: int = key(256, min=1, help="window length (default: 256)")
     batch_size: int = key(8, min=1, help="windows per forward pass (default: 8)")
-    sites: list[str] | str = key(["*"], help="site globs or kind:NAME (default: all)")
+    sites: list[str] | str = key(
+        ["*"],
+        help="sites to profile: shell-style globs over site names such as layers.3.attn.logits1 (* any "
+        "characters, ? one, [abc] one of them: layers.3.* is layer 3, layers.*.resid every residual "
+        "stream) or kind:NAME (kind:logits); `diffquant info MODEL` counts them (default: all)",
+    )
     topk: int = key(
         DEFAULT_TOPK,
         min=1,

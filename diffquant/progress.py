@@ -42,6 +42,9 @@ from typing import IO, Any
 QUIET_ENV = "DIFFQUANT_QUIET"
 INTERVAL_ENV = "DIFFQUANT_PROGRESS_INTERVAL"
 INTERVAL = 10.0  # seconds between periodic lines (at most), and before the first one unless announced
+# The clock of every step that names none. The real one (the heartbeat thread ticks only steps that read it);
+# a test swaps in a fake clock to play a step of minutes inside a library call and calls beat() by hand.
+CLOCK: Callable[[], float] = time.monotonic
 
 _quiet: bool | None = None  # set_quiet(); None = from the environment
 
@@ -277,10 +280,18 @@ class _Step(PeriodicProgress):
 
 @contextlib.contextmanager
 def step(
-    desc: str, *, file: IO[str] | None = None, clock: Callable[[], float] = time.monotonic
+    desc: str,
+    *,
+    file: IO[str] | None = None,
+    clock: Callable[[], float] | None = None,
+    announce: bool = True,
 ) -> Iterator[None]:
     """One long step without a count, as :func:`progress` shows steps: a bar on a terminal, off one a line
-    when it starts, one every interval while it runs and one when it is done; nothing when quiet."""
+    when it starts, one every interval while it runs and one when it is done; nothing when quiet.
+
+    ``announce`` False: a step that is often short (building a tokenizer, dequantizing a small GGUF) says
+    nothing unless it runs past the interval; then ``desc: N s elapsed`` every interval and ``desc: done in
+    N s`` (no ``started`` line, so a quick step adds no noise)."""
     if is_quiet():
         yield
         return
@@ -291,7 +302,8 @@ def step(
             yield
             bar.update(1)
         return
-    with _Step(None, None, desc, "step", stream, clock=clock, interval=default_interval(), announce=True):
+    clock = clock if clock is not None else CLOCK
+    with _Step(None, None, desc, "step", stream, clock=clock, interval=default_interval(), announce=announce):
         yield
 
 
@@ -322,7 +334,7 @@ def progress(
     leave: bool = True,
     announce: bool = False,
     file: IO[str] | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] | None = None,
     interval: float | None = None,
 ):
     """Progress over ``iterable`` (or a bare count: an int, or ``total=`` with ``update()`` calls).
@@ -353,6 +365,7 @@ def progress(
         return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, file=stream, disable=False)
     if interval is None:
         interval = default_interval()
+    clock = clock if clock is not None else CLOCK
     return PeriodicProgress(
         iterable, total, desc, unit, stream, clock=clock, interval=interval, announce=announce
     )

@@ -86,7 +86,17 @@ def _check_seed_groups(recipe: dict[str, Any], source: str) -> None:
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """A recipe file, or a shipped one by name (``smollm2``; :func:`diffquant.shipped.resolve`), validated."""
     path = resolve_shipped(path, "run")
-    return validate(read_yaml(path, overrides), source=str(path))
+    recipe = validate(read_yaml(path, overrides), source=str(path))
+    # The description is the recipe's as written: after --set replaced its plans or models it may describe
+    # another experiment, so it says what was changed (what the report and the manifest then show).
+    changed = list(dict.fromkeys(item.partition("=")[0].strip() for item in overrides or []))
+    if changed and "description" not in changed:
+        note = f"--set changed {', '.join(changed)}"
+        text = str(recipe["description"] or "").strip()
+        recipe["description"] = (
+            f"{text} ({note}; the description is the recipe's as written)" if text else note
+        )
+    return recipe
 
 
 def run_recipe(

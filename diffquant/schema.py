@@ -342,6 +342,17 @@ def require_plain_name(name: Any, where: str, path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- command-line options
+class Extend(argparse.Action):
+    """``nargs="+"`` that accumulates: ``--plan a --plan b`` is ``--plan a b`` (argparse's own ``store``
+    keeps only the last, silently dropping ``a``). The default is replaced by what the first flag gives, not
+    extended (argparse's ``extend`` appends to it: ``--format svg`` would draw png too)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        current = getattr(namespace, self.dest, None)
+        given = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, given + list(values))
+
+
 def add_options(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -374,7 +385,7 @@ def add_options(
             kwargs["choices"] = meta["choices"]
         base = options[0] if options else str
         if get_origin(base) is list:
-            kwargs["nargs"] = "+"
+            kwargs["nargs"], kwargs["action"] = "+", Extend  # --sites a --sites b: both
             base = (get_args(base) or (str,))[0]
         if get_origin(base) is Literal:
             kwargs["choices"] = get_args(base)

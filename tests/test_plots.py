@@ -31,7 +31,7 @@ from diffquant.plots import (
     render_run,
 )
 from diffquant.plots.figures import HIST_LOG_RATIO, HIST_LOW_QUANTILE, Pool, hist_xlimits, plan_point
-from diffquant.plots.style import KIND_FAMILIES, MAX_WIDTH_IN, MIN_FONT_PT, save_figure
+from diffquant.plots.style import KIND_COLORS, MAX_WIDTH_IN, MIN_FONT_PT, save_figure
 
 MODELS = ("baseline", "diff_v1", "diff_v2")
 DPI = 40  # small images keep the suite fast; pixel size is checked against figsize * dpi all the same
@@ -203,14 +203,29 @@ def _pool_top(art, kind: str) -> float:
 # ------------------------------------------------------------------------------------------ colours
 def test_model_colors_fixed_per_kind_and_distinct():
     colors = model_colors([("b", "baseline"), ("d1", "diff_v1"), ("d2", "diff_v2")])
-    assert colors == {
-        n: KIND_FAMILIES[k][0] for n, k in (("b", "baseline"), ("d1", "diff_v1"), ("d2", "diff_v2"))
-    }
+    assert colors == {n: KIND_COLORS[k] for n, k in (("b", "baseline"), ("d1", "diff_v1"), ("d2", "diff_v2"))}
     # order of listing does not change the colour of the first model of a kind
     assert model_colors([("d2", "diff_v2"), ("b", "baseline")]) == {"d2": colors["d2"], "b": colors["b"]}
     many = model_colors([(f"m{i}", ["baseline", "diff_v1", "diff_v2", "other"][i % 4]) for i in range(24)])
     assert len(set(many.values())) == 24
-    assert many["m4"] in KIND_FAMILIES["baseline"] and many["m4"] != many["m0"]
+    assert many["m4"] != many["m0"]
+
+
+def _hue(color: str) -> float:
+    import colorsys
+
+    r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return colorsys.rgb_to_hsv(r, g, b)[0]
+
+
+def test_models_of_one_kind_get_hues_of_their_own():
+    """SmolLM2 and Gemma (both baseline) used to be two shades of one blue: now the second model of a kind
+    takes a hue of its own, as far from every other model's as a kind's own colour is."""
+    colors = model_colors([("smollm2", "baseline"), ("gemma3-270m", "baseline"), ("diff", "diff_v1")])
+    assert colors["smollm2"] == KIND_COLORS["baseline"] and colors["diff"] == KIND_COLORS["diff_v1"]
+    hues = [_hue(c) for c in colors.values()]
+    gaps = [min(abs(a - b), 1 - abs(a - b)) for i, a in enumerate(hues) for b in hues[i + 1 :]]
+    assert min(gaps) > 0.05, colors  # two shades of blue are ~0.02 apart in hue
 
 
 def test_import_is_light():

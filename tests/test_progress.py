@@ -357,14 +357,14 @@ def test_quiet_silences_start_lines_and_heartbeats():
         (
             "w8a8-smoothquant",
             "off",
-            ["act-scales: 0/2 batch", "static scales: 0/2 batch", "error report: 0/1 batch", "write {out}"],
+            ["act-scales: 0/2 batch", "calibrate: 0/4 stage", "error report: 0/1 batch", "write {out}"],
         ),
         ("w4a8-gptq", "on", ["quantize m streamed: 0/4 stage"]),
     ],
 )
 def test_quantize_says_when_each_long_step_starts(plan, stream, starts, tmp_path, capsys):
     """``quantize`` with progress on and stderr not a terminal: a start line for each long step (smoothing's
-    act-scales, the static scales, the error report, writing; the streamed run's stages), all on stderr, in
+    act-scales, the calibration's stages, the error report, writing; the streamed run's stages), all on stderr, in
     order; ``--quiet`` prints none of them."""
     model = tmp_path / "m"
     assert main(["init", "--kind", "diff_v1", "--preset", "tiny", str(model)]) == 0

@@ -466,15 +466,28 @@ def test_numbers_in_one_format_per_column():
     assert format_column([0, 12, 1200]) == ["0", "12", "1,200"]
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium is not installed")
-def test_report_renders_headless(tmp_path, mc_file):
-    """A small synthetic report, screenshotted by headless Chromium: a PNG comes out and is not blank."""
-    import matplotlib.image as mpimg
+# What a reader's browser sees, measured in the page once it has loaded (every image decoded): the figures
+# (decoded, drawn at a readable width, inside the window), the page's own width against the window's (no
+# horizontal scrolling), and every link (an in-page anchor whose target exists).
+_READER_CHECK = """<script>
+window.addEventListener("load", () => {
+  const root = document.documentElement, imgs = [...document.images];
+  const name = (i) => (i.closest("figure") || i).id || i.alt.slice(0, 40);
+  const hrefs = [...document.querySelectorAll("a[href]")].map((a) => a.getAttribute("href"));
+  document.body.dataset.reader = JSON.stringify({
+    images: imgs.length,
+    undecoded: imgs.filter((i) => !(i.complete && i.naturalWidth > 0)).map(name),
+    narrow: imgs.filter((i) => i.getBoundingClientRect().width < 300).map(name),
+    outside: imgs.filter((i) => i.getBoundingClientRect().right > root.clientWidth + 1).map(name),
+    page: root.scrollWidth, window: root.clientWidth,
+    links: hrefs.length,
+    dead: hrefs.filter((h) => !h.startsWith("#") || !document.getElementById(decodeURIComponent(h.slice(1)))),
+  });
+});
+</script>"""
 
-    t5 = {"A": {"table5": {"hidden states": _t5_row(12.0, {"site": "layers.0.resid", "layer": 0, "pos": 1})}}}
-    tasks = {**_bpb((1.0, 1.01, 1.2), (1.1, 1.13, 1.5)), **_mc(mc_file, {"A": (0.3, 0.04), "B": (0.6, 0.04)})}
-    _, page = write_report(_synthetic_run(tmp_path, tasks, table5=t5), figures=[])
-    shot = tmp_path / "shot.png"
+
+def _chromium(page, tmp_path, *args: str) -> subprocess.CompletedProcess:
     cmd = [
         "chromium",
         "--headless",
@@ -484,18 +497,57 @@ def test_report_renders_headless(tmp_path, mc_file):
         "--disable-component-update",
         "--disable-sync",
         "--no-first-run",
+        "--hide-scrollbars",
         f"--user-data-dir={tmp_path / 'ud'}",
-        f"--screenshot={shot}",
         "--window-size=1000,1400",
+        *args,
         page.as_uri(),
     ]
-    subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium is not installed")
+def test_report_renders_headless(run, tmp_path):
+    """The report of a real (tiny) run, opened by headless Chromium in a 1000 px window, as a reader sees it:
+    every figure decodes and is drawn at least 300 px wide inside the window, the page needs no horizontal
+    scrolling, every link is an in-page anchor that lands on an element; the screenshot is a light page with
+    text and figures (not blank, not an error page). .ci/run installs Chromium, so this runs in CI."""
+    import html
+
+    import matplotlib.image as mpimg
+
+    _, page = write_report(run)
+    figures = len(json.loads((run / "figures" / "figures.json").read_text())["figures"])
+    assert figures >= 5  # histograms, per-layer views, maps, degradation, lambda
+    checked = tmp_path / "report.html"
+    checked.write_text(page.read_text().replace("</body>", _READER_CHECK + "</body>"))
+    dom = _chromium(checked, tmp_path, "--virtual-time-budget=20000", "--dump-dom")
+    found = re.search(r'data-reader="([^"]*)"', dom.stdout)
+    assert found, f"the check did not run: {dom.stderr[-2000:]}"
+    seen = json.loads(html.unescape(found[1]))
+    assert seen["images"] == figures and seen["undecoded"] == []
+    assert seen["narrow"] == [] and seen["outside"] == []
+    assert seen["page"] <= seen["window"], seen  # no horizontal scrolling
+    assert seen["links"] >= figures and seen["dead"] == []  # the contents and the figure index
+
+    shot = tmp_path / "shot.png"
+    _chromium(page, tmp_path, "--virtual-time-budget=20000", f"--screenshot={shot}")
     assert shot.exists() and shot.stat().st_size > 10_000
     pixels = mpimg.imread(shot)[..., :3]
     assert pixels.shape[:2] == (1400, 1000)
     assert pixels.std() > 0.05  # not a blank page
     dark = (pixels.mean(axis=-1) < 0.5).mean()
     assert 0.005 < dark < 0.5  # text on a light page
+    # the figures as drawn on screen (a copy showing only them: headless Chromium does not scroll to an
+    # anchor before its screenshot): the models' coloured curves are there, not empty frames
+    only = tmp_path / "figures.html"
+    only.write_text(
+        page.read_text().replace("<body>", "<body><style>body>*:not(figure){display:none}</style>", 1)
+    )
+    _chromium(only, tmp_path, "--virtual-time-budget=20000", f"--screenshot={shot}")
+    pixels = mpimg.imread(shot)[..., :3]
+    coloured = (pixels.max(axis=-1) - pixels.min(axis=-1) > 0.3).mean()
+    assert coloured > 0.002, coloured  # the blue / orange / green of the three models
 
 
 def test_noise_between_results_of_different_sample_sizes_pools_by_items(tmp_path):

@@ -109,8 +109,8 @@ MUTANTS = [
     M(
         "asymmetric scale: subnormal step kept",
         "diffquant/formats.py",
-        "scale = torch.where(scale >= _MIN_NORMAL, scale, torch.ones_like(scale))\n    zero_point",
-        "scale = torch.where(scale > 0, scale, torch.ones_like(scale))\n    zero_point",
+        "    usable = scale >= _MIN_NORMAL if flush_subnormal else scale > 0",
+        "    usable = scale > 0",
         ("tests/test_formats.py",),
     ),
     M(
@@ -246,8 +246,8 @@ MUTANTS = [
     M(
         "degradation curves plot the unquantized value at every bit width",
         "diffquant/plots/degradation.py",
-        '(bits, value[(name, plan)]["value"])',
-        '(bits, value[(name, "none")]["value"])',
+        '(bits, value[(name, plan)]["value"], intervals.get((name, plan)))',
+        '(bits, value[(name, "none")]["value"], intervals.get((name, plan)))',
         ("tests/test_plots.py::test_degradation_plots_the_results",),
     ),
     M(
@@ -424,7 +424,7 @@ MUTANTS = [
     M(
         "gguf: block_count checked only when the tensors open",
         "diffquant/io/convert_gguf.py",
-        '    check_layer_count(config.n_layers, names, GGUF_LAYER_PATTERN, f"{source} (llama.block_count)")\n',
+        '    check_layer_count(config.n_layers, names, GGUF_LAYER_PATTERN, f"{source} ({prefix}block_count)")\n',
         "",
         ("tests/test_gguf.py::test_block_count_beyond_the_tensors_is_refused_before_any_layer_is_built",),
     ),
@@ -636,8 +636,8 @@ MUTANTS = [
     M(
         "SDPA causal top-left when q_len < k_len",
         "diffquant/models/attention.py",
-        "        if t == s:\n            causal = t > 1",
-        "        if t <= s:\n            causal = t > 1",
+        "        elif t == s:\n            causal = t > 1",
+        "        elif t <= s:\n            causal = t > 1",
         (
             "tests/test_attention_reference.py::test_cached_chunks_with_fewer_queries_than_keys_match_brute_force",
         ),
@@ -844,7 +844,7 @@ MUTANTS = [
     M(
         "train takes no lock",
         "diffquant/cli.py",
-        "    with lock_folder(cfg.out):",
+        "    with lock_folder(cfg.out_folder):",
         "    with open(__file__):",
         ("tests/test_train.py::test_a_second_train_into_a_folder_in_use_is_refused",),
     ),
@@ -1163,22 +1163,22 @@ MUTANTS = [
     M(
         "hqq-init-round-zero",
         "diffquant/quant/hqq.py",
-        "zeros.append(-lo / scale)",
-        "zeros.append(torch.round(-lo / scale))",
+        'scale, zero = minmax_params(lo, hi, maxq, include_zero=False, zero="float")',
+        'scale, zero = minmax_params(lo, hi, maxq, include_zero=False, zero="int")',
         ("tests/test_hqq.py::test_matches_quanto_hqq_optimizer",),
     ),
     M(
         "hqq-init-include-zero",
         "diffquant/quant/hqq.py",
-        "lo = view.amin(dim=1, keepdim=True)",
-        "lo = torch.clamp(view.amin(dim=1, keepdim=True), max=0)",
+        'scale, zero = minmax_params(lo, hi, maxq, include_zero=False, zero="float")',
+        'scale, zero = minmax_params(lo, hi, maxq, include_zero=True, zero="float")',
         ("tests/test_hqq.py::test_matches_quanto_hqq_optimizer",),
     ),
     M(
         "hqq-scale-levels",
         "diffquant/quant/hqq.py",
-        "scale = (hi - lo) / maxq",
-        "scale = (hi - lo) / (maxq + 1)",
+        'scale, zero = minmax_params(lo, hi, maxq, include_zero=False, zero="float")',
+        'scale, zero = minmax_params(lo, hi, maxq + 1, include_zero=False, zero="float")',
         ("tests/test_hqq.py::test_matches_quanto_hqq_optimizer",),
     ),
     M(
@@ -1307,8 +1307,8 @@ MUTANTS = [
     M(
         "noise_windows_branch",
         "diffquant/report/summary.py",
-        "                if windows:  # bpb / ppl: the spread of the run",
-        "                if not windows:  # bpb / ppl: the spread of the run",
+        "            if windows:  # bpb / ppl without per-window tallies",
+        "            if not windows:  # bpb / ppl without per-window tallies",
         ("tests/test_report.py::test_summary_uses_the_spread_of_the_windows_for_bits_per_byte",),
     ),
     M(
@@ -1512,7 +1512,7 @@ MUTANTS = [
     M(
         "topk default unstated",
         "diffquant/options.py",
-        "(default: 100; at most {MAX_TOPK})",
+        "(default: {DEFAULT_TOPK}; at most {MAX_TOPK})",
         "(at most {MAX_TOPK})",
         ("tests/test_cli_help.py::test_profile_topk_help_shows_its_default",),
     ),
@@ -1837,8 +1837,8 @@ MUTANTS = [
     M(
         "kv-levels",
         "diffquant/quant/kv_cache.py",
-        "    scale = stored((hi - lo) / (2**bits - 1))",
-        "    scale = stored((hi - lo) / (2**bits))",
+        "g.amax(-1), 2**bits - 1, include_zero=False",
+        "g.amax(-1), 2**bits, include_zero=False",
         ("tests/test_kv_cache.py::test_groups_follow_the_min_max_definition",),
     ),
     M(
@@ -3853,6 +3853,46 @@ MUTANTS = [
         'raise _error(where, style.renamed(f"{prefix}{name}", renamed[name]))',
         'raise _error(where, style.renamed(f"{prefix}{name}", name))',
         ("tests/test_plan_keys.py::test_an_old_spelling_is_refused_naming_the_new_one",),
+    ),
+    M(
+        "repeated flags: the default accumulated into (--format svg draws png too)",
+        "diffquant/schema.py",
+        "        given = [] if current is None or current is self.default else list(current)\n",
+        "        given = [] if current is None else list(current)\n",
+        ("tests/test_cli_lists.py::test_repeated_flags_accumulate_and_replace_the_default",),
+    ),
+    M(
+        "repeated flags: --plan a --plan b keeps b alone (a dropped silently)",
+        "diffquant/schema.py",
+        "        setattr(namespace, self.dest, given + list(values))\n",
+        "        setattr(namespace, self.dest, list(values))\n",
+        (
+            "tests/test_cli_lists.py::test_repeated_flags_accumulate_and_replace_the_default",
+            "tests/test_cli_lists.py::test_eval_runs_every_plan_and_task_of_repeated_flags",
+        ),
+    ),
+    M(
+        "GGUF tokenizer: rebuilt at every header read (Gemma's 262k pieces, four times for `info`)",
+        "diffquant/io/convert_gguf.py",
+        "    tokenizer = _TOKENIZERS.pop(cache_key, None)\n",
+        "    tokenizer = None\n",
+        (
+            "tests/test_progress_steps.py::test_a_gguf_load_says_when_dequantizing_and_the_tokenizer_take_long",
+        ),
+    ),
+    M(
+        "sink probe: its batches run without progress (~17 s per real model, silent)",
+        "diffquant/profile/sinks.py",
+        '            for start in progress(range(0, windows.shape[0], batch_size), desc, "batch", leave=False):\n',
+        "            for start in range(0, windows.shape[0], batch_size):\n",
+        ("tests/test_progress_steps.py::test_the_sink_probe_reports_its_batches",),
+    ),
+    M(
+        "table5.json: a --sites subset not recorded (a layers-3-5 table reads as the whole model's)",
+        "diffquant/profile/runner.py",
+        '{"tokens": first["tokens"], "data": data, "sites": chosen, "models": summaries}',
+        '{"tokens": first["tokens"], "data": data, "models": summaries}',
+        ("tests/test_cli_lists.py::test_a_sites_subset_is_recorded_in_the_table5_view_and_json",),
     ),
 ]
 

@@ -61,8 +61,10 @@ def assemble(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     optional: frozenset[str] = frozenset(),
+    desc: str = "load",
 ) -> DecoderLM:
     """Build ``config`` on the meta device and assign each source tensor (re-laid out, cast) in place.
+    ``desc`` names the step in progress lines (``load FILE.gguf: dequantize``).
 
     ``key_map`` maps native keys to source keys; every source tensor must be used, except RoPE buffers and
     the source keys in ``optional`` (e.g. an untied LM head in a tied checkpoint). Keys, shapes and dtypes
@@ -73,8 +75,9 @@ def assemble(
         model = DecoderLM(config)
     dtype = check_source(model, source, key_map, dtype, optional)
     state: dict[str, torch.Tensor] = {}
-    # Reading (and for GGUF dequantizing) a large checkpoint takes a while: periodic lines after 5 s.
-    for native, src in show_progress(list(key_map.items()), "load", "tensor"):
+    # Reading (and for GGUF dequantizing) a large checkpoint takes a while: a line every progress interval
+    # once it runs past one (the heartbeat speaks during one long tensor too).
+    for native, src in show_progress(list(key_map.items()), desc, "tensor"):
         tensor = source.get(src)
         if native in transforms:
             tensor = transforms[native](tensor)

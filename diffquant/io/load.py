@@ -44,7 +44,8 @@ def load_model(
 ) -> DecoderLM:
     """Load a model from a specifier: a native checkpoint folder (quantized or not), ``zoo:NAME`` (the
     models shipped with diffquant), ``init:KIND:PRESET[:SEED]`` (a randomly initialised model),
-    ``hf:PATH`` (a local Hugging Face llama / diffllama folder), ``gguf:FILE`` (a llama GGUF file),
+    ``hf:PATH`` (a local Hugging Face Llama, DiffLlama, Qwen2, Qwen3, Mistral or Gemma 3 text folder),
+    ``gguf:FILE`` (a llama, qwen2, qwen3 or gemma3 GGUF file),
     ``fetch:NAME`` (a real checkpoint downloaded into the cache on first use, e.g. ``fetch:smollm2``) or
     ``unilm:PATH`` (a unilm-layout decoder).
 

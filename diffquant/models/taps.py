@@ -10,12 +10,13 @@ entries that never reach the softmax.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from diffquant.errors import DiffquantError
+from diffquant.errors import DiffquantError, did_you_mean
 from diffquant.models.sites import MAP_KINDS, SITE_KINDS  # noqa: F401 (the table is models.sites)
 
 
@@ -48,6 +49,13 @@ def model_taps(model: nn.Module) -> dict[str, Tap]:
     return {name: module for name, module in model.named_modules() if isinstance(module, Tap)}
 
 
+def _site_choices(taps: dict[str, Tap]) -> list[str]:
+    """What a mistyped site pattern is compared with: the site names, each with its layer as ``*``
+    (``layers.*.attn.q``), and ``kind:NAME`` for each kind."""
+    layered = [re.sub(r"^layers\.\d+\.", "layers.*.", name) for name in taps]
+    return [*taps, *layered, *(f"kind:{t.kind}" for t in taps.values())]
+
+
 def select_taps(model: nn.Module, patterns: str | Iterable[str]) -> dict[str, Tap]:
     """Taps whose site name matches any glob in ``patterns`` (``*`` for all, ``kind:logits`` by kind).
 
@@ -66,9 +74,11 @@ def select_taps(model: nn.Module, patterns: str | Iterable[str]) -> dict[str, Ta
             hits = {n: t for n, t in taps.items() if fnmatch.fnmatchcase(n, pattern)}
         if not hits:
             kinds = sorted({t.kind for t in taps.values()}, key=SITE_KINDS.index)
+            hint = did_you_mean(pattern, _site_choices(taps))
             raise DiffquantError(
                 f"site pattern {pattern!r} matches no site; this model's site kinds: {', '.join(kinds)} "
-                f"(names look like {next(iter(taps), '?')!r}; use 'kind:NAME' to select by kind)"
+                f"(names look like {next(iter(taps), '?')!r}; a pattern is a glob over site names, * any "
+                f"characters, ? one, [abc] one of them; 'kind:NAME' selects by kind){'; ' + hint if hint else ''}"
             )
         chosen.update(hits)
     return {n: taps[n] for n in taps if n in chosen}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from diffquant import __version__
-from diffquant.errors import DiffquantError
+from diffquant.errors import DiffquantError, did_you_mean
 from diffquant.io.artifacts import write_json_atomic
 from diffquant.plots.artifacts import (  # noqa: F401 (old import path)
     RunArtifacts,
@@ -41,7 +41,7 @@ from diffquant.plots.layers import fig_lambda, fig_layerwise, lambda_summaries
 from diffquant.plots.maps import fig_attention_maps
 from diffquant.plots.style import DEFAULT_DPI, FORMATS, safe_name, save_figure
 from diffquant.profile.sites import layer_of
-from diffquant.progress import is_quiet, write
+from diffquant.progress import is_quiet, progress, write
 
 LAYERWISE_KINDS = ("resid", "logits")
 FIGURES_DIR = "figures"
@@ -95,6 +95,28 @@ class FigureContext:
     layer: int | None
     head: int
     linear: str | None = None  # the act-scales figure's Linear (None: the one with the largest act scale)
+    layers: tuple[int, ...] | None = None  # the per-layer figures' layers (None: every layer)
+
+    @property
+    def layer_profiles(self) -> dict[str, Any]:
+        """The profiles the per-layer figures draw (hist-layers, layerwise, lambda): only the sites and
+        attention metrics of ``layers`` when it is set, else the whole profiles."""
+        if self.layers is None:
+            return self.art.profiles
+        keep = set(self.layers)
+        return {
+            name: type(p)(
+                sites={n: s for n, s in p.sites.items() if layer_of(n) in keep},
+                attention={k: v for k, v in p.attention.items() if layer_of(k) in keep},
+                meta=p.meta,
+            )
+            for name, p in self.art.profiles.items()
+        }
+
+    @property
+    def layers_note(self) -> str:
+        """What a per-layer figure's caption adds when ``layers`` chose a subset."""
+        return "" if self.layers is None else f" Layers {format_layers(self.layers)} only (--layers)."
 
     @property
     def present(self) -> list[str]:
@@ -128,16 +150,17 @@ def draw_hist(ctx: FigureContext) -> Iterator[Drawn]:
 
 
 def draw_hist_layers(ctx: FigureContext) -> Iterator[Drawn]:
+    profiles = ctx.layer_profiles
     for kind in ctx.present:
         try:
-            fig = fig_histograms(ctx.art.profiles, kind, per_layer=True, colors=ctx.colors)
+            fig = fig_histograms(profiles, kind, per_layer=True, colors=ctx.colors)
         except DiffquantError:  # only non-layer sites of this kind (e.g. lm_head.input)
             continue
         yield Drawn(
             f"hist-layers-{kind}",
             fig,
             f"Histograms of |x| of {KIND_TITLES[kind]} ({kind}) per layer (sites of the layer pooled), "
-            f"models overlaid; markers as in hist-{kind}.",
+            f"models overlaid; markers as in hist-{kind}.{ctx.layers_note}",
             f"Histograms of |x| per layer: {KIND_TITLES[kind]}",
         )
 
@@ -148,14 +171,14 @@ def draw_layerwise(ctx: FigureContext) -> Iterator[Drawn]:
         if kind not in present:
             continue
         try:
-            fig = fig_layerwise(ctx.art.profiles, kind, colors=ctx.colors)
+            fig = fig_layerwise(ctx.layer_profiles, kind, colors=ctx.colors)
         except DiffquantError:  # no per-layer site of this kind
             continue
         yield Drawn(
             f"layerwise-{kind}",
             fig,
             f"Top-1/2/3 and median |x| of {KIND_TITLES[kind]} per layer, per model (log scale; "
-            f"massive-activation view, Sun et al. 2024).",
+            f"massive-activation view, Sun et al. 2024).{ctx.layers_note}",
             f"Largest and median |x| per layer: {KIND_TITLES[kind]}",
         )
 
@@ -230,14 +253,14 @@ def draw_act_scales(ctx: FigureContext) -> Iterator[Drawn]:
 
 
 def draw_lambda(ctx: FigureContext) -> Iterator[Drawn]:
-    profiles = ctx.art.profiles
+    profiles = ctx.layer_profiles
     if not any(lambda_summaries(p) for p in profiles.values()):
         return
     yield Drawn(
         "lambda",
         fig_lambda(profiles, colors=ctx.colors),
         "λ per layer for each DIFF model (V1: the learned scalar; V2: mean of sigmoid(Wx) over tokens and "
-        "heads, band = min..max) and, for DIFF V2, per head (mean ± std, min..max).",
+        f"heads, band = min..max) and, for DIFF V2, per head (mean ± std, min..max).{ctx.layers_note}",
         "λ per layer and per head",
     )
 
@@ -256,13 +279,53 @@ FAMILIES = tuple(FIGURES)
 
 
 # ------------------------------------------------------------------------------------------ rendering
+LAYERS_FORMAT = "layer numbers and ranges, e.g. 3-5 or 0,4,8-11"
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``--layers`` text (``3-5``, ``0,4,8-11``) as sorted layer numbers; anything else is one line."""
+    layers: set[int] = set()
+    for part in str(text).split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise DiffquantError(f"--layers {text!r}: expected {LAYERS_FORMAT}")
+        layers.update(range(int(low), int(high if dash else low) + 1))
+    return tuple(sorted(layers))
+
+
+def format_layers(layers: Iterable[int]) -> str:
+    """Layer numbers as ranges: (3, 4, 5, 9) -> '3-5, 9'."""
+    runs: list[list[int]] = []
+    for layer in sorted(set(layers)):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _check_layers(layers: Iterable[int] | str | None, profiles: dict[str, Any]) -> tuple[int, ...] | None:
+    """``layers`` (numbers, or ``--layers`` text) checked against the layers the profiles hold."""
+    if layers is None:
+        return None
+    chosen = parse_layers(layers) if isinstance(layers, str) else tuple(sorted(set(layers)))
+    held = sorted({lay for p in profiles.values() for n in p.sites if (lay := layer_of(n)) is not None})
+    if not chosen or not held or not set(chosen) & set(held):
+        where = f"the profiles hold layers {format_layers(held)}" if held else "the run holds no profile"
+        raise DiffquantError(f"--layers {format_layers(chosen) or repr(layers)}: {where}")
+    return chosen
+
+
 def _check_what(what: Iterable[str] | str | None) -> tuple[str, ...]:
     if what is None:
         return FAMILIES
     chosen = [what] if isinstance(what, str) else list(what)
     unknown = [w for w in chosen if w not in FAMILIES]
     if unknown:
-        raise DiffquantError(f"unknown figure {unknown[0]!r}; valid: {', '.join(FAMILIES)}")
+        hint = did_you_mean(unknown[0], FAMILIES)
+        raise DiffquantError(
+            f"unknown figure {unknown[0]!r}; {hint + ' ' if hint else ''}valid: {', '.join(FAMILIES)}"
+        )
     return tuple(w for w in FAMILIES if w in chosen)
 
 
@@ -366,6 +429,7 @@ def render_run(
     linear: str | None = None,
     reuse: bool = False,
     command: str = "plot",
+    layers: Iterable[int] | str | None = None,
 ) -> list[FigureRecord]:
     """Draw every applicable figure of ``run_dir`` into RUN/figures/NAME.FMT and return their records.
 
@@ -382,7 +446,12 @@ def render_run(
             artifacts (same files, sizes and mtimes, same diffquant version) at this dpi in these formats,
             whatever layer / head / linear they were drawn with (a report keeps what ``plot`` drew);
             redraw the others.
-        command: the name progress lines start with (``plot: hist: drawing``, one as each family starts).
+        command: the name progress lines start with (``plot: hist: drawing``, one as each family starts;
+            within a family a line every progress interval while its figures take longer, naming the last
+            figure written).
+        layers: the layers of the per-layer figures (hist-layers, layerwise, lambda): layer numbers or
+            ``--layers`` text (``3-5``, ``0,4,8-11``); None = every layer. Layers no profile holds are an
+            error naming the ones it does.
     """
     families = _check_what(what)
     formats = _check_formats(formats)
@@ -393,11 +462,22 @@ def render_run(
         kept = [r for f in families for r in current[f]]
         _say(f"{command}: {len(kept)} figures current (drawn from these artifacts at {dpi} dpi), reused")
         return kept
+    if isinstance(layers, str):
+        parse_layers(layers)  # malformed text is refused before the run is read
     art = load_run(run_dir, maps="maps" in families and "maps" not in current)
     if linear is not None and "act-scales" in families:
         resolve_act_site(art.profiles, linear)  # a bad name is refused before any figure is drawn
+    chosen_layers = _check_layers(layers, art.profiles)
     out = art.run_dir / FIGURES_DIR
-    ctx = FigureContext(art, art.colors(), strict=what is not None, layer=layer, head=head, linear=linear)
+    ctx = FigureContext(
+        art,
+        art.colors(),
+        strict=what is not None,
+        layer=layer,
+        head=head,
+        linear=linear,
+        layers=chosen_layers,
+    )
     records: list[FigureRecord] = []
     produced: set[str] = set()
     stamps: dict[str, dict[str, Any]] = {}
@@ -411,11 +491,16 @@ def render_run(
             _say(f"{command}: {family}: {len(current[family])} figures current, reused ({where})")
             continue
         _say(f"{command}: {family}: drawing ({where})")
-        for drawn in FIGURES[family](ctx):
-            paths = save_figure(drawn.figure, out, drawn.name, formats, dpi)
-            drawn.figure.clear()  # release the artists now; a long run draws dozens of figures
-            records.append(FigureRecord(drawn.name, tuple(paths), drawn.caption, family, drawn.title))
-            produced.add(family)
+        # A family of a 30-layer model's figures takes minutes: a line every interval while it draws
+        # (the heartbeat speaks during one long figure too), with the last figure written.
+        with progress(desc=f"{command}: {family}", unit="figure", leave=False) as drawing:
+            for drawn in FIGURES[family](ctx):
+                paths = save_figure(drawn.figure, out, drawn.name, formats, dpi)
+                drawn.figure.clear()  # release the artists now; a long run draws dozens of figures
+                records.append(FigureRecord(drawn.name, tuple(paths), drawn.caption, family, drawn.title))
+                produced.add(family)
+                drawing.set_postfix_str(f"last {drawn.name}")
+                drawing.update(1)
         stamps[family] = {"inputs": stamp, "formats": list(formats), "dpi": dpi}
     if what is not None:
         missing = [f for f in families if f not in produced]

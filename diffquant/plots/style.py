@@ -21,16 +21,12 @@ from diffquant.models.config import ATTENTION_LABELS
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-# Hue family per attention kind: the first model of a kind gets the first shade, so runs with one model
-# per kind always show baseline blue, DIFF V1 orange, DIFF V2 green (colour-blind-safe hues, after the
-# seaborn "colorblind" palette); later models of the same kind get the further shades of their family.
-KIND_FAMILIES: dict[str, tuple[str, ...]] = {
-    "baseline": ("#0173B2", "#56B4E9", "#023E68"),
-    "diff_v1": ("#DE8F05", "#F0C571", "#8C5A00"),
-    "diff_v2": ("#029E73", "#7FD3B5", "#005E44"),
-}
-# Models of other kinds, or beyond a family's shades, take these in order (none repeats a family hue).
-EXTRA_COLORS = ("#CC78BC", "#CA9161", "#949494", "#D55E00", "#FBAFE4", "#ECE133", "#7F3C8D", "#E73F74")
+# One colour per model, never two shades of one hue: the first model of an attention kind takes its kind's
+# colour, so runs with one model per kind always show baseline blue, DIFF V1 orange, DIFF V2 green
+# (colour-blind-safe hues, after the seaborn "colorblind" palette); every other model (a second baseline:
+# SmolLM2 beside Gemma; a rival kind) takes the next of EXTRA_COLORS, hues of their own.
+KIND_COLORS: dict[str, str] = {"baseline": "#0173B2", "diff_v1": "#DE8F05", "diff_v2": "#029E73"}
+EXTRA_COLORS = ("#CC78BC", "#CA9161", "#D55E00", "#949494", "#ECE133", "#7F3C8D", "#E73F74", "#56B4E9")
 KIND_LABELS = ATTENTION_LABELS  # the attention-kind table of models/config.py
 
 FORMATS = ("png", "svg", "pdf")
@@ -100,24 +96,21 @@ def style_context():
 def model_colors(models: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Stable colour per model name from (name, attention kind) pairs, in the given order.
 
-    The attention kind picks the hue family (baseline blue, DIFF V1 orange, DIFF V2 green); the n-th model
-    of a kind takes the family's n-th shade; unknown kinds and models beyond a family's shades take
-    :data:`EXTRA_COLORS` in order. A name listed twice keeps its first colour.
+    The first model of a kind takes :data:`KIND_COLORS`' colour for it (baseline blue, DIFF V1 orange, DIFF
+    V2 green); every other model takes the next of :data:`EXTRA_COLORS` (then evenly spread hues), so no two
+    models share a hue. A name listed twice keeps its first colour.
     """
     colors: dict[str, str] = {}
-    used_per_kind: dict[str, int] = {}
     extra = 0
     for name, kind in models:
         if name in colors:
             continue
-        family = KIND_FAMILIES.get(kind, ())
-        n = used_per_kind.get(kind, 0)
-        used_per_kind[kind] = n + 1
-        if n < len(family) and family[n] not in colors.values():
-            colors[name] = family[n]
+        own = KIND_COLORS.get(kind)
+        if own is not None and own not in colors.values():
+            colors[name] = own
             continue
         color = _extra_color(extra)
-        while color in colors.values() or any(color in f for f in KIND_FAMILIES.values()):
+        while color in colors.values() or color in KIND_COLORS.values():
             extra += 1
             color = _extra_color(extra)
         colors[name] = color

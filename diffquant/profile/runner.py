@@ -30,6 +30,7 @@ from diffquant.profile.sinks import (
 )
 from diffquant.profile.tables import format_table5, layerwise, table5
 from diffquant.progress import progress as show_progress
+from diffquant.progress import step as show_step
 from diffquant.textfiles import write_json_atomic, write_text_atomic
 
 # (windows, (rank, world)) -> (the profile of that rank's batches, attention paths): a streamed profile.
@@ -227,7 +228,9 @@ def profile_stage(
         if profile is None:
             continue
         if sink_rate and attention is not False and name not in streamed:
-            profile.meta["sink_rate"] = sink_probe(model, data, tokenizer, batch_size)
+            profile.meta["sink_rate"] = sink_probe(
+                model, data, tokenizer, batch_size, desc=f"{name}: sink probe"
+            )
         profile.meta.update(
             model=name,
             checkpoint=str(spec),
@@ -237,7 +240,9 @@ def profile_stage(
             attention_paths=paths,
             **counts[name],
         )
-        write_text_atomic(out / "profile" / f"{name}.json", profile_json(profile))
+        # ~15 s for two real models' every-site profiles (the JSON text is built in Python): a line then
+        with show_step(f"{name}: write {out / 'profile' / name}.json", announce=False):
+            write_text_atomic(out / "profile" / f"{name}.json", profile_json(profile))
         if name in streamed:
             print(
                 f"diffquant: profile {name}: streamed; attention maps not captured (they need the whole model)",
@@ -277,15 +282,23 @@ def profile_stage(
             )
             + f"; windows of {seq_len})"
         )
+    chosen = [sites] if isinstance(sites, str) else list(sites)
+    if chosen != ["*"]:  # a subset reads as the whole model unless the view says which sites it covers
+        what += f" at only the sites matching {' '.join(chosen)} ({key_name('sites')})"
     header = f"Table 5 view: k-th largest |x| and median |x| over {what} from {data}"
     sinks = format_sink_rates({n: s.get("sink_rate") for n, s in summaries.items()})
     text = "\n".join([format_table5(tables), *sinks])
     write_text_atomic(out / "table5.txt", header + "\n" + text + "\n")
-    write_json_atomic(out / "table5.json", {"tokens": first["tokens"], "data": data, "models": summaries})
+    write_json_atomic(
+        out / "table5.json",
+        {"tokens": first["tokens"], "data": data, "sites": chosen, "models": summaries},
+    )
     return header, text, first["tokens"]
 
 
-def sink_probe(model: DecoderLM, data: str, tokenizer, batch_size: int = 8) -> dict | None:
+def sink_probe(
+    model: DecoderLM, data: str, tokenizer, batch_size: int = 8, desc: str = "sink probe"
+) -> dict | None:
     """Gu et al.'s attention-sink rate (:mod:`diffquant.profile.sinks`) on their probe: the first 100 disjoint
     64-token sequences of ``data`` (shorter when the model's context is) as the model reads text, a BOS first
     when its tokenizer adds one; None when the text has none. The summary's ``first_token`` says which."""
@@ -298,7 +311,7 @@ def sink_probe(model: DecoderLM, data: str, tokenizer, batch_size: int = 8) -> d
         windows = torch.cat([torch.full((windows.shape[0], 1), bos, dtype=windows.dtype), windows], dim=1)
     device = next(model.parameters()).device
     with _logits_skipped(model):
-        stats = sink_rates(model, windows.to(device), batch_size=max(batch_size, 16))
+        stats = sink_rates(model, windows.to(device), batch_size=max(batch_size, 16), desc=desc)
     summary = sink_rate_summary(stats)
     if summary is not None:
         summary["first_token"] = "text" if bos is None else "bos"

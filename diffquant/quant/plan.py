@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from diffquant.errors import DiffquantError
+from diffquant.errors import DiffquantError, did_you_mean
 from diffquant.quant.backends.bnb import BNB_BLOCKSIZES, BNB_MODES
 from diffquant.quant.backends.quanto import QUANTO_ACTIVATIONS, QUANTO_WEIGHTS
 from diffquant.quant.kv_cache import KVCacheSpec
@@ -248,6 +248,12 @@ class QuantPlan:
         if not path.exists() or path.is_dir():  # a FIFO or a device is refused by the bounded reader
             path = shipped_file(text, "plan")
         if path is None:
+            hint = did_you_mean(text, [*PRESETS, *shipped_names("plan")])
+            if hint:  # a typo: the closest names, not the list of every preset
+                raise DiffquantError(
+                    f"plan {text!r}: neither a preset nor a file; {hint} (`diffquant presets` and "
+                    "`diffquant recipes` list them)"
+                )
             raise DiffquantError(
                 f"plan {text!r}: neither a preset nor a file; presets: {', '.join(sorted(PRESETS))}; "
                 f"shipped plans: {', '.join(shipped_names('plan'))}"

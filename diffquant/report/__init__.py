@@ -438,6 +438,7 @@ table{border-collapse:collapse;margin:.5em 0 1.5em;font-variant-numeric:tabular-
 td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}
 td:first-child,th:first-child,td.t{text-align:left}caption{text-align:left;font-weight:600;padding:.2em 0}
 figure{margin:1.5em 0}img{max-width:100%;height:auto}figcaption{font-style:italic;color:#555}
+.wide{overflow-x:auto;max-width:100%}th{overflow-wrap:anywhere}
 pre{background:#f6f6f6;border:1px solid #ddd;padding:.7em;overflow-x:auto;font-size:13px;line-height:1.35}
 .command code{font-size:15px;background:#f3f3f3;padding:.1em .3em}
 nav{background:#fafafa;border:1px solid #ddd;padding:.5em 1em;margin:1em 0}
@@ -477,7 +478,9 @@ def to_html(sections: list[Section], figures: list[Any] | None = None) -> str:
         for caption, text in sec.blocks:
             parts.append(f"<p><b>{_inline(caption)}</b></p><pre>{html.escape(text)}</pre>")
         for caption, header, rows in sec.tables:
-            parts.append(f"<table><caption>{html.escape(caption)}</caption><tr>")
+            # a table wider than the window (a column per model and statistic) scrolls in its own box, so
+            # the page never scrolls sideways (tests/test_report.py opens it in Chromium)
+            parts.append(f"<div class='wide'><table><caption>{html.escape(caption)}</caption><tr>")
             parts.append("".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
             text = [not all(_NUMERIC.match(r[i]) for r in rows if i < len(r)) for i in range(len(header))]
             for row in rows:
@@ -486,7 +489,7 @@ def to_html(sections: list[Section], figures: list[Any] | None = None) -> str:
                     for c, t in zip(row, text, strict=False)
                 )
                 parts.append("<tr>" + "".join(cells) + "</tr>")
-            parts.append("</table>")
+            parts.append("</table></div>")
         for caption, path, anchor in sec.figures:
             data = base64.b64encode(path.read_bytes()).decode()
             parts.append(

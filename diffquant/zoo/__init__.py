@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from diffquant.errors import DiffquantError
+from diffquant.errors import DiffquantError, did_you_mean
 from diffquant.names import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 
 ZOO_DIR = Path(__file__).resolve().parent
@@ -29,7 +29,8 @@ def zoo_path(name: str) -> Path:
     path = ZOO_DIR / name
     if name not in zoo_names():
         names = ", ".join(zoo_names()) or "none shipped"
-        raise DiffquantError(f"zoo model {name!r} not found; zoo models: {names}")
+        hint = did_you_mean(name, zoo_names())
+        raise DiffquantError(f"zoo model {name!r} not found; {hint + ' ' if hint else ''}zoo models: {names}")
     return path
 
 
