@@ -3088,13 +3088,6 @@ MUTANTS = [
         ),
     ),
     M(
-        "io44: a full disk in the checkpoint writer keeps safetensors' traceback",
-        "diffquant/io/artifacts.py",
-        "    except SafetensorError as err:  # its I/O error as text; the file unnamed (and removed)\n",
-        "    except ImportError as err:\n",
-        ("tests/test_hardening_io.py::test_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing",),
-    ),
-    M(
         "io44: a full disk names the temporary file",
         "diffquant/io/artifacts.py",
         "        return path / Path(os.fsdecode(filename)).relative_to(tmp)\n",
@@ -3640,7 +3633,10 @@ MUTANTS = [
         "diffquant/quant/pipeline.py",
         "            read_stage(model, stage)\n",
         "            pass\n",
-        ("tests/test_rotate.py::test_rotated_quantized_checkpoint_reloads_exactly",),
+        (
+            "tests/test_rotate.py::test_rotation_alone_is_no_error_in_the_quantize_report",
+            "tests/test_weights.py::test_rtn_weights_are_the_grid_of_the_float_weights",
+        ),
     ),
     M(
         "pipeline48: the registry lookup answers rtn for every method",

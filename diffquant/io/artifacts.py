@@ -218,9 +218,8 @@ def _fill(tmp: Path, path: Path, write: Callable[[Path], None]) -> None:
             raise
         where = _final_name(err.filename, tmp, path)
         raise DiffquantError(f"{where}: {err.strerror or err} (nothing was written)") from None
-    except SafetensorError as err:  # its I/O error as text; the file unnamed (and removed)
-        reason = str(err).rpartition("I/O error: ")[2] or str(err)
-        raise DiffquantError(f"{path}: {reason} while writing its tensors (nothing was written)") from None
+    # (safetensors' own error type never reaches here: every writer saves through save_tensors, which turns
+    # its I/O error into the OSError above, naming the file)
 
 
 # No space, file too large (RLIMIT_FSIZE), quota exceeded, read-only file system, input/output error.
