@@ -3013,8 +3013,8 @@ MUTANTS = [
     M(
         "io44: GPTQ's calibration hidden states not counted",
         "diffquant/quant/pipeline.py",
-        "    return int(weights) + int(StaticSection().active(plan))",
-        "    return int(StaticSection().active(plan))",
+        "        return self.needs_data(plan)  # the data-driven methods' float-activation stream",
+        "        return False",
         ("tests/test_hardening_io.py::test_calibration_beyond_memory_is_refused_in_one_line",),
     ),
     M(

@@ -89,7 +89,6 @@ class Apply:
     plan: QuantPlan
     state: QuantState
     saved: frozenset[str] = frozenset()
-    skeleton: bool = False  # a streamed run's meta-device skeleton: stages are read later
     selected: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -141,15 +140,12 @@ class Calibration:
     batch_size: int = 8
     streams: dict[str, Store] = field(default_factory=dict)
 
-    def run_stream(
-        self, name: str, stage: Stage, first: bool, last: bool, fn: Callable | None = None
-    ) -> None:
-        """Every batch of stream ``name`` through ``stage`` (``fn`` or the stage's own), its outputs kept for
-        the next stage (dropped at the last)."""
+    def run_stream(self, name: str, stage: Stage, first: bool, last: bool) -> None:
+        """Every batch of stream ``name`` through ``stage``, its outputs kept for the next stage (dropped at
+        the last)."""
         store = self.stream(name)
-        run = fn or stage.fn
         for k in range(len(self.batches)):
-            y = run(self.input(name, k, first))
+            y = stage.fn(self.input(name, k, first))
             if last:
                 store.drop(k)
             else:
@@ -204,6 +200,11 @@ class Section:
         """One stage of calibration."""
 
     def needs_data(self, plan: QuantPlan) -> bool:
+        return False
+
+    def keeps_stream(self, plan: QuantPlan) -> bool:
+        """Whether its calibration advances a hidden-state stream of its own through the stages (one hidden
+        state per calibration token held between stages)."""
         return False
 
     def rewrites_weights(self, plan: QuantPlan) -> bool:
@@ -367,6 +368,9 @@ class WeightsSection(Section):
     def needs_data(self, plan: QuantPlan) -> bool:
         return plan.weights.needs_data
 
+    def keeps_stream(self, plan: QuantPlan) -> bool:
+        return self.needs_data(plan)  # the data-driven methods' float-activation stream
+
     def rewrites_weights(self, plan: QuantPlan) -> bool:
         return plan.weights.entry.transform is not None  # AWQ folds its scales into norms and Linears
 
@@ -418,6 +422,9 @@ class StaticSection(Section):
 
     def needs_data(self, plan: QuantPlan) -> bool:
         return True
+
+    def keeps_stream(self, plan: QuantPlan) -> bool:
+        return True  # the observing stream
 
     def calibrate_stage(self, stage: Stage, calib: Calibration, first: bool, last: bool) -> None:
         quantizers = [
@@ -548,7 +555,7 @@ def apply_plan(
     if skeleton:
         check_streams(plan)
     state = QuantState(plan, transforms=[t for t in saved if t != "weights"])  # codes: from the state file
-    run = Apply(model, plan, state, frozenset(saved), skeleton)
+    run = Apply(model, plan, state, frozenset(saved))
     for section in chosen:
         section.resolve(run)
     for section in chosen:
@@ -610,8 +617,7 @@ def rewrites_weights(plan: QuantPlan) -> bool:
 def calibration_streams(plan: QuantPlan) -> int:
     """How many hidden-state streams a calibration of ``plan`` keeps between stages (one hidden state per
     calibration token each): the data-driven weight methods' and the static scales'."""
-    weights = plan.weights is not None and plan.weights.needs_data
-    return int(weights) + int(StaticSection().active(plan))
+    return sum(section.keeps_stream(plan) for section in active_sections(plan))
 
 
 @torch.no_grad()
