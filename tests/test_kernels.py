@@ -50,6 +50,7 @@ import dataclasses
 import math
 import os
 import zlib
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -510,13 +511,46 @@ def test_two_pass_kernel_rounds_like_reference(kind, variant, seed):
 @pytest.mark.parametrize("kind", ["diff_v2", "diff_v1"])
 def test_bf16_inputs(kind, pv, seed):
     """bf16 Q/K/V (upcast before tl.dot in the interpreter): the reference on the upcast data, plus the bf16
-    output cast (2^-8 relative per element) and, for pv bf16, the two-rounding P bound."""
+    output cast (2^-8 relative per element) and the two-rounding P bound: an unquantized P @ V of bf16 inputs
+    rounds P to bf16 as SDPA does (pv "fp32" then means pv "bf16"), and ``exact=True`` keeps fp32."""
     x = make_inputs(kind, t=19, n_rep=2, dtype=torch.bfloat16)
     quant = CoreQuant(pv=pv)
     out = run_kernel(x, quant)
+    ref = reference(x, CoreQuant(pv="bf16"))
+    std = rounding_std(x, CoreQuant(pv="bf16"), parts(x, CoreQuant(pv="bf16")), "same")
+    check(out, ref, f"{kind} bf16 inputs pv={pv}", seed, std=std, extra=2.0**-8 * ref.abs())
+    exact = run_kernel(x, quant, exact=True)
     ref = reference(x, quant)
     std = rounding_std(x, quant, parts(x, quant), "same") if pv != "fp32" else None
-    check(out, ref, f"{kind} bf16 inputs pv={pv}", seed, std=std, extra=2.0**-8 * ref.abs())
+    check(exact, ref, f"{kind} bf16 inputs pv={pv} exact", seed, std=std, extra=2.0**-8 * ref.abs())
+
+
+@cpu_kernels
+@pytest.mark.parametrize("kind", ["diff_v2", "diff_v1"])
+def test_bf16_inputs_round_p_unless_exact(kind, seed):
+    """Written into an fp32 ``out`` (no output cast hides the difference): the default P @ V of bf16 inputs
+    differs from the exact one by P's bf16 rounding (far above fp32 noise), ``exact=True`` meets the fp32
+    reference to fp32 level, and fp32 inputs always run exact."""
+    x = make_inputs(kind, t=40, n_rep=2, d=32, dtype=torch.bfloat16)
+    b, nq, t, d = x.q.shape
+    dv = d if kind == "diff_v2" else 2 * d
+
+    def kernel(inputs, **kw):
+        out = torch.full((b, nq // 2, t, dv), float("nan"))
+        if kind == "diff_v2":
+            return tk.diff_v2_attention(inputs.q, inputs.k, inputs.v, inputs.lam, out=out, **kw)
+        return tk.diff_v1_attention(
+            inputs.q, inputs.k, inputs.v, inputs.lam, inputs.lambda_init, inputs.norm_weight, out=out, **kw
+        )
+
+    ref = reference(x)
+    err_exact = float((kernel(x, exact=True) - ref).abs().max())
+    err_fast = float((kernel(x) - ref).abs().max())
+    scale = float(ref.abs().max())
+    assert err_exact < 1e-5 * scale, (err_exact, scale)
+    assert err_fast > 20 * err_exact and err_fast < 2.0**-6 * scale, (err_fast, err_exact, scale)
+    x32 = x._replace(q=x.q.float(), k=x.k.float(), v=x.v.float())
+    assert float((kernel(x32) - ref).abs().max()) < 1e-5 * scale
 
 
 # ------------------------------------------------------------------------------------------ argument checks
@@ -854,9 +888,8 @@ from diffquant.kernels import triton_diff as td
 fn = td._diff_attn_fwd
 out = {}
 for qk, pv, two_pass in json.loads(sys.argv[1]):
-    consts = dict(D=64, DV=64, BLOCK_M=64, BLOCK_N=64, K_PER_KV=1, IS_V1=False, CAUSAL=True,
-                  QK_MODE=td._QK_MODES[qk], PV_MODE=td._PV_MODES[pv], LOGITS_QMAX=0, HAS_WEIGHT=False,
-                  TWO_PASS=two_pass, UPCAST=False)
+    consts = td.kernel_constants(d=64, dv=64, is_v1=False, causal=True, qk=qk, pv=pv, logits_qmax=0,
+                                 has_weight=False, two_pass=two_pass, upcast=False, block_m=64, block_n=64)
     sig = {}
     for n in fn.arg_names:
         if n in ("Q", "K"):
@@ -902,6 +935,74 @@ def test_compiled_kernel_uses_fp8_tensor_cores_only_in_the_single_pass():
         "int8-fp8_e4m3-False": ["e4m3", "s8"],
         "int8-fp8_e4m3-True": ["bf16", "s8"],
     }
+
+
+_RESOURCES_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import compiled
+from diffquant.kernels import triton_diff as td
+out = []
+for kind, qk, pv, d, cfg in json.loads(sys.argv[2]):
+    if cfg is None:
+        cfg = td.launch_config(kind="diff_" + kind, d=d, dv=2 * d if kind == "v1" else d, qk=qk, pv=pv,
+                               interpreting=False)
+    out.append(compiled.compile_row(kind, qk, pv, False, d, cfg))
+print(json.dumps(out))
+"""
+
+
+def _compiled_rows(cases: list) -> list[dict]:
+    """analysis/kernels/compiled.py's sm_90 compile of each case (offline: Triton's compiler and ptxas)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOURCES_SCRIPT, str(root / "analysis" / "kernels"), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+    if proc.returncode and "ptxas" in proc.stderr:
+        pytest.skip(f"no ptxas for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_launch_table_compiles_to_pipelined_tensor_core_code_that_fits_sm90():
+    """Issue 46's failures, seen without a GPU. Each configuration of the launch table, compiled for sm_90 at
+    its bench shape (T = 4096, the launch's real strides), fits the 232,448 bytes of shared memory, spills no
+    register, loads its tiles asynchronously (pipelined) and runs P @ V on bf16 tensor cores; the pre-issue-46
+    settings (64 x 64 tiles, 4 warps, 3 stages, fp32 P @ V) are shown failing the same checks: DIFF V1 at
+    head dim 128 needs more shared memory than sm_90 has (the H200's "Required 294912" under its Triton
+    3.6), and P @ V as IEEE fp32 FMAs (thousands per program) with spilled registers."""
+    old = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    cases = [
+        ["v2", None, "bf16", 64, None],
+        ["v2", None, "bf16", 128, None],
+        ["v1", None, "bf16", 64, None],
+        ["v1", None, "bf16", 128, None],
+        ["v2", "int8", "fp8_e4m3", 128, None],
+        ["v1", None, "fp32", 128, old],
+        ["v2", None, "fp32", 64, old],
+    ]
+    rows = _compiled_rows(cases)
+    for row in rows[:5]:
+        what = f"{row['kind']} qk={row['qk']} pv={row['pv']} d={row['d']}"
+        assert "error" not in row, (what, row)
+        assert row["fits"] and row["spill_bytes"] == 0, (what, row)
+        assert row["async_copies"] > 0, (what, row)
+        assert row["fp32_fma"] < 1000, (what, row)  # softmax bookkeeping only: P @ V is on the tensor cores
+    assert set(rows[4]["wgmma"]) == {"s8", "e4m3"}
+    v1_old, v2_old = rows[5], rows[6]
+    assert "error" in v1_old or not v1_old["fits"], v1_old
+    assert v2_old["fp32_fma"] > 4000 and v2_old["spill_bytes"] > 0, v2_old
 
 
 @cpu_kernels

@@ -94,17 +94,17 @@ def run_kernel(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam, cor
 
     Two passes when P is rounded to fp8, so the kernel rounds the normalised P exactly as the fake-quant
     path does (one pass rounds the running exp(S - m) like SageAttention: equivalent in distribution, not
-    element for element).
+    element for element). Quantized logits take the explicit path's fp32 P @ V (``exact``); otherwise an
+    unquantized P @ V of a bf16 model rounds P to bf16 as the SDPA path it replaces does. Tile sizes and
+    warps come from the kernel's launch table.
     """
     # Local: triton_diff imports Triton (slow, optional, needs TRITON_INTERPRET set first).
     from diffquant.kernels.triton_diff import diff_v1_attention, diff_v2_attention  # noqa: PLC0415
 
-    block = 64 if q.is_cuda else 16
     two_pass = core.pv == "fp8_e4m3"
+    exact = core.logits_bits is not None
     if attn.kind == "diff_v2":
-        return diff_v2_attention(
-            q, k, v, lam.squeeze(-1), quant=core, block_m=block, block_n=block, two_pass=two_pass
-        )
+        return diff_v2_attention(q, k, v, lam.squeeze(-1), quant=core, two_pass=two_pass, exact=exact)
     norm_weight = None if attn.norm.weight is None else attn.norm.weight
     return diff_v1_attention(
         q,
@@ -115,9 +115,8 @@ def run_kernel(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam, cor
         norm_weight,
         eps=attn.norm.eps,
         quant=core,
-        block_m=block,
-        block_n=block,
         two_pass=two_pass,
+        exact=exact,
     )
 
 

@@ -17,9 +17,10 @@ V is loaded once for two maps. The epilogue combines the maps:
 
 Quantized variants (SageAttention, Zhang et al. 2024, arXiv 2410.02367 / 2411.10958):
 
-* ``qk`` int8 / fp8_e4m3: Q and K are quantized in torch per block of tokens (the same code as the reference,
-  :func:`diffquant.kernels.reference.quantize_tokens`, K smoothed by its mean over tokens), handed to the kernel as
-  codes plus a per-token copy of the block scale; the kernel takes dot(codes_q, codes_k) (int8 x int8 -> int32
+* ``qk`` int8 / fp8_e4m3: Q and K are quantized per block of tokens by one Triton kernel each
+  (:func:`diffquant.kernels.triton_quant.quantize_tokens_triton`, bit-identical to the reference's
+  :func:`diffquant.kernels.reference.quantize_tokens`, K smoothed by its mean over tokens), handed to the kernel
+  as codes plus a per-token copy of the block scale; the kernel takes dot(codes_q, codes_k) (int8 x int8 -> int32
   on a GPU, exact) times scale_q * scale_k. The smoothing mean only shifts each query row's logits by
   q . mean(K), which softmax ignores, so it is dropped, except when the logits themselves are quantized: then
   the shift is passed in as a per-row bias so the quantized logits equal the model's.
@@ -76,11 +77,11 @@ from diffquant.kernels.reference import (
     kv_heads_v1,
     kv_heads_v2,
     logits_scales,
-    quantize_tokens,
     quantize_values,
 )
+from diffquant.kernels.triton_quant import _rne, _round_e4m3, quantize_tokens_triton
 
-__all__ = ["diff_v1_attention", "diff_v2_attention", "kernel_round"]
+__all__ = ["diff_v1_attention", "diff_v2_attention", "kernel_constants", "kernel_round", "launch_config"]
 
 _QK_MODES = {None: 0, "int8": 1, "fp8_e4m3": 2}
 _PV_MODES = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
@@ -89,23 +90,6 @@ _P_STEP = float(torch.tensor(1.0 / FP8_P_SCALE, dtype=torch.float32))  # the mod
 
 
 # ------------------------------------------------------------------------------------------ device helpers
-@triton.jit
-def _rne(x):
-    """Round half to even for |x| < 2^22: after adding 1.5 * 2^23 the fp32 ulp is 1, so the add rounds."""
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _round_e4m3(x):
-    """Round fp32 ``x`` to the nearest OCP e4m3 value (RNE, saturating at +-448, with subnormals)."""
-    y = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |y|); 0 gives -127
-    e = tl.minimum(tl.maximum(e, -6), 8)  # below 2^-6 the quantum stays the subnormal 2^-9
-    up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): exact power-of-two scaling
-    down = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-    return _rne(y * up) * down
-
-
 @triton.jit
 def _round_bf16(x):
     """Round fp32 ``x`` to the nearest bfloat16 value, ties to even, returned as fp32 (finite inputs).
@@ -175,8 +159,9 @@ def _logits(
 
 @triton.jit
 def _pv(
-    p, v, p_step, PV_MODE: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr, NATIVE8: tl.constexpr
-):
+    p, v, p_step, PV_MODE: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr, NATIVE8: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):  # fmt: skip
     """P (BM, BN) fp32 in [0, 1] times a V tile (BN, DV), in the operand format PV_MODE.
 
     fp8: one pass rounds exp(S - m_running) * 448 (SageAttention); two passes round the normalized P as the
@@ -184,18 +169,31 @@ def _pv(
     """
     if PV_MODE == 2:
         if TWO_PASS:  # noqa: SIM108 (constexpr branches, one compiled)
-            p8 = _round_e4m3(tl.div_rn(p, p_step))
+            y = tl.div_rn(p, p_step)
         else:
-            p8 = _round_e4m3(p * 448.0)
-        if not UPCAST:
-            p8 = p8.to(tl.float8e4nv)  # exact: p8 is on the e4m3 codebook
+            y = p * 448.0
+        if HW_CAST:
+            # compiled: the hardware conversion (cvt.rn.satfinite.e4m3x2.f32 on sm_90: RNE, saturating at
+            # 448, subnormals kept), the same numbers as _round_e4m3 in far fewer instructions
+            p8 = y.to(tl.float8e4nv)
+        else:
+            p8 = _round_e4m3(y)
+            if not UPCAST:
+                p8 = p8.to(tl.float8e4nv)  # exact: p8 is on the e4m3 codebook
         out = _dot(p8, v, UPCAST, NATIVE8, not TWO_PASS)  # fp8 tensor cores in the single (Sage) pass only
     elif PV_MODE == 1:
-        pb = _round_bf16(p)
-        vb = _round_bf16(v.to(tl.float32))
-        if not UPCAST:
-            pb = pb.to(tl.bfloat16)  # exact, as above
-            vb = vb.to(tl.bfloat16)
+        if HW_CAST:
+            pb = p.to(tl.bfloat16)  # compiled fp32 -> bf16 casts round to nearest even (cvt.rn.bf16x2.f32)
+            if v.dtype == tl.bfloat16:  # noqa: SIM108 (constexpr branches, one compiled)
+                vb = v
+            else:
+                vb = v.to(tl.bfloat16)
+        else:
+            pb = _round_bf16(p)
+            vb = _round_bf16(v.to(tl.float32))
+            if not UPCAST:
+                pb = pb.to(tl.bfloat16)  # exact, as above
+                vb = vb.to(tl.bfloat16)
         out = _dot(pb, vb, UPCAST, NATIVE8, False)
     else:
         out = _dot(p, v, UPCAST, NATIVE8, False)
@@ -207,30 +205,116 @@ def _tile_logits(
     k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
     stride_kh, stride_kt, T, S, sm_scale,
     BLOCK_N: tl.constexpr, K_PER_KV: tl.constexpr, CAUSAL: tl.constexpr, QK_MODE: tl.constexpr,
-    LOGITS_QMAX: tl.constexpr, UPCAST: tl.constexpr,
+    LOGITS_QMAX: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Masked logits (BM, BN) of both maps against key tile ``start_n``; masked entries are -1e30."""
+    """Logits (BM, BN) of both maps against key tile ``start_n``.
+
+    MASKED: the tile may hold keys past S or (causal) keys some of the block's queries must not see; those
+    entries are -1e30. Unmasked tiles (every key < S and visible to every query of the block: all but the
+    last one or two tiles of a causal row block) skip the load masks and the (BM, BN) select.
+    """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < S
-    k1 = tl.load(k_base + kh1 * stride_kh + offs_n[:, None] * stride_kt, mask=n_ok[:, None], other=0.0)
+    k_rows = offs_n[:, None] * stride_kt
+    if MASKED:
+        k1 = tl.load(k_base + kh1 * stride_kh + k_rows, mask=n_ok[:, None], other=0.0)
+    else:
+        k1 = tl.load(k_base + kh1 * stride_kh + k_rows)
     ks1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     if QK_MODE != 0:
         ks1 = tl.load(ks_base + kh1 * S + offs_n, mask=n_ok, other=0.0)
     if K_PER_KV == 2:
-        k2 = tl.load(k_base + kh2 * stride_kh + offs_n[:, None] * stride_kt, mask=n_ok[:, None], other=0.0)
+        if MASKED:
+            k2 = tl.load(k_base + kh2 * stride_kh + k_rows, mask=n_ok[:, None], other=0.0)
+        else:
+            k2 = tl.load(k_base + kh2 * stride_kh + k_rows)
         ks2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         if QK_MODE != 0:
             ks2 = tl.load(ks_base + kh2 * S + offs_n, mask=n_ok, other=0.0)
     else:
         k2 = k1
         ks2 = ks1
-    visible = n_ok[None, :]
-    if CAUSAL:
-        # query t sees keys <= S - T + t (bottom-right aligned; T == S in prefill)
-        visible = visible & (offs_n[None, :] <= (S - T + offs_m)[:, None])
     s1 = _logits(q1, k1, qs1, ks1, qb1, ls1, sm_scale, QK_MODE, LOGITS_QMAX, UPCAST, q1.shape[1] >= 32)
     s2 = _logits(q2, k2, qs2, ks2, qb2, ls2, sm_scale, QK_MODE, LOGITS_QMAX, UPCAST, q2.shape[1] >= 32)
-    return tl.where(visible, s1, -1.0e30), tl.where(visible, s2, -1.0e30), offs_n, n_ok
+    if MASKED:
+        visible = n_ok[None, :]
+        if CAUSAL:
+            # query t sees keys <= S - T + t (bottom-right aligned; T == S in prefill)
+            visible = visible & (offs_n[None, :] <= (S - T + offs_m)[:, None])
+        s1 = tl.where(visible, s1, -1.0e30)
+        s2 = tl.where(visible, s2, -1.0e30)
+    return s1, s2, offs_n, n_ok
+
+
+@triton.jit
+def _load_v(v_base, offs_n, n_ok, stride_vt, MASKED: tl.constexpr):
+    if MASKED:
+        v = tl.load(v_base + offs_n[:, None] * stride_vt, mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_base + offs_n[:, None] * stride_vt)
+    return v
+
+
+@triton.jit
+def _first_pass(
+    lo, hi, m1, m2, l1, l2, acc1, acc2,
+    k_base, ks_base, v_base, kh1, kh2, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+    stride_kh, stride_kt, stride_vt, T, S, sm_scale, p_step,
+    BLOCK_N: tl.constexpr, K_PER_KV: tl.constexpr, CAUSAL: tl.constexpr, QK_MODE: tl.constexpr,
+    PV_MODE: tl.constexpr, LOGITS_QMAX: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr,
+    HW_CAST: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Key tiles lo..hi of the online softmax (FlashAttention-2, Algorithm 1) for both maps; with TWO_PASS
+    only the row max and sum (the second pass does P V)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        s1, s2, offs_n, n_ok = _tile_logits(
+            k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+            stride_kh, stride_kt, T, S, sm_scale,
+            BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, LOGITS_QMAX, UPCAST, MASKED,
+        )  # fmt: skip
+        m1_new = tl.maximum(m1, tl.max(s1, 1))
+        m2_new = tl.maximum(m2, tl.max(s2, 1))
+        alpha1 = tl.exp(m1 - m1_new)
+        alpha2 = tl.exp(m2 - m2_new)
+        p1 = tl.exp(s1 - m1_new[:, None])
+        p2 = tl.exp(s2 - m2_new[:, None])
+        l1 = l1 * alpha1 + tl.sum(p1, 1)
+        l2 = l2 * alpha2 + tl.sum(p2, 1)
+        if not TWO_PASS:
+            v = _load_v(v_base, offs_n, n_ok, stride_vt, MASKED)
+            acc1 = acc1 * alpha1[:, None] + _pv(
+                p1, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32, HW_CAST
+            )
+            acc2 = acc2 * alpha2[:, None] + _pv(
+                p2, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32, HW_CAST
+            )
+        m1 = m1_new
+        m2 = m2_new
+    return m1, m2, l1, l2, acc1, acc2
+
+
+@triton.jit
+def _second_pass(
+    lo, hi, m1, m2, l1, l2, acc1, acc2,
+    k_base, ks_base, v_base, kh1, kh2, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+    stride_kh, stride_kt, stride_vt, T, S, sm_scale, p_step,
+    BLOCK_N: tl.constexpr, K_PER_KV: tl.constexpr, CAUSAL: tl.constexpr, QK_MODE: tl.constexpr,
+    PV_MODE: tl.constexpr, LOGITS_QMAX: tl.constexpr, UPCAST: tl.constexpr, HW_CAST: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """Two-pass mode: the exactly normalized P = exp(S - m) / l, quantized as the model quantizes it."""
+    for start_n in range(lo, hi, BLOCK_N):
+        s1, s2, offs_n, n_ok = _tile_logits(
+            k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+            stride_kh, stride_kt, T, S, sm_scale,
+            BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, LOGITS_QMAX, UPCAST, MASKED,
+        )  # fmt: skip
+        p1 = tl.exp(s1 - m1[:, None]) / l1[:, None]
+        p2 = tl.exp(s2 - m2[:, None]) / l2[:, None]
+        v = _load_v(v_base, offs_n, n_ok, stride_vt, MASKED)
+        acc1 += _pv(p1, v, p_step, PV_MODE, True, UPCAST, BLOCK_N >= 32, HW_CAST)
+        acc2 += _pv(p2, v, p_step, PV_MODE, True, UPCAST, BLOCK_N >= 32, HW_CAST)
+    return acc1, acc2
 
 
 @triton.jit
@@ -247,7 +331,7 @@ def _diff_attn_fwd(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_PER_KV: tl.constexpr, IS_V1: tl.constexpr, CAUSAL: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, LOGITS_QMAX: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr, UPCAST: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     """One (batch, head, query block): two online softmaxes over the shared K/V tiles, then the epilogue."""
     pid_m = tl.program_id(0)
@@ -294,43 +378,39 @@ def _diff_attn_fwd(
     v_base = V + b.to(tl.int64) * stride_vb + j * stride_vh + offs_dv[None, :] * stride_vd
     ks_base = KS + (b * n_k_heads).to(tl.int64) * S
     hi = S
+    full = S // BLOCK_N * BLOCK_N  # tiles below ``full`` hold no key past S
     if CAUSAL:
         hi = tl.minimum(S, S - T + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        s1, s2, offs_n, n_ok = _tile_logits(
-            k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
-            stride_kh, stride_kt, T, S, sm_scale,
-            BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, LOGITS_QMAX, UPCAST,
-        )  # fmt: skip
-        m1_new = tl.maximum(m1, tl.max(s1, 1))
-        m2_new = tl.maximum(m2, tl.max(s2, 1))
-        alpha1 = tl.exp(m1 - m1_new)
-        alpha2 = tl.exp(m2 - m2_new)
-        p1 = tl.exp(s1 - m1_new[:, None])
-        p2 = tl.exp(s2 - m2_new[:, None])
-        l1 = l1 * alpha1 + tl.sum(p1, 1)
-        l2 = l2 * alpha2 + tl.sum(p2, 1)
-        if not TWO_PASS:
-            v = tl.load(v_base + offs_n[:, None] * stride_vt, mask=n_ok[:, None], other=0.0)
-            acc1 = acc1 * alpha1[:, None] + _pv(p1, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
-            acc2 = acc2 * alpha2[:, None] + _pv(p2, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
-        m1 = m1_new
-        m2 = m2_new
+        # tiles wholly at or before the block's first query position are visible to all its queries
+        first = S - T + pid_m * BLOCK_M
+        full = tl.minimum(full, tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N)
+    m1, m2, l1, l2, acc1, acc2 = _first_pass(
+        0, full, m1, m2, l1, l2, acc1, acc2,
+        k_base, ks_base, v_base, kh1, kh2, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+        stride_kh, stride_kt, stride_vt, T, S, sm_scale, p_step,
+        BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, PV_MODE, LOGITS_QMAX, TWO_PASS, UPCAST, HW_CAST, False,
+    )  # fmt: skip
+    m1, m2, l1, l2, acc1, acc2 = _first_pass(
+        full, hi, m1, m2, l1, l2, acc1, acc2,
+        k_base, ks_base, v_base, kh1, kh2, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+        stride_kh, stride_kt, stride_vt, T, S, sm_scale, p_step,
+        BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, PV_MODE, LOGITS_QMAX, TWO_PASS, UPCAST, HW_CAST, True,
+    )  # fmt: skip
 
     # key 0 is visible to every row (causal prefill) or all keys are (non-causal), so l1, l2 >= 1
     if TWO_PASS:
-        # second pass: the exactly normalized P = exp(S - m) / l, quantized as the model quantizes it
-        for start_n in range(0, hi, BLOCK_N):
-            s1, s2, offs_n, n_ok = _tile_logits(
-                k_base, ks_base, kh1, kh2, start_n, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
-                stride_kh, stride_kt, T, S, sm_scale,
-                BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, LOGITS_QMAX, UPCAST,
-            )  # fmt: skip
-            p1 = tl.exp(s1 - m1[:, None]) / l1[:, None]
-            p2 = tl.exp(s2 - m2[:, None]) / l2[:, None]
-            v = tl.load(v_base + offs_n[:, None] * stride_vt, mask=n_ok[:, None], other=0.0)
-            acc1 += _pv(p1, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
-            acc2 += _pv(p2, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32)
+        acc1, acc2 = _second_pass(
+            0, full, m1, m2, l1, l2, acc1, acc2,
+            k_base, ks_base, v_base, kh1, kh2, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+            stride_kh, stride_kt, stride_vt, T, S, sm_scale, p_step,
+            BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, PV_MODE, LOGITS_QMAX, UPCAST, HW_CAST, False,
+        )  # fmt: skip
+        acc1, acc2 = _second_pass(
+            full, hi, m1, m2, l1, l2, acc1, acc2,
+            k_base, ks_base, v_base, kh1, kh2, offs_m, q1, q2, qs1, qs2, qb1, qb2, ls1, ls2,
+            stride_kh, stride_kt, stride_vt, T, S, sm_scale, p_step,
+            BLOCK_N, K_PER_KV, CAUSAL, QK_MODE, PV_MODE, LOGITS_QMAX, UPCAST, HW_CAST, True,
+        )  # fmt: skip
         o1 = acc1
         o2 = acc2
         if PV_MODE == 2:
@@ -401,6 +481,92 @@ def _check_dims(d: int, block_m: int, block_n: int) -> None:
             raise DiffquantError(f"triton diff attention: {name}={blk} must be a power of two >= 16")
 
 
+# Launch configurations for the compiled kernel (sm_90), per (kind, value head width, Q/K format, P @ V format):
+# (query tile rows, key tile rows, warps, software-pipeline stages). Chosen offline from what Triton 3.6 (the
+# H200's) and 3.9 compile for sm_90 at the bench's T = 4096 shapes (analysis/kernels/compiled.py --sweep,
+# compiled.json): the largest tile that fits the 232,448 bytes of shared memory and spills no register in
+# both, then 3 stages, then fewer registers. Not yet timed: ``analysis/kernels/bench.py --tune`` times every
+# such candidate on the GPU, and its "best" replaces these. DIFF V1 at head dim 128 with fp8 P @ V (two
+# 256-wide fp32 accumulators) spills ~1 KB in every candidate; the smallest spill is taken.
+_CONFIGS: dict[tuple[str, int, str | None, str], tuple[int, int, int, int]] = {
+    ("diff_v2", 64, None, "bf16"): (128, 64, 8, 3),
+    ("diff_v2", 128, None, "bf16"): (128, 32, 8, 3),
+    ("diff_v2", 64, "int8", "fp8_e4m3"): (128, 64, 8, 3),
+    ("diff_v2", 128, "int8", "fp8_e4m3"): (64, 64, 8, 3),
+    ("diff_v2", 64, "fp8_e4m3", "fp8_e4m3"): (128, 64, 8, 3),
+    ("diff_v2", 128, "fp8_e4m3", "fp8_e4m3"): (64, 32, 8, 3),
+    ("diff_v1", 128, None, "bf16"): (128, 64, 8, 3),
+    ("diff_v1", 256, None, "bf16"): (64, 32, 8, 3),
+    ("diff_v1", 128, "int8", "fp8_e4m3"): (64, 64, 8, 3),
+    ("diff_v1", 256, "int8", "fp8_e4m3"): (64, 32, 8, 2),
+}
+# Any other variant (fp32 operands, the exact P @ V, one of Q/K or P/V quantized): small tiles, 8 warps.
+_DEFAULT_CONFIG = (64, 32, 8, 2)
+_INTERPRETER_BLOCKS = 16  # Triton's interpreter: small tiles keep several tiles (and masks) in CPU tests
+
+
+def launch_config(
+    *, kind: str, d: int, dv: int, qk: str | None, pv: str, interpreting: bool | None = None
+) -> dict[str, int]:
+    """block_m, block_n, num_warps, num_stages for a DIFF kind ("diff_v1" / "diff_v2") and variant; ``pv`` is
+    the P @ V format the kernel runs (bf16 for unquantized bf16 inputs)."""
+    if _interpreting() if interpreting is None else interpreting:
+        return {
+            "block_m": _INTERPRETER_BLOCKS,
+            "block_n": _INTERPRETER_BLOCKS,
+            "num_warps": 4,
+            "num_stages": 1,
+        }
+    bm, bn, warps, stages = _CONFIGS.get((kind, dv, qk, pv), _DEFAULT_CONFIG)
+    return {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
+
+
+def kernel_constants(
+    *,
+    d: int,
+    dv: int,
+    is_v1: bool,
+    causal: bool,
+    qk: str | None,
+    pv: str,
+    logits_qmax: float,
+    has_weight: bool,
+    two_pass: bool,
+    upcast: bool,
+    block_m: int,
+    block_n: int,
+    hw_cast: bool | None = None,
+) -> dict:
+    """The kernel's compile-time constants (one place: the launcher and analysis/kernels/compiled.py)."""
+    return {
+        "D": d,
+        "DV": dv,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "K_PER_KV": 2 if is_v1 else 1,
+        "IS_V1": is_v1,
+        "CAUSAL": causal,
+        "QK_MODE": _QK_MODES[qk],
+        "PV_MODE": _PV_MODES[pv],
+        "LOGITS_QMAX": int(logits_qmax),
+        "HAS_WEIGHT": has_weight,
+        "TWO_PASS": two_pass,
+        "UPCAST": upcast,
+        # the GPU's own fp32 -> bf16 / e4m3 conversions (RNE, saturating), not the interpreter's (see above)
+        "HW_CAST": (not upcast) if hw_cast is None else hw_cast,
+    }
+
+
+def _pv_format(quant: CoreQuant, dtype: torch.dtype, exact: bool) -> str:
+    """The P @ V operand format the kernel runs: ``quant.pv``, except that an unquantized P @ V of bf16
+    inputs runs on bf16 tensor cores with P rounded to bf16 (RNE), as FlashAttention and torch SDPA do,
+    unless ``exact``. Kept in fp32 (IEEE FMAs: no tensor cores, ~1 % of an H200's bf16 rate, issue 46)
+    only for fp32 / fp16 inputs or when asked."""
+    if quant.pv == "fp32" and dtype == torch.bfloat16 and not exact:
+        return "bf16"
+    return quant.pv
+
+
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
@@ -439,15 +605,15 @@ def _prepare(
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     ops = {"q": q, "k": k, "v": v, "qs": dummy, "ks": dummy, "qb": dummy, "vs": dummy, "ls": dummy}
     if quant.qk is not None:
-        tq = quantize_tokens(q, quant.qk, quant.block, smooth=False)
-        tk = quantize_tokens(k, quant.qk, quant.block, smooth=True)
-        code_dtype = torch.int8 if quant.qk == "int8" else torch.float8_e4m3fn
-        ops["q"], ops["k"] = tq.codes.to(code_dtype), tk.codes.to(code_dtype)
-        ops["qs"], ops["ks"] = tq.scale, tk.scale
+        # one Triton kernel per tensor, bit-identical to reference.quantize_tokens (torch's ~20 small kernels
+        # per tensor cost more than the attention itself at T = 4096 on an H200)
+        ops["q"], ops["qs"], _ = quantize_tokens_triton(q, quant.qk, quant.block)
+        ops["k"], ops["ks"], k_mean = quantize_tokens_triton(k, quant.qk, quant.block, smooth=True)
         if quant.logits_bits is not None:
             # the smoothing shift q . mean(K) / sqrt(d) of each row: softmax ignores it, logit rounding does not
-            mean = tk.mean.index_select(1, kv_head.to(dev))  # (B, nq, 1, d)
-            ops["qb"] = ((tq.dequant() * mean).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
+            mean = k_mean.index_select(1, kv_head.to(dev))  # (B, nq, 1, d)
+            q_dequant = ops["q"].float() * ops["qs"][..., None]
+            ops["qb"] = ((q_dequant * mean).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
     if quant.pv == "fp8_e4m3":
         codes, scale = quantize_values(v, quant.pv)
         # fp8 storage is exact (the codes are e4m3 values); the interpreter loads and upcasts it fine
@@ -457,6 +623,7 @@ def _prepare(
     if quant.logits_bits is not None:
         ops["ls"] = logits_scales(quant, q.shape[1], dev)
     ops["upcast"] = _interpreting()  # the interpreter runs CUDA tensors too, with the same dot limitations
+    ops["hw_cast"] = not _interpreting()  # the interpreter's narrowing casts are not faithful
     return ops
 
 
@@ -470,12 +637,11 @@ def _launch(
     n_rep: int,
     d: int,
     dv: int,
-    k_per_kv: int,
     is_v1: bool,
     causal: bool,
     quant: CoreQuant,
-    block_m: int,
-    block_n: int,
+    pv: str,
+    config: dict[str, int],
     out_scale: float = 1.0,
     eps: float = 1e-5,
     norm_weight: torch.Tensor | None = None,
@@ -485,19 +651,28 @@ def _launch(
     bsz, n_q_heads, t, _ = q.shape
     s = k.shape[2]
     nw = norm_weight if norm_weight is not None else ops["qs"]
-    grid = (triton.cdiv(t, block_m), bsz * n_heads)
+    consts = kernel_constants(
+        d=d, dv=dv, is_v1=is_v1, causal=causal, qk=quant.qk, pv=pv, logits_qmax=quant.logits_qmax,
+        has_weight=norm_weight is not None, two_pass=two_pass, upcast=ops["upcast"], hw_cast=ops["hw_cast"],
+        block_m=config["block_m"], block_n=config["block_n"],
+    )  # fmt: skip
+    grid = (triton.cdiv(t, config["block_m"]), bsz * n_heads)
     _diff_attn_fwd[grid](
         q, k, v, lam, out,
         ops["qs"], ops["ks"], ops["qb"], ops["vs"], ops["ls"], nw,
         *q.stride(), *k.stride(), *v.stride(), *lam_strides, *out.stride(),
         n_heads, n_rep, n_q_heads, k.shape[1], t, s,
         1.0 / math.sqrt(d), _P_STEP, out_scale, eps,
-        D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        K_PER_KV=k_per_kv, IS_V1=is_v1, CAUSAL=causal,
-        QK_MODE=_QK_MODES[quant.qk], PV_MODE=_PV_MODES[quant.pv],
-        LOGITS_QMAX=int(quant.logits_qmax), HAS_WEIGHT=norm_weight is not None,
-        TWO_PASS=two_pass, UPCAST=ops["upcast"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **consts,
     )  # fmt: skip
+
+
+def _config(kind: str, d: int, dv: int, quant: CoreQuant, pv: str, **given: int | None) -> dict[str, int]:
+    """The table's launch configuration with the caller's non-None choices on top, checked."""
+    config = launch_config(kind=kind, d=d, dv=dv, qk=quant.qk, pv=pv)
+    config.update({key: value for key, value in given.items() if value is not None})
+    _check_dims(d, config["block_m"], config["block_n"])
+    return config
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -520,9 +695,12 @@ def diff_v2_attention(
     *,
     quant: CoreQuant = CoreQuant(),  # noqa: B008 (frozen dataclass, immutable)
     causal: bool = True,
-    block_m: int = 16,
-    block_n: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     two_pass: bool = False,
+    exact: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused DIFF V2 attention: q (B, 2H, T, d) interleaved pairs, k/v (B, Hkv, S, d), lam (B, H, T).
@@ -533,7 +711,11 @@ def diff_v2_attention(
     ``two_pass`` rounds the exactly normalized P for ``pv`` bf16 / fp8 (the model's semantics, equal to the
     reference up to fp32 summation order) at the price of computing Q K^T twice; the default single pass
     rounds the running-max-relative P as SageAttention does (within two roundings of the reference).
-    ``block_m`` / ``block_n``: query / key tile sizes (powers of two >= 16).
+    Unquantized P @ V of bf16 inputs runs on bf16 tensor cores with P rounded to bf16, as FlashAttention and
+    torch SDPA do (the reference with ``pv="bf16"``); ``exact=True`` keeps fp32 operands there (IEEE fp32
+    FMAs, many times slower on a GPU; what the model's explicit path computes).
+    ``block_m`` / ``block_n`` (query / key tile rows, powers of two >= 16), ``num_warps``, ``num_stages``:
+    None takes :func:`launch_config`'s choice for the kind, head width and variant.
     """
     _check_inputs(q, k, v, causal)
     bsz, nq, t, d = q.shape
@@ -543,7 +725,18 @@ def diff_v2_attention(
         raise DiffquantError(
             f"diff_v2_attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}"
         )
-    _check_dims(d, block_m, block_n)
+    pv = _pv_format(quant, v.dtype, exact)
+    config = _config(
+        "diff_v2",
+        d,
+        d,
+        quant,
+        pv,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     heads = nq // 2
     kv_head = kv_heads_v2(nq, k.shape[1])
     lam = lam.to(device=q.device)
@@ -555,8 +748,8 @@ def diff_v2_attention(
     result = _output(out, (bsz, heads, t, d), q)
     _launch(
         ops, lam, tuple(lam.stride()), result,
-        n_heads=heads, n_rep=heads // k.shape[1], d=d, dv=d, k_per_kv=1, is_v1=False, causal=causal,
-        quant=quant, block_m=block_m, block_n=block_n, two_pass=two_pass,
+        n_heads=heads, n_rep=heads // k.shape[1], d=d, dv=d, is_v1=False, causal=causal,
+        quant=quant, pv=pv, config=config, two_pass=two_pass,
     )  # fmt: skip
     return result
 
@@ -572,9 +765,12 @@ def diff_v1_attention(
     eps: float = 1e-5,
     quant: CoreQuant = CoreQuant(),  # noqa: B008 (frozen dataclass, immutable)
     causal: bool = True,
-    block_m: int = 16,
-    block_n: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     two_pass: bool = False,
+    exact: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused DIFF V1 attention: q (B, 2H, T, d), k (B, 2Hkv, S, d) interleaved components, v (B, Hkv, S, 2d).
@@ -582,8 +778,8 @@ def diff_v1_attention(
     Returns (B, H, T, 2d) in q's dtype: (1 - lambda_init) * RMSNorm_2d(A1 V - lam A2 V) * norm_weight, pair i
     on kv pair i // (H / Hkv). ``lam`` is the layer's scalar lambda (a float or a one-element tensor, read on
     the device, so passing the model's tensor costs no host sync). Same semantics as
-    :func:`diffquant.kernels.reference.diff_v1_core`; ``quant``, ``causal``, ``two_pass``, the blocks and
-    ``out`` as in :func:`diff_v2_attention`.
+    :func:`diffquant.kernels.reference.diff_v1_core`; ``quant``, ``causal``, ``two_pass``, ``exact``, the
+    launch configuration and ``out`` as in :func:`diff_v2_attention`.
     """
     _check_inputs(q, k, v, causal)
     bsz, nq, t, d = q.shape
@@ -597,7 +793,11 @@ def diff_v1_attention(
             f"diff_v1_attention: need k (B, 2Hkv, S, {d}) and v (B, Hkv, S, {2 * d}); "
             f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    _check_dims(d, block_m, block_n)
+    pv = _pv_format(quant, v.dtype, exact)
+    config = _config(
+        "diff_v1", d, 2 * d, quant, pv, block_m=block_m, block_n=block_n, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
     heads = nq // 2
     kv_head = kv_heads_v1(nq, nk)
     lam_t = torch.as_tensor(lam, dtype=torch.float32, device=q.device).reshape(-1)
@@ -615,8 +815,8 @@ def diff_v1_attention(
     result = _output(out, (bsz, heads, t, 2 * d), q)
     _launch(
         ops, lam_t, (0, 0, 0), result,
-        n_heads=heads, n_rep=heads // (nk // 2), d=d, dv=2 * d, k_per_kv=2, is_v1=True, causal=causal,
-        quant=quant, block_m=block_m, block_n=block_n, out_scale=1.0 - float(lambda_init), eps=float(eps),
+        n_heads=heads, n_rep=heads // (nk // 2), d=d, dv=2 * d, is_v1=True, causal=causal,
+        quant=quant, pv=pv, config=config, out_scale=1.0 - float(lambda_init), eps=float(eps),
         norm_weight=norm_weight, two_pass=two_pass,
     )  # fmt: skip
     return result

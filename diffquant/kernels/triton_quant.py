@@ -1,0 +1,267 @@
+"""Q / K quantization per block of tokens for the quantized DIFF attention kernels, as ONE Triton kernel per tensor.
+
+Why it exists: the kernels in :mod:`diffquant.kernels.triton_diff` with ``qk`` int8 / fp8_e4m3 (SageAttention,
+Zhang et al. 2024, arXiv 2410.02367) take Q and K as codes plus a per-token copy of each block's scale. Computed
+with :func:`diffquant.kernels.reference.quantize_tokens` in torch that is some 15-20 small torch kernels per
+tensor (cast, mean, subtract, pad, abs, isfinite, where, amax, divide, where, divide, the format's rounding,
+slices, expand, the cast to int8 / fp8), which on an H200 at T = 4096 costs more than the whole attention (torch
+SDPA takes 0.12 ms there). :func:`quantize_tokens_triton` does it in one kernel pass per tensor, plus torch's own
+``x.float().mean(dim=2, keepdim=True)`` for K's smoothing (one reduction; for bf16 / fp16 inputs ``x.float()``
+is a cast kernel too, kept so that the mean is the reference's mean bit for bit).
+
+It is BIT-IDENTICAL to ``quantize_tokens(x, fmt, block, smooth)``: codes equal ``TokenQuant.codes`` after the
+cast the attention kernel's ``_prepare`` applies (``.to(torch.int8)`` / ``.to(torch.float8_e4m3fn)``), scales and
+means equal (tests/test_triton_quant.py checks it with ``torch.equal``, and the codes byte for byte; the
+compiled code divides with ``div.rn.f32`` only, checked on its sm_90 PTX, since the interpreter cannot tell). The
+same arithmetic, element by element:
+
+* v = float32(x) (- mean[channel] when ``smooth``); rows past T (a partial last block) count as 0, which never
+  changes an absmax; non-finite |v| count as 0 in the absmax;
+* scale = absmax / max_value (127 or 448) as an IEEE fp32 division (``tl.div_rn``: compiled Triton's ``/`` on
+  fp32 is an approximate division), and 1 for an all-zero block;
+* code = round(v / scale) (again ``tl.div_rn``): int8 round-half-even then clamp to +-127; e4m3 saturate to
+  +-448 then RNE at 3 mantissa bits with subnormals (quantum 2^-9).
+* Non-finite elements: +-inf saturates to +-127 / +-448 as in the reference; NaN stays NaN in the reference's
+  fp32 codes, which torch's int8 cast turns into 0 (seen on CPU; PTX's cvt also maps NaN to 0) and its fp8
+  cast into the e4m3 NaN 0x7F / 0xFF (the NaN's sign kept): the kernel writes the same, the sign being that of
+  its own v / scale (a GPU's arithmetic may return the canonical +NaN where the CPU keeps -NaN). A block with
+  no finite value gets scale 1, like an all-zero one. Note that the reference's smoothing mean of a K channel that
+  holds a NaN or an inf is itself NaN / inf, so that whole channel becomes NaN codes (the absmax ignores them).
+
+Rounding is integer / fp32 arithmetic (as in triton_diff, whose helpers these are copies of, kept here so that
+triton_diff can import this module without an import circle): Triton's interpreter does not implement the
+narrowing casts faithfully. The e4m3 byte is assembled from the rounded value's bits (sign, exponent, mantissa;
+subnormals as m * 2^-9) and stored through a uint8 view, so the interpreter's fp32 -> e4m3 cast (which flushes
+subnormals) is never used and -0.0 / NaN signs survive; int8 codes are exact integers in fp32, which every
+backend casts exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from diffquant.errors import DiffquantError
+
+__all__ = ["quantize_tokens_triton"]
+
+_FORMATS = {"int8": (0, 127.0, torch.int8), "fp8_e4m3": (1, 448.0, torch.float8_e4m3fn)}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TILE_ELEMENTS = 8192  # rows x d of one register tile (64 x 128 fp32: 64 registers per thread at 4 warps)
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _rne(x):
+    """Round half to even for |x| < 2^22: after adding 1.5 * 2^23 the fp32 ulp is 1, so the add rounds."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_e4m3(x):
+    """Round fp32 ``x`` to the nearest OCP e4m3 value (RNE, saturating at +-448, with subnormals)."""
+    y = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |y|); 0 gives -127
+    e = tl.minimum(tl.maximum(e, -6), 8)  # below 2^-6 the quantum stays the subnormal 2^-9
+    up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): exact power-of-two scaling
+    down = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    return _rne(y * up) * down
+
+
+@triton.jit
+def _e4m3_byte(y):
+    """The OCP e4m3 byte (0..255, int32) of fp32 ``y`` rounded to e4m3: sign | exponent | mantissa.
+
+    The sign is ``y``'s own bit (so -0.0 and the reference's -0.0 codes of small negatives keep it, and NaN
+    keeps its sign as torch's cast does); NaN gives 0x7F | sign.
+    """
+    yb = y.to(tl.int32, bitcast=True)
+    sign = (yb >> 24) & 0x80
+    nan = y != y
+    r = tl.abs(_round_e4m3(tl.where(nan, 0.0, y)))  # on the codebook, in [0, 448]
+    rb = r.to(tl.int32, bitcast=True)
+    normal = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 0x7)  # biased exponent (bias 7) and 3 mantissa bits
+    sub = (r * 512.0).to(tl.int32)  # r = m * 2^-9 exactly, m in 0..7
+    code = tl.where(r >= 0.015625, normal, sub)  # 2^-6: the smallest normal
+    code = tl.where(nan, 0x7F, code)  # (a GPU's min / max would turn NaN into -448: handled first)
+    return sign | code
+
+
+@triton.jit
+def _quantize(v, scale, FMT: tl.constexpr):
+    """Codes of the fp32 tile ``v`` at ``scale``: int8 values (int32) or e4m3 bytes (int32)."""
+    y = tl.div_rn(v, scale)
+    if FMT == 0:
+        # clamp then round = round then clamp (integer bounds); NaN -> 0 as torch's int8 cast of NaN
+        y = tl.where(y != y, 0.0, y)
+        return _rne(tl.minimum(tl.maximum(y, -127.0), 127.0)).to(tl.int32)
+    return _e4m3_byte(y)
+
+
+@triton.jit
+def _load(x_base, m_base, rows, d_offs, ok, stride_t, stride_d, stride_md, SMOOTH: tl.constexpr):
+    """The tile's fp32 values (minus the channel mean when SMOOTH); rows that are not ``ok`` read 0."""
+    ptrs = x_base + rows.to(tl.int64)[:, None] * stride_t + d_offs[None, :] * stride_d
+    v = tl.load(ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    if SMOOTH:
+        mean = tl.load(m_base + d_offs * stride_md)
+        v = tl.where(ok[:, None], v - mean[None, :], 0.0)
+    return v
+
+
+@triton.jit
+def _store(c_base, s_base, rows, d_offs, ok, codes, scale, D: tl.constexpr):
+    """The tile's codes (as the code tensor's element type) and its rows' copies of the block scale."""
+    c_ptrs = c_base + rows[:, None] * D + d_offs[None, :]
+    tl.store(c_ptrs, codes.to(c_base.dtype.element_ty), mask=ok[:, None])
+    tl.store(s_base + rows, tl.zeros(rows.shape, dtype=tl.float32) + scale, mask=ok)
+
+
+@triton.jit
+def _absmax(v):
+    """Max |v| over the tile, non-finite entries counted as 0 (NaN and inf both fail ``<= FLT_MAX``)."""
+    mag = tl.abs(v)
+    mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)
+    return tl.max(tl.max(mag, axis=1), axis=0)
+
+
+@triton.jit
+def _quant_tokens_kernel(
+    X,
+    MEAN,
+    CODES,
+    SCALE,
+    n_heads,
+    n_blocks,
+    T,
+    block,
+    n_chunks,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    stride_mb,
+    stride_mh,
+    stride_md,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    FMT: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """One program: one (batch, head) and one block of ``block`` tokens, in ``n_chunks`` tiles of ROWS rows."""
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // n_blocks
+    blk = pid % n_blocks
+    b = bh // n_heads
+    h = bh % n_heads
+    x_base = X + b * stride_xb + h * stride_xh
+    m_base = MEAN + b * stride_mb + h * stride_mh
+    first = blk * block  # first token of the block
+    c_base = CODES + bh * T * D
+    s_base = SCALE + bh * T
+    r_offs = tl.arange(0, ROWS)
+    d_offs = tl.arange(0, D)
+
+    if SINGLE:  # the whole block in one register tile: load once
+        ok = (r_offs < block) & (first + r_offs < T)
+        v = _load(x_base, m_base, first + r_offs, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
+        scale = tl.div_rn(_absmax(v), MAX_VALUE)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        _store(c_base, s_base, first + r_offs, d_offs, ok, _quantize(v, scale, FMT), scale, D)
+    else:  # a long block: absmax over its tiles, then a second pass that re-reads and quantizes them
+        amax = tl.full([], 0.0, tl.float32)
+        for c in range(0, n_chunks):
+            r = c * ROWS + r_offs
+            ok = (r < block) & (first + r < T)
+            v = _load(x_base, m_base, first + r, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
+            amax = tl.maximum(amax, _absmax(v))
+        scale = tl.div_rn(amax, MAX_VALUE)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        for c in range(0, n_chunks):
+            r = c * ROWS + r_offs
+            ok = (r < block) & (first + r < T)
+            v = _load(x_base, m_base, first + r, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
+            _store(c_base, s_base, first + r, d_offs, ok, _quantize(v, scale, FMT), scale, D)
+
+
+# ------------------------------------------------------------------------------------------ host side
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(x: torch.Tensor, fmt: str, block: int) -> None:
+    if fmt not in _FORMATS:
+        raise DiffquantError(f"quantize_tokens_triton: fmt {fmt!r}; expected one of {', '.join(_FORMATS)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise DiffquantError(f"quantize_tokens_triton: block={block!r}; expected an integer >= 1")
+    if x.dim() != 4:
+        raise DiffquantError(
+            f"quantize_tokens_triton: expected (batch, heads, positions, channels), got {tuple(x.shape)}"
+        )
+    if x.dtype not in _DTYPES:
+        raise DiffquantError(
+            f"quantize_tokens_triton: dtype {x.dtype} unsupported (float32, bfloat16, float16)"
+        )
+    d = x.shape[-1]
+    if not (16 <= d <= 128 and d & (d - 1) == 0):
+        raise DiffquantError(
+            f"quantize_tokens_triton: head dim {d} unsupported; expected a power of two in 16..128"
+        )
+    if x.device.type != "cuda" and not _interpreting():
+        raise DiffquantError(
+            "quantize_tokens_triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing the kernels)"
+        )
+
+
+def quantize_tokens_triton(
+    x: torch.Tensor, fmt: str, block: int, smooth: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Absmax-quantize ``x`` (B, h, T, d) per (batch, head, block of ``block`` tokens) to ``fmt`` in one kernel.
+
+    Returns (codes, scale, mean): codes (B, h, T, d) contiguous, torch.int8 for "int8" and
+    torch.float8_e4m3fn for "fp8_e4m3"; scale (B, h, T) fp32 contiguous, the per-token copy of each block's
+    scale; mean (B, h, 1, d) fp32 (``x.float().mean(dim=2, keepdim=True)``, subtracted before quantizing) when
+    ``smooth``, else None. Bit-identical to :func:`diffquant.kernels.reference.quantize_tokens` (codes after
+    the cast to the code dtype). ``x`` may be float32 / bfloat16 / float16 with any strides (read in place).
+    """
+    _check(x, fmt, block)
+    mode, max_value, code_dtype = _FORMATS[fmt]
+    b, h, t, d = x.shape
+    mean = x.float().mean(dim=2, keepdim=True) if smooth else None
+    codes = torch.empty((b, h, t, d), dtype=code_dtype, device=x.device)
+    scale = torch.empty((b, h, t), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return codes, scale, mean
+    rows = min(triton.next_power_of_2(block), max(1, _TILE_ELEMENTS // d))
+    n_chunks = triton.cdiv(block, rows)
+    m = mean if mean is not None else scale  # a dummy pointer when not smoothing (never read)
+    m_strides = (mean.stride(0), mean.stride(1), mean.stride(3)) if mean is not None else (0, 0, 0)
+    # fp8 codes are written as their bytes (see the module docstring), int8 codes as int8
+    out = codes.view(torch.uint8) if mode == 1 else codes
+    n_blocks = triton.cdiv(t, block)
+    _quant_tokens_kernel[(b * h * n_blocks,)](
+        x,
+        m,
+        out,
+        scale,
+        h,
+        n_blocks,
+        t,
+        block,
+        n_chunks,
+        *x.stride(),
+        *m_strides,
+        D=d,
+        ROWS=rows,
+        FMT=mode,
+        MAX_VALUE=max_value,
+        SMOOTH=smooth,
+        SINGLE=n_chunks == 1,
+        num_warps=_NUM_WARPS,
+    )
+    return codes, scale, mean

@@ -1,0 +1,247 @@
+"""diffquant.kernels.triton_quant: the one-kernel Q/K block quantizer is bit-identical to the torch reference.
+
+``quantize_tokens_triton(x, fmt, block, smooth)`` against ``reference.quantize_tokens``: the codes byte for byte
+after the cast the attention kernel's ``_prepare`` applies (int8 / float8_e4m3fn: so -0.0 codes and NaN signs
+count too), and as fp32 values wherever the reference's code is finite; scales and smoothing means exactly
+(``torch.equal``; NaN means in the same places). Runs under Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1); each case is a handful of programs, the interpreter costing some 10 ms each.
+
+Inputs are fixed draws (a seed per case). Cases: partial last blocks (T = 19, 130 with block 64; block 16, 3,
+100), bf16 / fp16 / fp32, a transposed view (the model's q is (B, T, h, d).transpose(1, 2)) and a channel
+stride of 2, N(0, 1) + N(0, 100) * Bernoulli(0.001) outliers, magnitudes spread over 2^-24..1 (e4m3 subnormal
+and -0.0 codes), subnormal inputs (a subnormal scale), exact rounding ties (scale exactly 1), an all-zero block
+(its mean-smoothed version too: the data are symmetric so the mean is exactly 0), and +-inf / NaN, including an
+all-non-finite block (scale 1). The interpreter divides fp32 in IEEE whatever the kernel says, so the use of
+``tl.div_rn`` (compiled Triton's ``/`` is approximate) is checked on the sm_90 PTX instead (slow test).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.kernels.reference import quantize_tokens
+
+try:
+    from diffquant.kernels import triton_quant as tq
+except ImportError:  # pragma: no cover - Triton is in the test extra on Linux
+    tq = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+cpu_kernels = pytest.mark.skipif(
+    tq is None or not INTERPRET,
+    reason="CPU kernel tests need Triton and TRITON_INTERPRET=1 (conftest sets it)",
+)
+CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+MAX_VALUE = {"int8": 127.0, "fp8_e4m3": 448.0}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _gen(name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+def _draw(shape, dist: str, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=g)
+    if dist == "fa3":  # N(0,1) + N(0,100) * Bernoulli(0.001) (FlashAttention-3's FP8 accuracy test)
+        x = x + torch.randn(shape, generator=g) * 10.0 * (torch.rand(shape, generator=g) < 0.001)
+    elif dist == "wide":  # magnitudes 2^-24 .. 1: e4m3 subnormal codes and small negatives rounding to -0.0
+        x = x * torch.exp2(-24.0 * torch.rand(shape, generator=g))
+    elif dist == "subnormal":  # fp32 subnormal inputs: absmax ~ 1e-39, scale ~ 1e-41 (itself subnormal)
+        x = x * 1e-39
+    return x
+
+
+def _symmetric(fmt: str, g: torch.Generator, d: int) -> torch.Tensor:
+    """(1, 1, 48, d): block 0 = halves k / 2 in [-max, max] with one element at +max (so its scale is exactly
+    1 and many codes are exact rounding ties), block 1 = zeros, block 2 = -block 0. Every partial sum of the
+    mean is exact, so the mean is exactly 0 and the zero block stays all-zero under smoothing too."""
+    top = int(2 * MAX_VALUE[fmt])
+    a = torch.randint(-top, top + 1, (16, d), generator=g).float() / 2
+    a[3, 5] = MAX_VALUE[fmt]
+    return torch.cat([a, torch.zeros(16, d), -a]).reshape(1, 1, 48, d)
+
+
+def _nonfinite(g: torch.Generator) -> torch.Tensor:
+    """(2, 1, 40, 16), block 16: scattered +-inf / NaN, and one block (batch 1, rows 16..31) all non-finite."""
+    x = _draw((2, 1, 40, 16), "fa3", g)
+    x[0, 0, 3, 5] = float("nan")
+    x[0, 0, 20, 1] = float("inf")
+    x[0, 0, 21, 2] = -float("inf")
+    x[0, 0, 38, 7] = -float("nan")
+    x[1, 0, 16:32] = float("inf")
+    x[1, 0, 16:32:3] = float("nan")
+    x[1, 0, 17:32:3] = -float("inf")
+    return x
+
+
+# (id, builder(fmt, generator) -> x, block); shapes small: the interpreter runs one program per block and head
+CASES = [
+    ("T19-b64-fp32", lambda f, g: _draw((1, 2, 19, 16), "normal", g), 64),
+    ("T64-b64-bf16-fa3", lambda f, g: _draw((1, 2, 64, 32), "fa3", g).bfloat16(), 64),
+    # the model's layout: (B, T, h, d) transposed to (B, h, T, d), a view with stride(2) = h * d
+    (
+        "T130-b64-bf16-transposed",
+        lambda f, g: _draw((1, 130, 2, 16), "fa3", g).bfloat16().transpose(1, 2),
+        64,
+    ),
+    ("T40-b16-fp32-fa3", lambda f, g: _draw((1, 2, 40, 16), "fa3", g), 16),
+    ("T64-b16-fp16-channel-stride2", lambda f, g: _draw((1, 1, 64, 32), "normal", g).half()[..., ::2], 16),
+    ("T13-b3-fp32", lambda f, g: _draw((1, 1, 13, 16), "normal", g), 3),
+    # block 100 of d = 128: two 64-row register tiles per block (the kernel's two-pass path), partial
+    ("T70-b100-d128-two-tiles", lambda f, g: _draw((1, 1, 70, 128), "fa3", g), 100),
+    ("T32-b16-fp32-wide", lambda f, g: _draw((1, 2, 32, 16), "wide", g), 16),
+    ("T32-b16-fp32-subnormal", lambda f, g: _draw((1, 1, 32, 16), "subnormal", g), 16),
+    ("T48-b16-ties-zero-block", lambda f, g: _symmetric(f, g, 16), 16),
+    ("T40-b16-nonfinite", lambda f, g: _nonfinite(g), 16),
+]
+
+
+def _check_matches(x: torch.Tensor, fmt: str, block: int, smooth: bool, what: str) -> None:
+    codes, scale, mean = tq.quantize_tokens_triton(x, fmt, block, smooth)
+    ref = quantize_tokens(x, fmt, block, smooth)
+    b, h, t, d = x.shape
+    assert codes.dtype == CODE_DTYPES[fmt] and codes.shape == (b, h, t, d) and codes.is_contiguous(), what
+    assert scale.dtype == torch.float32 and scale.shape == (b, h, t) and scale.is_contiguous(), what
+    expected = ref.codes.to(CODE_DTYPES[fmt])  # what _prepare hands the attention kernel
+    diff = codes.view(torch.uint8) != expected.view(torch.uint8)
+    assert not diff.any(), (
+        f"{what}: {int(diff.sum())} code bytes differ, first at {diff.nonzero()[0].tolist()}: "
+        f"{codes[diff][0].float().item()} vs reference {ref.codes[diff][0].item()}"
+    )
+    finite = torch.isfinite(ref.codes)
+    assert torch.equal(codes.float()[finite], ref.codes[finite]), f"{what}: fp32 codes differ"
+    assert torch.equal(scale, ref.scale), f"{what}: scales differ ({int((scale != ref.scale).sum())})"
+    if smooth:
+        assert mean is not None and mean.dtype == torch.float32 and mean.shape == (b, h, 1, d), what
+        torch.testing.assert_close(
+            mean, ref.mean, rtol=0, atol=0, equal_nan=True, msg=f"{what}: means differ"
+        )
+    else:
+        assert mean is None, what
+
+
+# ------------------------------------------------------------------------------------------ tests
+@cpu_kernels
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf - inf (smooth)
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_quantize_tokens_triton_matches_reference(fmt, case, smooth):
+    name, build, block = case
+    x = build(fmt, _gen(f"{name}-{fmt}"))
+    _check_matches(x, fmt, block, smooth, f"{fmt} {name} smooth={smooth}")
+
+
+@cpu_kernels
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_cases_exercise_their_edges(fmt):
+    """The edge cases really contain what they are named for (so a passing match is not vacuous)."""
+    ties = _symmetric(fmt, _gen(f"T48-b16-ties-zero-block-{fmt}"), 16)
+    for smooth in (False, True):
+        _, scale, _ = tq.quantize_tokens_triton(ties, fmt, 16, smooth)
+        assert torch.equal(scale[0, 0, ::16], torch.ones(3)), "scale exactly 1: max element, zero block"
+        if fmt == "int8":
+            assert (ties.frac() != 0).sum() > 100, "many exact .5 ties"
+    wide = _draw((1, 2, 32, 16), "wide", _gen(f"T32-b16-fp32-wide-{fmt}"))
+    codes, _, _ = tq.quantize_tokens_triton(wide, fmt, 16)
+    if fmt == "fp8_e4m3":
+        byte = codes.view(torch.uint8)
+        assert ((byte & 0x78) == 0).logical_and((byte & 0x7) != 0).any(), "e4m3 subnormal codes"
+        assert (byte == 0x80).any(), "-0.0 codes"
+    _, scale, _ = tq.quantize_tokens_triton(_draw((1, 1, 32, 16), "subnormal", _gen("s")), fmt, 16)
+    assert (scale < torch.finfo(torch.float32).tiny).all() and (scale > 0).all(), "subnormal scales"
+    codes, scale, _ = tq.quantize_tokens_triton(_nonfinite(_gen("n")), fmt, 16)
+    assert scale[1, 0, 16] == 1.0, "an all-non-finite block gets scale 1"
+    if fmt == "int8":
+        assert codes[1, 0, 16:32].eq(127).any() and codes[1, 0, 16:32].eq(-127).any(), "inf saturates"
+        assert codes[1, 0, 16:32:3].eq(0).all(), "NaN codes are 0 (torch's int8 cast of the reference's NaN)"
+    else:
+        assert codes[1, 0, 16:32].float().isnan().any(), "NaN stays NaN in e4m3"
+
+
+@cpu_kernels
+def test_empty_positions():
+    x = torch.zeros(1, 2, 0, 16)
+    for smooth in (False, True):
+        codes, scale, mean = tq.quantize_tokens_triton(x, "int8", 64, smooth)
+        ref = quantize_tokens(x, "int8", 64, smooth)
+        assert codes.shape == (1, 2, 0, 16) and scale.shape == (1, 2, 0)
+        if smooth:
+            torch.testing.assert_close(mean, ref.mean, rtol=0, atol=0, equal_nan=True)
+
+
+@cpu_kernels
+@pytest.mark.parametrize(
+    ("shape", "dtype", "fmt", "block", "match"),
+    [
+        ((1, 1, 8, 24), torch.float32, "int8", 4, "head dim 24"),
+        ((1, 1, 8, 256), torch.float32, "int8", 4, "head dim 256"),
+        ((1, 1, 8, 8), torch.float32, "int8", 4, "head dim 8"),
+        ((1, 8, 16), torch.float32, "int8", 4, "expected \\(batch, heads"),
+        ((1, 1, 8, 16), torch.float64, "int8", 4, "dtype"),
+        ((1, 1, 8, 16), torch.float32, "int4", 4, "fmt"),
+        ((1, 1, 8, 16), torch.float32, "int8", 0, "block=0"),
+        ((1, 1, 8, 16), torch.float32, "int8", True, "block=True"),
+    ],
+)
+def test_rejects_bad_arguments(shape, dtype, fmt, block, match):
+    with pytest.raises(DiffquantError, match=match):
+        tq.quantize_tokens_triton(torch.zeros(shape, dtype=dtype), fmt, block)
+
+
+@cpu_kernels
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DiffquantError, match="CUDA tensors"):
+        tq.quantize_tokens_triton(torch.zeros(1, 1, 8, 16), "int8", 4)
+
+
+# ------------------------------------------------------------------------------------------ compiled code
+_PTX_SCRIPT = """
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from diffquant.kernels import triton_quant as tq
+
+fn = tq._quant_tokens_kernel
+out = {}
+for fmt, smooth in (("int8", True), ("fp8_e4m3", False)):
+    consts = {"D": 128, "ROWS": 64, "FMT": tq._FORMATS[fmt][0], "MAX_VALUE": tq._FORMATS[fmt][1],
+              "SMOOTH": smooth, "SINGLE": True}
+    ptrs = {"X": "*bf16", "MEAN": "*fp32", "CODES": "*i8" if fmt == "int8" else "*u8", "SCALE": "*fp32"}
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    out[fmt] = {
+        "div_rn": len(re.findall(r"\\bdiv\\.rn\\.f32\\b", ptx)),
+        "div_other": len(re.findall(r"\\bdiv\\.(?:approx|full)", ptx)),
+        "rne_constant": "0f4B400000" in ptx,
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_compiled_kernel_divides_in_ieee_fp32():
+    """The interpreter's ``/`` on fp32 is numpy's IEEE division, so it cannot tell ``tl.div_rn`` from compiled
+    Triton's approximate ``/``; the sm_90 code (compiled offline, no GPU needed) shows it: every division is
+    ``div.rn.f32`` (per element and the scale), none ``div.full`` / ``div.approx``, and the RNE add survives."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env)
+    if proc.returncode and "ptxas" in proc.stderr:
+        pytest.skip(f"no ptxas for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for fmt, ptx in got.items():
+        assert ptx["div_rn"] > 0 and ptx["div_other"] == 0 and ptx["rne_constant"], (fmt, ptx)
