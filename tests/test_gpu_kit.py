@@ -61,7 +61,7 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
     proc, summary, out, _ = rehearsal
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stages = summary["stages"]
-    assert list(stages) == list(kit.STAGES)
+    assert list(stages) == list(kit.DEFAULT_STAGES)
     status = {name: stage["status"] for name, stage in stages.items()}
     assert status == {
         "env": "ok",
@@ -76,7 +76,8 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
         assert stage["wall_s"] > 0 and stage["numbers"]
     # what a CPU can do for the GPU-only stages, it did
     assert stages["gpu_tests"]["numbers"]["collected"] >= 50
-    assert stages["kernels_bench"]["numbers"]["smoke_rows"] == 10
+    assert stages["kernels_bench"]["numbers"]["smoke_rows"] == 14
+    assert {g["goal"] for g in stages["kernels_bench"]["numbers"]["issue46_goals"]} == {1, 2, 3, 4}
     assert stages["kernels_bench"]["numbers"]["goals"]["assessable"] is False
     # the CLI: every command ran and left numbers
     commands = stages["cli"]["numbers"]["commands"]
@@ -105,6 +106,14 @@ def test_the_rehearsal_trains_and_sweeps_a_matched_trio(rehearsal):
     assert trio["tokens"] == trio["steps"] * trio["batch"] * 256
     params = [run["parameters"] for run in trio["runs"].values()]
     assert len(params) == 3 and max(params) / min(params) < 1.01  # parameter-matched
+    # the training-speed probe (issue 46): every kind at the first size, clipped also keeping its maps; no
+    # MFU without a known GPU peak; the trio's pace is its own slowest kind, not a rival's
+    first, *rest = trio["probe"].values()
+    from diffquant.models.config import ATTENTION_KINDS
+
+    assert set(first) == {*ATTENTION_KINDS, "clipped-keep-maps"}
+    assert all(r["mfu"] is None and r["tokens_per_s"] > 0 for r in first.values())
+    assert all(set(r) == set(kit_trio.KINDS) for r in rest)
     table5 = json.loads((work / "trio/run/table5.json").read_text())
     for model in kit_trio.KINDS:
         view = table5["models"][model]["table5"]
@@ -384,3 +393,28 @@ def test_the_corpus_reads_package_sources_in_order_up_to_the_need(tmp_path):
     assert stream.numel() == corpus["tokens"] == 2 * (300 + 2)
     short = kit_trio.build_corpus(tmp_path / "all.jsonl", need=10**6, roots=[root], lead=None)
     assert short["short"] and short["files_packages"] == 3
+
+
+def test_kernels_tune_stage_runs_only_when_named_and_records_the_best(tmp_path, monkeypatch):
+    """The tuning stage (issue 46) is not in a plain run (it needs a device call of its own); named, on a
+    machine without CUDA it runs bench.py --tune --smoke and records, per Triton variant, the fastest
+    configuration of the rows it timed."""
+    import time
+
+    from kit_util import Context, Recorder
+
+    assert "kernels_tune" in kit.STAGES and "kernels_tune" not in kit.DEFAULT_STAGES
+    monkeypatch.chdir(kit.REPO)
+    ctx = Context(mode="rehearse", work=tmp_path, deadline=time.time() + 300, cuda=False)
+    (tmp_path / "logs").mkdir()
+    rec = Recorder(tmp_path / "tune.json")
+    kit_stages.stage_kernels_tune(ctx, rec)
+    data = rec.data
+    assert data["status"] == "skipped" and "no CUDA" in data["reason"], data
+    best = data["numbers"]["best"]
+    triton_variants = ("v2-bf16-triton", "v2-int8qk-fp8pv-triton", "v2-fp8qk-fp8pv-triton", "v1-bf16-triton")
+    assert sorted(best) == sorted(f"{v} d=16" for v in triton_variants)
+    rows = json.loads((tmp_path / "bench" / "tune-smoke.json").read_text())["tuning"]
+    for key, cfg in best.items():
+        variant = key.split(" ")[0]
+        assert cfg["ms"] == min(r["ms"] for r in rows if r["variant"] == variant)

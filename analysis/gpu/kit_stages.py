@@ -239,6 +239,8 @@ def kernel_goals(rows: list[dict]) -> dict[str, Any]:
     Speed is read on the N(0,1) inputs (the time does not depend on the values), cosine on both."""
     shapes: dict[tuple, dict[str, dict]] = {}
     for row in rows:
+        if "error" in row:  # a variant that raised on this shape (bench.py records it and goes on)
+            continue
         key = (row["T"], row["H"], row["Hkv"], row["d"], row["dist"])
         shapes.setdefault(key, {})[row["variant"]] = row
     per_shape = []
@@ -303,7 +305,11 @@ def stage_kernels_bench(ctx: Context, rec: Recorder) -> None:
         result = read_json(path) or {}
         rows = result.get("rows", [])
         rec.set(
-            smoke_rc=res["rc"], smoke_wall_s=res["wall_s"], smoke_rows=len(rows), goals=kernel_goals(rows)
+            smoke_rc=res["rc"],
+            smoke_wall_s=res["wall_s"],
+            smoke_rows=len(rows),
+            goals=kernel_goals(rows),
+            issue46_goals=result.get("goals", []),
         )
         if res["rc"] != 0 or not rows:
             rec.finish("failed", f"the CPU smoke run of bench.py failed: {last_error(log)}")
@@ -331,10 +337,53 @@ def stage_kernels_bench(ctx: Context, rec: Recorder) -> None:
         flash_attn=result.get("flash_attn"),
         rows=len(rows),
         shapes=sorted({(r["T"], r["H"], r["Hkv"], r["d"]) for r in rows}),
+        errors=[f"{r['variant']} T={r['T']} d={r['d']}: {r['error']}" for r in rows if "error" in r][:20],
         goals=kernel_goals(rows),
+        issue46_goals=result.get("goals", []),
     )
     if res["timed_out"]:
         rec.finish("timeout", f"cut at the stage's budget after {len(rows)} rows (kept in bench.json)")
+    elif res["rc"] != 0:
+        rec.finish("failed", last_error(log))
+    else:
+        rec.finish("ok")
+
+
+def stage_kernels_tune(ctx: Context, rec: Recorder) -> None:
+    """analysis/kernels/bench.py --tune: every launch configuration the offline sm_90 compile found clean,
+    timed per Triton variant at T = 4096 (head dim 64 and 128); the fastest per variant is what the kernel's
+    table (triton_diff._CONFIGS) should hold. The JSON is rewritten after each variant, so a cut run keeps
+    what it timed."""
+    bench = ctx.work / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    log = ctx.work / "logs" / "kernels_tune.log"
+    script = "analysis/kernels/bench.py"
+    path = bench / ("tune-smoke.json" if not ctx.cuda else "tune.json")
+    cmd = [sys.executable, script, "--tune", "--json", str(path)] + ([] if ctx.cuda else ["--smoke"])
+    env = {"TRITON_INTERPRET": "0"} if ctx.cuda else None
+    res = run_timed(cmd, log, ctx.left() - 3, env=env)
+    result = read_json(path) or {}
+    rows = result.get("tuning", [])
+    rec.set(
+        rc=res["rc"],
+        wall_s_tune=res["wall_s"],
+        rows=len(rows),
+        errors=[f"{r['variant']} d={r['d']} {r.get('config')}: {r['error']}" for r in rows if "error" in r][
+            :20
+        ],
+        best=result.get("best", {}),
+    )
+    if not ctx.cuda:
+        if res["rc"] != 0 or not rows:
+            rec.finish("failed", f"the CPU smoke run of bench.py --tune failed: {last_error(log)}")
+            return
+        rec.finish(
+            "skipped", "no CUDA: ran bench.py --smoke --tune on CPU instead (its times are not GPU times)"
+        )
+    elif res["timed_out"]:
+        rec.finish(
+            "timeout", f"cut at the stage's budget after {len(rows)} configurations (kept in tune.json)"
+        )
     elif res["rc"] != 0:
         rec.finish("failed", last_error(log))
     else:
