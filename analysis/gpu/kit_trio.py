@@ -212,19 +212,35 @@ def cpu_flops() -> float:
     return 8 * 2 * 512**3 / max(1e-9, time.perf_counter() - begin)
 
 
-def probe(base: dict[str, int], bsz: int, settings: dict[str, Any], device: str, data) -> dict[str, Any]:
-    """Training tokens/s of the three kinds at one size: the trainer's step (bf16 autocast on CUDA, AdamW
-    without foreach as the trainer builds it, clipping, the data mixer's batches), after warm-up steps."""
+def probe(
+    base: dict[str, int], bsz: int, settings: dict[str, Any], device: str, data, every_kind: bool = True
+) -> dict[str, Any]:
+    """Training tokens/s of every attention kind at one size (the trio's and the rivals'): the trainer's step
+    (bf16 autocast on CUDA, AdamW without foreach as the trainer builds it, clipping, the data mixer's
+    batches), after warm-up steps, with the model FLOPs utilisation the trainer reports (``mfu``: model
+    FLOPs per token x tokens/s over the chip's dense bf16 peak, diffquant.train.flops; None off the known
+    GPUs). Clipped softmax is measured twice: recomputing its maps in backward (the default) and keeping
+    them (``clipped-keep-maps``: faster, T x T maps per head in memory)."""
     import torch
     import torch.nn.functional as F
 
     from diffquant.models import DecoderLM
+    from diffquant.train import flops
 
     seq = settings["seq_len"]
+    peak = flops.peak_flops(torch.device(device))
     out: dict[str, Any] = {}
-    for kind, config in trio_configs(base, seq).items():
+    runs = [
+        (kind, config, True)
+        for kind, config in trio_configs(base, seq).items()
+        if every_kind or kind in KINDS
+    ]
+    runs += [("clipped-keep-maps", config, False) for kind, config, _ in runs if kind == "clipped"]
+    for kind, config, recompute in runs:
         torch.manual_seed(0)
         model = DecoderLM(config).to(device).train()
+        for attn in model.attention_modules():
+            attn.recompute_maps = recompute
         decay = [p for p in model.parameters() if p.dim() >= 2]
         other = [p for p in model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW(
@@ -264,8 +280,12 @@ def probe(base: dict[str, int], bsz: int, settings: dict[str, Any], device: str,
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - begin
+        tokens_per_s = settings["probe_steps"] * bsz * seq / seconds
+        # the model sees seq - 1 positions of each seq-token row (as the trainer's mfu column counts)
+        per_token = flops.training_flops_per_token(model, seq - 1) * (seq - 1) / seq
         out[kind] = {
-            "tokens_per_s": settings["probe_steps"] * bsz * seq / seconds,
+            "mfu": flops.utilisation(per_token, tokens_per_s, peak),
+            "tokens_per_s": tokens_per_s,
             "step_s": seconds / settings["probe_steps"],
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         }
@@ -477,9 +497,11 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     choice: dict[str, Any] = {}
     while True:
         name = next(iter(ladder)) if not measured else choice["size"]
-        result = probe(ladder[name], settings["batch_size"][name], settings, ctx.device, data)
+        # the first (largest) size: every kind, for the training-speed report (issue 46); later sizes: the trio
+        result = probe(ladder[name], settings["batch_size"][name], settings, ctx.device, data, not measured)
         probes[name] = result
-        measured[name] = min(r["tokens_per_s"] for r in result.values())  # the slowest kind sets the pace
+        # the slowest of the three trained kinds sets the pace (the rivals are probed, not trained here)
+        measured[name] = min(result[kind]["tokens_per_s"] for kind in KINDS)
         per_model = (ctx.left() - settings["post_reserve_s"]) / len(KINDS)
         choice = decide(per_model)
         rec.set(probe=probes, choice=choice, probe_s=round(time.time() - begin, 1))

@@ -10,7 +10,9 @@ denominator (Miller 2023; gpt-oss), ``clipped`` stretches and clips the softmax 
 Two execution paths compute that core:
 - fused: torch SDPA, used when nobody observes the maps (the common case, and what GPU kernels replace);
 - explicit: materialises logits, probabilities and the differential map, feeding them through their taps,
-  in query chunks so a long sequence never holds a full T x S map per head at once.
+  in query chunks so a long sequence never holds a full T x S map per head at once. In training with no map
+  tap engaged, each chunk runs under activation checkpointing, so autograd keeps no T x S map for backward
+  either (``Attention.recompute_maps``; the clipped kind trains on this path).
 
 Family options (``ModelConfig``): q/k/v biases (Qwen2) live in the projections; the per-head q/k RMSNorm
 (Qwen3) runs on the projections' output before RoPE, so the q and k taps still see rotated, normalised heads;
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from diffquant.kernels import (
@@ -44,6 +47,12 @@ from diffquant.models.taps import MAP_KINDS, Tap
 ATTN_PATHS = ("auto", "fused", "explicit")
 # Elements of one logits chunk (per component) that the explicit path materialises at most: 64 MiB in fp32.
 DEFAULT_MAP_BUDGET = 1 << 24
+# SDPA's own GQA (``enable_gqa``, torch >= 2.5) on the fused path while autograd records too. Off: its
+# backward sums each group's dK / dV in another order than ``repeat_interleave``'s backward does, so the
+# gradients would move off today's by rounding (CPU, torch 2.13, issue 46: outputs bit-identical; parameter
+# gradients up to 3e-7 of their largest entry apart in fp32, 2.4e-5 on DIFF V1's lambda vectors, and about
+# 1 ulp in bf16). Without autograd the forward is bit-identical, so it is used there (:meth:`Attention._fused`).
+NATIVE_GQA_WITH_GRAD = False
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -252,6 +261,9 @@ class Attention(nn.Module):
         self.chunk_size: int | None = None  # queries per explicit-path chunk; None = from DEFAULT_MAP_BUDGET
         self.kernel = "auto"  # "auto": Triton kernel on CUDA when the plan fits; "triton": also on CPU; "off"
         self.last_path = "not run"
+        # Explicit path under autograd, no map tap engaged: backward recomputes each query chunk's maps instead
+        # of autograd keeping them (float32, T x S per head and component, several per chunk). False: keep them.
+        self.recompute_maps = True
         # Optional online rotation of Q and K after RoPE (QuaRot's R3): a module called as
         # qk_rotation(q, k) -> (q, k), before the q / k taps, the kernels and the cache; logits are unchanged.
         self.qk_rotation: nn.Module | None = None
@@ -273,9 +285,12 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------------------ kind-specific
     def _components(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool = True
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """[(q_c, k_c)] per map component, each (B, H, T|S, d), and v (B, H, S, dv), kv expanded to H."""
+        """[(q_c, k_c)] per map component, each (B, H, T|S, d), and v (B, H, S, dv), kv expanded to H.
+
+        ``expand`` False: k_c and v stay at their kv heads (B, Hkv, S, .), query head h reading kv head
+        h // n_rep, the grouping SDPA's ``enable_gqa`` applies itself (no copy of K and V per query head)."""
         raise NotImplementedError
 
     def _lambda(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -347,15 +362,16 @@ class Attention(nn.Module):
             self.last_path = "flash"
             return self._output(self._finish_heads(out), x)
         sink = self._sink_logits(q)
-        components, v = self._components(q, k, v)
         if self._use_explicit():
-            out = self._explicit(components, v, lam, pos0, sink=sink)
+            components, v_heads = self._components(q, k, v)
+            out = self._explicit(components, v_heads, lam, pos0, sink=sink)
             self.last_path = "explicit"
         else:
             if self._maps_observed():
                 # Observers see the maps, but the output stays the fused one, bit for bit.
-                self._explicit(components, v, lam, pos0, need_output=False, sink=sink)
-            out = self._fused(components, v, lam, pos0, sink=sink)
+                components, v_heads = self._components(q, k, v)
+                self._explicit(components, v_heads, lam, pos0, need_output=False, sink=sink)
+            out = self._fused(q, k, v, lam, pos0, sink=sink)
             self.last_path = "sdpa"
         return self._output(self._finish_heads(out), x)
 
@@ -400,20 +416,27 @@ class Attention(nn.Module):
             tap._forward_hooks or tap._forward_pre_hooks for tap in self._map_taps()
         )
 
-    def _fused(self, components, v, lam, pos0: int, sink: torch.Tensor | None = None) -> torch.Tensor:
-        t, s = components[0][0].shape[2], components[0][1].shape[2]
-        mask = None
-        causal = False
+    def _fused(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lam: torch.Tensor | None,
+        pos0: int,
+        sink: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The core through SDPA: q (B, n_q_heads, T, d) and k / v at their kv heads -> (B, H, T, dv)."""
+        t, s = q.shape[2], k.shape[2]
+        # (the sink's mask comes with its extra key, from _sink_as_key below)
+        mask, causal = (None, False) if sink is not None else self._sdpa_mask(t, s, pos0, v.device)
+        # SDPA's own GQA instead of copying K / V per query head: only without a mask (CUDA's flash kernel
+        # takes enable_gqa but no mask; with a mask it would fall to the math kernel, as transformers'
+        # use_gqa_in_sdpa also avoids), never for the sink (its key carries a per-head logit), and under
+        # autograd only when NATIVE_GQA_WITH_GRAD says so (see there: gradients differ by rounding).
+        native = sink is None and mask is None and (NATIVE_GQA_WITH_GRAD or not _records_grad(q, k, v, lam))
+        components, v = self._components(q, k, v, expand=not native)
         if sink is not None:
             components, v, mask = self._sink_as_key(components, v, sink, pos0)
-        elif self.window is not None and s > self.window:
-            # The last query's window starts after key 0 (a prefill longer than the window, or a decode step
-            # past it): SDPA's is_causal cannot express that, so the window goes in as a boolean mask.
-            mask = _valid_mask(t, s, pos0, v.device, self.window)[0, 0]
-        elif t == s:
-            causal = t > 1
-        elif t > 1:
-            mask = _valid_mask(t, s, pos0, v.device)[0, 0]
         # SDPA's fast kernels (flash on CPU and CUDA) need one head width for Q, K and V; DIFF V1's value
         # heads are 2d wide against d-wide Q/K, which would send it to the slow math kernel. Zero-padding the
         # narrower side to the common width is exact: the extra channels add 0 to every Q.K^T dot product
@@ -423,21 +446,43 @@ class Attention(nn.Module):
         dv = v.shape[-1]
         width = max(components[0][0].shape[-1], dv)
         v = _pad_width(v, width)
-        outs = [
-            F.scaled_dot_product_attention(
+
+        def sdpa(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            gqa = {"enable_gqa": True} if qc.shape[1] != kc.shape[1] else {}
+            return F.scaled_dot_product_attention(
                 _pad_width(qc, width),
                 _pad_width(kc, width),
-                v,
+                vc,
                 attn_mask=mask,
                 is_causal=causal,
                 scale=self.scale,
+                **gqa,
             )[..., :dv]
-            for qc, kc in components
-        ]
+
+        if native and self.kind == "diff_v2":
+            # The DIFF V2 post's form: one SDPA call over all 2H query heads (pairs interleaved, so both of a
+            # pair read one kv head), then the pairs are split: the same per-head results as two calls.
+            both = sdpa(q, components[0][1], v)
+            outs = [both[:, 0::2], both[:, 1::2]]
+        else:
+            outs = [sdpa(qc, kc, v) for qc, kc in components]
         if lam is None:
             return outs[0]
         dtype = compute_dtype(v.dtype)
         return (outs[0].to(dtype) - lam.to(dtype) * outs[1].to(dtype)).to(v.dtype)
+
+    def _sdpa_mask(self, t: int, s: int, pos0: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for SDPA: is_causal where it says exactly what the layer sees, else a
+        boolean (T, S) mask, else nothing (one query after its whole cache)."""
+        if self.window is not None and s > self.window:
+            # The last query's window starts after key 0 (a prefill longer than the window, or a decode step
+            # past it): SDPA's is_causal cannot express that, so the window goes in as a boolean mask.
+            return _valid_mask(t, s, pos0, device, self.window)[0, 0], False
+        if t == s:
+            return None, t > 1
+        if t > 1:
+            return _valid_mask(t, s, pos0, device)[0, 0], False
+        return None, False
 
     def _sink_as_key(self, components, v, sink: torch.Tensor, pos0: int):
         """SDPA has no sink, but a sink is exactly one more key whose logit is s and whose value is 0: it joins
@@ -465,38 +510,73 @@ class Attention(nn.Module):
         bsz, heads, t, _ = components[0][0].shape
         s = components[0][1].shape[2]
         chunk = self.chunk_size or max(1, DEFAULT_MAP_BUDGET // max(1, bsz * heads * s))
-        if not all(getattr(tap.quantizer, "row_local", True) for tap in self._map_taps()):
+        map_taps = self._map_taps()
+        if not all(getattr(tap.quantizer, "row_local", True) for tap in map_taps):
             chunk = t  # a scale shared across query rows (per tensor / head) must see the whole map
         valid_all = _valid_mask(t, s, pos0, v.device, self.window)
-        names = [""] if len(components) == 1 else ["1", "2"]
+        names = ("",) if len(components) == 1 else ("1", "2")
         # Observing only (no output wanted): stop after the last map someone watches (logits-only profiles
         # skip the softmax and the difference map).
-        need_probs = need_output or any(
-            tap.active for tap in self._map_taps() if tap.kind in ("probs", "diff_map")
+        need_probs = need_output or any(tap.active for tap in map_taps if tap.kind in ("probs", "diff_map"))
+        vf = v.to(compute_dtype(v.dtype))
+        # Training: autograd would keep every chunk's logits and probabilities (float32, chunk x S per head
+        # and component, several tensors each) until backward, i.e. all T x S maps of every layer at once.
+        # Checkpointing a chunk keeps only its inputs (references to q, k, v, lambda) and recomputes its maps
+        # in backward: the same ops on the same inputs, so outputs and gradients are the same bits. Not when a
+        # map tap is engaged: its hooks and quantizers would run a second time in the recomputation. A chunk
+        # draws no random numbers (no dropout), so the RNG state need not be saved and restored around it.
+        recompute = (
+            need_output
+            and self.recompute_maps
+            and _records_grad(*(x for pair in components for x in pair), v, lam, sink)
+            and not any(tap.active for tap in map_taps)
         )
-        dtype = compute_dtype(v.dtype)
-        vf = v.to(dtype)
         pieces = []
         for t0 in range(0, t, chunk):
             t1 = min(t, t0 + chunk)
-            valid = valid_all[:, :, t0:t1]
-            probs = []
-            for (qc, kc), suffix in zip(components, names, strict=True):
-                logits = torch.matmul(qc[:, :, t0:t1].to(dtype), kc.to(dtype).transpose(-1, -2)) * self.scale
-                logits = getattr(self, "logits" + suffix)(logits, valid)
-                if need_probs:
-                    p = self._normalise(logits.masked_fill(~valid, float("-inf")), sink)
-                    probs.append(getattr(self, "probs" + suffix)(p, valid))
-            if not need_probs:
-                continue
-            if lam is None:
-                attn_map = probs[0]
+            args = (components, vf, lam, sink, valid_all[:, :, t0:t1], t0, t1, names, need_probs, need_output)
+            if recompute:
+                piece = torch.utils.checkpoint.checkpoint(
+                    self._explicit_chunk, *args, use_reentrant=False, preserve_rng_state=False
+                )
             else:
-                lam_chunk = lam[:, :, t0:t1] if lam.dim() == 4 else lam
-                attn_map = self.diff_map(probs[0] - lam_chunk * probs[1], valid)
-            if need_output:
-                pieces.append(torch.matmul(attn_map, vf))
+                piece = self._explicit_chunk(*args)
+            if piece is not None:
+                pieces.append(piece)
         return torch.cat(pieces, dim=2).to(v.dtype) if need_output else None
+
+    def _explicit_chunk(
+        self,
+        components: list[tuple[torch.Tensor, torch.Tensor]],
+        vf: torch.Tensor,
+        lam: torch.Tensor | None,
+        sink: torch.Tensor | None,
+        valid: torch.Tensor,
+        t0: int,
+        t1: int,
+        names: tuple[str, ...],
+        need_probs: bool,
+        need_output: bool,
+    ) -> torch.Tensor | None:
+        """Queries t0 .. t1 - 1 of the explicit path: their maps through the taps and, with ``need_output``,
+        their output rows (B, H, t1 - t0, dv) in ``vf``'s (the compute) dtype. One function so that
+        checkpointing recomputes exactly what the forward ran."""
+        dtype = vf.dtype
+        probs = []
+        for (qc, kc), suffix in zip(components, names, strict=True):
+            logits = torch.matmul(qc[:, :, t0:t1].to(dtype), kc.to(dtype).transpose(-1, -2)) * self.scale
+            logits = getattr(self, "logits" + suffix)(logits, valid)
+            if need_probs:
+                p = self._normalise(logits.masked_fill(~valid, float("-inf")), sink)
+                probs.append(getattr(self, "probs" + suffix)(p, valid))
+        if not need_probs:
+            return None
+        if lam is None:
+            attn_map = probs[0]
+        else:
+            lam_chunk = lam[:, :, t0:t1] if lam.dim() == 4 else lam
+            attn_map = self.diff_map(probs[0] - lam_chunk * probs[1], valid)
+        return torch.matmul(attn_map, vf) if need_output else None
 
 
 def _flash_ready(attn: Attention, x: torch.Tensor) -> bool:
@@ -506,6 +586,11 @@ def _flash_ready(attn: Attention, x: torch.Tensor) -> bool:
 def _pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` with its last dimension zero-padded to ``width`` (unchanged when already that wide)."""
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd records this step: grad mode is on and one of ``tensors`` (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 def _valid_mask(t: int, s: int, pos0: int, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -536,8 +621,8 @@ class BaselineAttention(Attention):
         self.logits, self.probs = Tap("logits"), Tap("probs")
         self.head_out, self.out = Tap("head_out"), Tap("attn_out")
 
-    def _components(self, q, k, v):
-        n_rep = self.n_heads // self.n_kv_heads
+    def _components(self, q, k, v, expand=True):
+        n_rep = self.n_heads // self.n_kv_heads if expand else 1
         return [(q, _repeat_heads(k, n_rep))], _repeat_heads(v, n_rep)
 
 
@@ -581,8 +666,8 @@ class DiffV1Attention(Attention):
     def _lambda(self, x):
         return getattr(self, "lambda")(self.lambda_value())
 
-    def _components(self, q, k, v):
-        n_rep = self.n_heads // self.n_kv_heads
+    def _components(self, q, k, v, expand=True):
+        n_rep = self.n_heads // self.n_kv_heads if expand else 1
         k1, k2 = _repeat_heads(k[:, 0::2], n_rep), _repeat_heads(k[:, 1::2], n_rep)
         return [(q[:, 0::2], k1), (q[:, 1::2], k2)], _repeat_heads(v, n_rep)
 
@@ -615,9 +700,9 @@ class DiffV2Attention(Attention):
         lam = getattr(self, "lambda")(torch.sigmoid(z.to(compute_dtype(z.dtype))))  # (B, T, H)
         return lam.transpose(1, 2).unsqueeze(-1)  # (B, H, T, 1)
 
-    def _components(self, q, k, v):
+    def _components(self, q, k, v, expand=True):
         # query head q reads kv head q // (2h / h_kv); for a pair (2i, 2i+1) that is i // n_rep.
-        n_rep = self.n_heads // self.n_kv_heads
+        n_rep = self.n_heads // self.n_kv_heads if expand else 1
         k, v = _repeat_heads(k, n_rep), _repeat_heads(v, n_rep)
         return [(q[:, 0::2], k), (q[:, 1::2], k)], v
 

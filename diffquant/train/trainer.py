@@ -3,6 +3,10 @@
 Written nanoGPT-style: one loop, no framework. Determinism is the point: batches are a function of
 (seed, step), checkpoints hold the fp32 weights, the optimizer state and the step, so a run resumed from a
 checkpoint reaches bit-identical weights on CPU. fp32 on CPU; bf16 autocast on CUDA.
+
+Speed: each log row has ``tokens_per_second`` (training steps only: the evaluation and checkpoint time in the
+interval is left out) and ``mfu``, model FLOPs utilisation (:mod:`diffquant.train.flops`: the model's
+training FLOPs per second over the device's dense bf16 peak; empty where the peak is unknown, as on a CPU).
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from diffquant.schema import AssignStyle, check, key, plain_name
 from diffquant.shipped import resolve as resolve_shipped
 from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
+from diffquant.train.flops import peak_flops, training_flops_per_token, utilisation
 
 RETRIEVAL_RESERVE = 128  # tokens of seq_len the final retrieval evaluation keeps for question and answer
+_clock = time.perf_counter  # the clock tokens_per_second is measured with (tests put a fake one here)
 
 
 @dataclass
@@ -481,7 +487,12 @@ def train(
     rows: list[dict[str, Any]] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     saved = start_step
-    tick = time.perf_counter()
+    # MFU: the model sees seq_len - 1 positions of each row (the last token is only a target), while
+    # tokens_per_second counts seq_len per row, so the FLOPs of a row are spread over its seq_len tokens.
+    peak = peak_flops(device)
+    flops_per_token = training_flops_per_token(model, cfg.seq_len - 1) * (cfg.seq_len - 1) / cfg.seq_len
+    tick = _clock()
+    paused = 0.0  # seconds since ``tick`` spent evaluating, logging and checkpointing, not training
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Null()
     # A start line and one at least every 10 s off a terminal (a large model's log_every steps can take
     # minutes); on a terminal a bar, the log lines printed above it.
@@ -502,19 +513,22 @@ def train(
         done = step + 1
         evaluate = done % cfg.eval_every == 0 or done == cfg.steps
         if done % cfg.log_every == 0 or done == end or evaluate:
-            now = time.perf_counter()
+            now = _clock()
             steps_done = done - (rows[-1]["step"] if rows else start_step)
+            tokens_per_second = steps_done * cfg.batch_size * cfg.seq_len / max(1e-9, now - tick - paused)
+            mfu = utilisation(flops_per_token, tokens_per_second, peak)
             row = {
                 "step": done,
                 "loss": float(loss.detach()),
                 "bits_per_token": float(loss.detach()) / math.log(2),
                 "lr": lr_at(step, cfg),
                 "grad_norm": grad_norm,
-                "tokens_per_second": steps_done * cfg.batch_size * cfg.seq_len / max(1e-9, now - tick),
+                "tokens_per_second": tokens_per_second,
                 "val_bpb": "",
                 **_lambda_columns(model),
+                "mfu": "" if mfu is None else mfu,  # last: a log from before the column still lines up
             }
-            tick = now
+            tick, paused = now, 0.0
             if evaluate:
                 row["val_bpb"] = _val_bpb(model, cfg, streams["eval_data"])
                 model.train()
@@ -524,11 +538,15 @@ def train(
                 log(
                     f"step {done}/{cfg.steps} loss {row['loss']:.4f} grad {grad_norm:.3f} lr {row['lr']:.2e} "
                     f"{row['tokens_per_second']:.0f} tok/s"
+                    + (f" mfu {mfu:.1%}" if mfu is not None else "")
                     + (f" val bpb {row['val_bpb']:.4f}" if row["val_bpb"] != "" else "")
                 )
+            paused += _clock() - now
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            begin = _clock()
             _save_state(out / "checkpoints" / f"step-{done:07d}", model, optimizer, done, cfg)
             saved = done
+            paused += _clock() - begin
     for h in handles:
         h.remove()
     if end < cfg.steps:
@@ -549,9 +567,20 @@ class _Null:
 
 
 def _append_log(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the log, under the header the file already has: a run resumed from a log written
+    before a column existed (``mfu``) keeps that log's columns, so every line has its header's length
+    (which :func:`_kept_log` relies on); a new log gets the row's columns."""
     new = not path.exists()
+    fieldnames = list(row)
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), None)
+        fieldnames = header or fieldnames
+        new = header is None
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(row), lineterminator="\n")
+    writer = csv.DictWriter(
+        buf, fieldnames=fieldnames, lineterminator="\n", extrasaction="ignore", restval=""
+    )
     if new:
         writer.writeheader()
     writer.writerow(row)
