@@ -3890,6 +3890,77 @@ MUTANTS = [
         '{"tokens": first["tokens"], "data": data, "models": summaries}',
         ("tests/test_cli_lists.py::test_a_sites_subset_is_recorded_in_the_table5_view_and_json",),
     ),
+    # --- issue 46 (CPU part): the kernel's fast P @ V, causal tile split, fused Q/K quantization, tuning
+    M(
+        "bf16 inputs keep the fp32 P @ V",
+        "diffquant/kernels/triton_diff.py",
+        'if quant.pv == "fp32" and dtype == torch.bfloat16 and not exact:',
+        'if False and quant.pv == "fp32" and dtype == torch.bfloat16 and not exact:',
+        ("tests/test_kernels.py::test_bf16_inputs_round_p_unless_exact",),
+    ),
+    M(
+        "causal split leaves the diagonal tile unmasked",
+        "diffquant/kernels/triton_diff.py",
+        "full = tl.minimum(full, tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N)",
+        "full = tl.minimum(full, tl.maximum(first + BLOCK_N, 0) // BLOCK_N * BLOCK_N)",
+        ("tests/test_kernels.py::test_fp32_kernel_matches_reference",),
+    ),
+    M(
+        "fused K quantization forgets the smoothing",
+        "diffquant/kernels/triton_quant.py",
+        "v = tl.where(ok[:, None], v - mean[None, :], 0.0)",
+        "v = tl.where(ok[:, None], v, 0.0)",
+        ("tests/test_triton_quant.py",),
+    ),
+    M(
+        "fused int8 quantization rounds half up",
+        "diffquant/kernels/triton_quant.py",
+        "return _rne(tl.minimum(tl.maximum(y, -127.0), 127.0)).to(tl.int32)",
+        "return tl.floor(tl.minimum(tl.maximum(y, -127.0), 127.0) + 0.5).to(tl.int32)",
+        ("tests/test_triton_quant.py",),
+    ),
+    M(
+        "tuning times configurations one Triton version found unclean",
+        "analysis/kernels/bench.py",
+        "for cfg, ok in verdicts.items() if all(ok)]",
+        "for cfg, ok in verdicts.items() if any(ok)]",
+        ("tests/test_kernel_bench.py::test_candidates_are_those_every_triton_version_compiled_cleanly",),
+    ),
+    M(
+        "the tuning stage runs in every kit call",
+        "analysis/gpu/kit.py",
+        'DEFAULT_STAGES = tuple(s for s in STAGES if s != "kernels_tune")',
+        "DEFAULT_STAGES = STAGES",
+        ("tests/test_gpu_kit.py::test_kernels_tune_stage_runs_only_when_named_and_records_the_best",),
+    ),
+    M(
+        "training keeps every chunk's maps",
+        "diffquant/models/attention.py",
+        "            and self.recompute_maps\n",
+        "            and False\n",
+        ("tests/test_attention_training.py::test_training_keeps_no_attention_map_for_backward",),
+    ),
+    M(
+        "training uses SDPA's own GQA (gradients move by rounding)",
+        "diffquant/models/attention.py",
+        "NATIVE_GQA_WITH_GRAD = False",
+        "NATIVE_GQA_WITH_GRAD = True",
+        ("tests/test_attention_training.py::test_training_copies_kv_so_gradients_stay_as_they_were",),
+    ),
+    M(
+        "FLOPs count one P V per query component",
+        "diffquant/train/flops.py",
+        "per_key = 2 * c.head_dim * c.n_q_heads + 2 * c.value_dim * c.n_heads",
+        "per_key = 2 * c.head_dim * c.n_q_heads + 2 * c.value_dim * c.n_q_heads",
+        ("tests/test_train_speed.py::test_formula_equals_torchs_flop_counter",),
+    ),
+    M(
+        "MFU counts the target token as a position",
+        "diffquant/train/trainer.py",
+        "flops_per_token = training_flops_per_token(model, cfg.seq_len - 1) * (cfg.seq_len - 1) / cfg.seq_len",
+        "flops_per_token = training_flops_per_token(model, cfg.seq_len - 1)",
+        ("tests/test_train_speed.py::test_log_rows_report_tokens_per_second_and_mfu",),
+    ),
 ]
 
 
