@@ -457,3 +457,36 @@ def test_devicecheck_leaves_torch_as_it_was():
         stats._histogram(torch.ones(4, device="cuda"), None)
         assert any(isinstance(t, FakeCuda) for t in stats._FOLDS.values())
     assert not any(isinstance(t, FakeCuda) for t in stats._FOLDS.values())
+
+
+def test_sink_pads_its_head_to_a_multiple_of_8_on_cuda(monkeypatch):
+    """The sink kind's SDPA call (its sink as one extra key through one extra channel, issue 46): on CUDA the
+    head is zero-padded to a multiple of 8, the width SDPA's memory-efficient kernel needs for 16-bit inputs
+    (d + 1 sent it to the math kernel); on the CPU it stays d + 1. The padded channels are zeros, so the
+    logits equal the CPU's up to the matmuls' summation order."""
+    import torch.nn.functional as F
+
+    from diffquant.models import attention
+
+    widths = []
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kw):
+        widths.append((q.is_cuda, q.shape[-1], k.shape[-1]))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    model = tiny_model("sink").eval()
+    d = model.config.head_dim
+    ids = _windows(2, 20)
+    with torch.no_grad():
+        cpu = model(ids)
+        with fake_cuda():
+            model.to("cuda")
+            cuda = real(model(ids.to("cuda")))
+            model.to("cpu")
+    padded = -(-(d + 1) // 8) * 8
+    assert padded != d + 1  # the tiny model's head width shows the padding
+    assert {w for w in widths if not w[0]} == {(False, d + 1, d + 1)}
+    assert {w for w in widths if w[0]} == {(True, padded, padded)}
+    torch.testing.assert_close(cuda, cpu, rtol=1e-5, atol=1e-5)

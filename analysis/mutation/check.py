@@ -3961,6 +3961,13 @@ MUTANTS = [
         "flops_per_token = training_flops_per_token(model, cfg.seq_len - 1)",
         ("tests/test_train_speed.py::test_log_rows_report_tokens_per_second_and_mfu",),
     ),
+    M(
+        "the sink keeps its d + 1 head on CUDA (SDPA's math kernel)",
+        "diffquant/models/attention.py",
+        "width = d + 1 if not qc.is_cuda else -(-(d + 1) // 8) * 8",
+        "width = d + 1",
+        ("tests/test_device_check.py::test_sink_pads_its_head_to_a_multiple_of_8_on_cuda",),
+    ),
 ]
 
 

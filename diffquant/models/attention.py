@@ -495,10 +495,15 @@ class Attention(nn.Module):
         ((qc, kc),) = components
         bsz, heads, t, d = qc.shape
         s = kc.shape[2]
-        q1 = torch.cat([qc, qc.new_ones(bsz, heads, t, 1)], dim=-1)
-        sink_key = kc.new_zeros(bsz, heads, 1, d + 1)
-        sink_key[..., -1] = (sink.to(compute_dtype(kc.dtype)) / self.scale).to(kc.dtype).view(1, heads, 1)
-        k1 = torch.cat([sink_key, F.pad(kc, (0, 1))], dim=2)
+        # On CUDA the head is zero-padded past the sink channel to a multiple of 8: SDPA's memory-efficient
+        # kernel (the one that takes this mask) needs a 16-bit head width divisible by 8, and d + 1 sent the
+        # sink kind to the math kernel, which materialises T x S per head (issue 46). Zero channels add
+        # exact zeros to every logit. On the CPU the width stays d + 1 (the results stay bit for bit).
+        width = d + 1 if not qc.is_cuda else -(-(d + 1) // 8) * 8
+        q1 = F.pad(torch.cat([qc, qc.new_ones(bsz, heads, t, 1)], dim=-1), (0, width - d - 1))
+        sink_key = kc.new_zeros(bsz, heads, 1, width)
+        sink_key[..., d] = (sink.to(compute_dtype(kc.dtype)) / self.scale).to(kc.dtype).view(1, heads, 1)
+        k1 = torch.cat([sink_key, F.pad(kc, (0, width - d))], dim=2)
         v1 = torch.cat([v.new_zeros(bsz, heads, 1, v.shape[-1]), v], dim=2)
         valid = _valid_mask(t, s, pos0, v.device, self.window)[0, 0]
         mask = torch.cat([valid.new_ones(t, 1), valid], dim=1)
