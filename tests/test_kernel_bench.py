@@ -169,7 +169,12 @@ def test_candidates_are_those_every_triton_version_compiled_cleanly(tmp_path, mo
     ]
     for path in tmp_path.glob("compiled-*.json"):
         path.unlink()
+    before = os.environ.get("TRITON_INTERPRET")
     from compiled import CANDIDATES
+
+    # importing compiled.py must leave the importer's Triton mode alone (it set TRITON_INTERPRET=0 once,
+    # and every later interpreter test in the suite failed)
+    assert os.environ.get("TRITON_INTERPRET") == before
 
     assert len(bench.candidates("v2-bf16-triton", 64)) == 2 * len(CANDIDATES)
 

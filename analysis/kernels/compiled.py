@@ -32,8 +32,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # before the kernels are imported: compile, do not interpret
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+if (
+    __name__ == "__main__"
+):  # run as a script: compile, do not interpret (set before the kernels are imported);
+    # imported as a module (bench.py's candidate list, a test) it must not change the importer's environment
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

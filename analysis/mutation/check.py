@@ -3968,6 +3968,13 @@ MUTANTS = [
         "width = d + 1",
         ("tests/test_device_check.py::test_sink_pads_its_head_to_a_multiple_of_8_on_cuda",),
     ),
+    M(
+        "compiled.py switches the importer's Triton mode",
+        "analysis/kernels/compiled.py",
+        'if __name__ == "__main__":  # run as a script',
+        "if True:  # run as a script",
+        ("tests/test_kernel_bench.py::test_candidates_are_those_every_triton_version_compiled_cleanly",),
+    ),
 ]
 
 
