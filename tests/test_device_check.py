@@ -460,10 +460,11 @@ def test_devicecheck_leaves_torch_as_it_was():
 
 
 def test_sink_pads_its_head_to_a_multiple_of_8_on_cuda(monkeypatch):
-    """The sink kind's SDPA call (its sink as one extra key through one extra channel, issue 46): on CUDA the
-    head is zero-padded to a multiple of 8, the width SDPA's memory-efficient kernel needs for 16-bit inputs
-    (d + 1 sent it to the math kernel); on the CPU it stays d + 1. The padded channels are zeros, so the
-    logits equal the CPU's up to the matmuls' summation order."""
+    """The sink kind's SDPA call (its sink as one extra key through one extra channel, issue 46): in bf16 on
+    CUDA the head is zero-padded to a multiple of 8, the width SDPA's memory-efficient kernel needs for
+    16-bit inputs (d + 1 sent it to the math kernel); on the CPU, and in fp32 on CUDA, it stays d + 1 (so the
+    device check's fp32 runs equal the CPU's bit for bit). The padded channels are zeros: the logits equal
+    the CPU's up to the summation order."""
     import torch.nn.functional as F
 
     from diffquant.models import attention
@@ -472,21 +473,27 @@ def test_sink_pads_its_head_to_a_multiple_of_8_on_cuda(monkeypatch):
     original = F.scaled_dot_product_attention
 
     def sdpa(q, k, v, **kw):
-        widths.append((q.is_cuda, q.shape[-1], k.shape[-1]))
+        widths.append((q.is_cuda, q.dtype, q.shape[-1], k.shape[-1]))
         return original(q, k, v, **kw)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
     model = tiny_model("sink").eval()
     d = model.config.head_dim
-    ids = _windows(2, 20)
-    with torch.no_grad():
-        cpu = model(ids)
-        with fake_cuda():
-            model.to("cuda")
-            cuda = real(model(ids.to("cuda")))
-            model.to("cpu")
     padded = -(-(d + 1) // 8) * 8
     assert padded != d + 1  # the tiny model's head width shows the padding
-    assert {w for w in widths if not w[0]} == {(False, d + 1, d + 1)}
-    assert {w for w in widths if w[0]} == {(True, padded, padded)}
-    torch.testing.assert_close(cuda, cpu, rtol=1e-5, atol=1e-5)
+    ids = _windows(2, 20)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            model.to(dtype)
+            widths.clear()
+            cpu = model(ids)
+            with fake_cuda():
+                model.to("cuda")
+                cuda = real(model(ids.to("cuda")))
+                model.to("cpu")
+            assert {w[2:] for w in widths if not w[0]} == {(d + 1, d + 1)}
+            want = padded if dtype == torch.bfloat16 else d + 1
+            assert {w[2:] for w in widths if w[0]} == {(want, want)}, dtype
+            # (a "cuda" tensor on a CPU build takes SDPA's math kernel, the CPU run its flash kernel)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(cuda.float(), cpu.float(), rtol=tol, atol=tol)

@@ -3964,7 +3964,7 @@ MUTANTS = [
     M(
         "the sink keeps its d + 1 head on CUDA (SDPA's math kernel)",
         "diffquant/models/attention.py",
-        "width = d + 1 if not qc.is_cuda else -(-(d + 1) // 8) * 8",
+        "width = -(-(d + 1) // 8) * 8 if qc.is_cuda and half else d + 1",
         "width = d + 1",
         ("tests/test_device_check.py::test_sink_pads_its_head_to_a_multiple_of_8_on_cuda",),
     ),

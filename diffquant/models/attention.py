@@ -495,11 +495,14 @@ class Attention(nn.Module):
         ((qc, kc),) = components
         bsz, heads, t, d = qc.shape
         s = kc.shape[2]
-        # On CUDA the head is zero-padded past the sink channel to a multiple of 8: SDPA's memory-efficient
-        # kernel (the one that takes this mask) needs a 16-bit head width divisible by 8, and d + 1 sent the
-        # sink kind to the math kernel, which materialises T x S per head (issue 46). Zero channels add
-        # exact zeros to every logit. On the CPU the width stays d + 1 (the results stay bit for bit).
-        width = d + 1 if not qc.is_cuda else -(-(d + 1) // 8) * 8
+        # 16-bit on CUDA (training under autocast, bf16 inference): the head is zero-padded past the sink
+        # channel to a multiple of 8, which SDPA's memory-efficient kernel (the one that takes this mask)
+        # needs for 16-bit inputs; d + 1 sent the sink kind to the math kernel, which materialises T x S per
+        # head (issue 46). Zero channels add exact zeros to every logit, but a longer dot product may sum
+        # in another order, so elsewhere (CPU, fp32 on CUDA: a checking setting) the width stays d + 1 and
+        # the results stay those of the CPU bit for bit.
+        half = qc.dtype in (torch.float16, torch.bfloat16)
+        width = -(-(d + 1) // 8) * 8 if qc.is_cuda and half else d + 1
         q1 = F.pad(torch.cat([qc, qc.new_ones(bsz, heads, t, 1)], dim=-1), (0, width - d - 1))
         sink_key = kc.new_zeros(bsz, heads, 1, width)
         sink_key[..., d] = (sink.to(compute_dtype(kc.dtype)) / self.scale).to(kc.dtype).view(1, heads, 1)
