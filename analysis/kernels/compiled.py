@@ -32,10 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-if (
-    __name__ == "__main__"
-):  # run as a script: compile, do not interpret (set before the kernels are imported);
-    # imported as a module (bench.py's candidate list, a test) it must not change the importer's environment
+# Run as a script: compile, do not interpret (set before the kernels are imported). Imported as a module
+# (bench.py's candidate list, a test), it must not change the importer's environment.
+SCRIPT = __name__ == "__main__"
+if SCRIPT:
     os.environ["TRITON_INTERPRET"] = "0"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 

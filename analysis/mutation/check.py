@@ -3971,8 +3971,8 @@ MUTANTS = [
     M(
         "compiled.py switches the importer's Triton mode",
         "analysis/kernels/compiled.py",
-        'if __name__ == "__main__":  # run as a script',
-        "if True:  # run as a script",
+        'SCRIPT = __name__ == "__main__"',
+        "SCRIPT = True",
         ("tests/test_kernel_bench.py::test_candidates_are_those_every_triton_version_compiled_cleanly",),
     ),
 ]
