@@ -1024,3 +1024,26 @@ def test_single_pass_fp8_keeps_the_fp8_tensor_cores(hopper_dots, kind, seed):
     pr = parts(x, quant)
     std = rounding_std(x, quant, pr, "same")
     check(out, ref, f"hopper {kind} sage single pass", seed, std=std, gain=gain_std(x, quant, pr, ref))
+
+
+@pytest.mark.skipif(tk is None, reason="needs Triton")
+def test_launch_configuration_from_the_table_or_the_callers_tiles(monkeypatch):
+    """Compiled launches take the table's tiles, warps and stages per kind / width / format (bf16 P @ V for
+    bf16 inputs), the interpreter 16 x 16 tiles; a caller's own tiles get Triton's default 4 warps and 3
+    stages (the table's belong to its tiles) unless those are given too."""
+    monkeypatch.setattr(tk, "_interpreting", lambda: False)
+    table = tk._config("diff_v2", 64, 64, CoreQuant(), "bf16")
+    assert (table["block_m"], table["block_n"], table["num_warps"], table["num_stages"]) == tk._CONFIGS[
+        ("diff_v2", 64, None, "bf16")
+    ]
+    mine = tk._config("diff_v2", 64, 64, CoreQuant(), "bf16", block_m=16, block_n=32)
+    assert mine == {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3}
+    given = tk._config("diff_v1", 64, 128, CoreQuant(), "bf16", block_m=64, num_warps=8, num_stages=2)
+    assert given == {"block_m": 64, "block_n": tk._CONFIGS[("diff_v1", 128, None, "bf16")][1], "num_warps": 8,
+                     "num_stages": 2}  # fmt: skip
+    assert tk.launch_config(kind="diff_v2", d=64, dv=64, qk=None, pv="fp32", interpreting=False) == dict(
+        zip(("block_m", "block_n", "num_warps", "num_stages"), tk._DEFAULT_CONFIG, strict=True)
+    )
+    assert (
+        tk.launch_config(kind="diff_v2", d=64, dv=64, qk=None, pv="bf16", interpreting=True)["block_m"] == 16
+    )

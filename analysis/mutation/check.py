@@ -3975,6 +3975,13 @@ MUTANTS = [
         "SCRIPT = True",
         ("tests/test_kernel_bench.py::test_candidates_are_those_every_triton_version_compiled_cleanly",),
     ),
+    M(
+        "a caller's own tiles keep the table's warps and stages",
+        "diffquant/kernels/triton_diff.py",
+        'if (given.get("block_m"), given.get("block_n")) != (None, None) and not _interpreting():',
+        "if False:",
+        ("tests/test_kernels.py::test_launch_configuration_from_the_table_or_the_callers_tiles",),
+    ),
 ]
 
 

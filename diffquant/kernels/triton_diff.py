@@ -668,8 +668,11 @@ def _launch(
 
 
 def _config(kind: str, d: int, dv: int, quant: CoreQuant, pv: str, **given: int | None) -> dict[str, int]:
-    """The table's launch configuration with the caller's non-None choices on top, checked."""
+    """The table's launch configuration with the caller's non-None choices on top, checked. Tiles chosen by
+    the caller get Triton's default warps and stages unless given too: the table's belong to its tiles."""
     config = launch_config(kind=kind, d=d, dv=dv, qk=quant.qk, pv=pv)
+    if (given.get("block_m"), given.get("block_n")) != (None, None) and not _interpreting():
+        config.update(num_warps=4, num_stages=3)
     config.update({key: value for key, value in given.items() if value is not None})
     _check_dims(d, config["block_m"], config["block_n"])
     return config
