@@ -757,17 +757,22 @@ def test_gpu_kernel_matches_reference(kind, variant, dtype, blocks, seed):
     d = 64 if blocks[0] == 64 else 32
     x = make_inputs(kind, b=2, h=4, n_rep=2, t=200, d=d, dist="fa3", device=GPU_DEVICE, dtype=dtype)
     quant = make_quant(x, GPU_VARIANTS[variant])
-    out = run_kernel(x, quant, block_m=blocks[0], block_n=blocks[1])
-    ref_q = reference(x, quant)
-    pr = parts(x, quant)
+    # bf16 inputs: an unquantized P @ V rounds P to bf16 (as SDPA does), i.e. the reference's pv "bf16";
+    # quantized logits run exact (fp32 P @ V), as the model's dispatch runs them
+    exact = quant.logits_bits is not None
+    out = run_kernel(x, quant, block_m=blocks[0], block_n=blocks[1], exact=exact)
+    same = dtype == torch.bfloat16 and quant.pv == "fp32" and not exact
+    quant_ref = dataclasses.replace(quant, pv="bf16") if same else quant
+    ref_q = reference(x, quant_ref)
+    pr = parts(x, quant_ref)
     extra = (2.0**-8 if dtype == torch.bfloat16 else 0.0) * ref_q.abs()  # the bf16 output cast
-    bound = row_bound(x, quant, pr) + extra
+    bound = row_bound(x, quant_ref, pr) + extra
     what = f"gpu {kind} {variant} {dtype} blocks {blocks}"
-    if quant.pv != "fp32":
-        std = rounding_std(x, quant, pr, "same")
-        gain = gain_std(x, quant, pr, ref_q) if dtype == torch.float32 else None
+    if quant_ref.pv != "fp32":
+        std = rounding_std(x, quant_ref, pr, "same")
+        gain = gain_std(x, quant_ref, pr, ref_q) if dtype == torch.float32 else None
         check(out, ref_q, what, seed, std=std, extra=extra, gain=gain)
-        out2 = run_kernel(x, quant, block_m=blocks[0], block_n=blocks[1], two_pass=True)
+        out2 = run_kernel(x, quant, block_m=blocks[0], block_n=blocks[1], two_pass=True, exact=exact)
         check(out2, ref_q, what + " two-pass", seed, bound=bound, exempt=0.05, extra=extra)
     else:
         check(out, ref_q, what, seed, bound=bound, exempt=0.05 if quant.logits_bits else 0.0, extra=extra)
