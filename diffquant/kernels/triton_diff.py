@@ -64,7 +64,6 @@ paths failed, which ``_dot`` now avoids (a GPU run confirms it).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -79,7 +78,7 @@ from diffquant.kernels.reference import (
     logits_scales,
     quantize_values,
 )
-from diffquant.kernels.triton_quant import _rne, _round_e4m3, quantize_tokens_triton
+from diffquant.kernels.triton_quant import _interpreting, _rne, _round_e4m3, quantize_tokens_triton
 
 __all__ = ["diff_v1_attention", "diff_v2_attention", "kernel_constants", "kernel_round", "launch_config"]
 
@@ -216,18 +215,12 @@ def _tile_logits(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < S
     k_rows = offs_n[:, None] * stride_kt
-    if MASKED:
-        k1 = tl.load(k_base + kh1 * stride_kh + k_rows, mask=n_ok[:, None], other=0.0)
-    else:
-        k1 = tl.load(k_base + kh1 * stride_kh + k_rows)
+    k1 = _load_rows(k_base + kh1 * stride_kh + k_rows, n_ok, MASKED)
     ks1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     if QK_MODE != 0:
         ks1 = tl.load(ks_base + kh1 * S + offs_n, mask=n_ok, other=0.0)
     if K_PER_KV == 2:
-        if MASKED:
-            k2 = tl.load(k_base + kh2 * stride_kh + k_rows, mask=n_ok[:, None], other=0.0)
-        else:
-            k2 = tl.load(k_base + kh2 * stride_kh + k_rows)
+        k2 = _load_rows(k_base + kh2 * stride_kh + k_rows, n_ok, MASKED)
         ks2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         if QK_MODE != 0:
             ks2 = tl.load(ks_base + kh2 * S + offs_n, mask=n_ok, other=0.0)
@@ -247,12 +240,13 @@ def _tile_logits(
 
 
 @triton.jit
-def _load_v(v_base, offs_n, n_ok, stride_vt, MASKED: tl.constexpr):
-    if MASKED:
-        v = tl.load(v_base + offs_n[:, None] * stride_vt, mask=n_ok[:, None], other=0.0)
+def _load_rows(ptrs, n_ok, MASKED: tl.constexpr):
+    """A (BN, width) tile of key or value rows; MASKED: rows past S (not ``n_ok``) read 0, else no mask."""
+    if MASKED:  # noqa: SIM108 (constexpr branches, one compiled)
+        x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
     else:
-        v = tl.load(v_base + offs_n[:, None] * stride_vt)
-    return v
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
@@ -281,7 +275,7 @@ def _first_pass(
         l1 = l1 * alpha1 + tl.sum(p1, 1)
         l2 = l2 * alpha2 + tl.sum(p2, 1)
         if not TWO_PASS:
-            v = _load_v(v_base, offs_n, n_ok, stride_vt, MASKED)
+            v = _load_rows(v_base + offs_n[:, None] * stride_vt, n_ok, MASKED)
             acc1 = acc1 * alpha1[:, None] + _pv(
                 p1, v, p_step, PV_MODE, TWO_PASS, UPCAST, BLOCK_N >= 32, HW_CAST
             )
@@ -311,7 +305,7 @@ def _second_pass(
         )  # fmt: skip
         p1 = tl.exp(s1 - m1[:, None]) / l1[:, None]
         p2 = tl.exp(s2 - m2[:, None]) / l2[:, None]
-        v = _load_v(v_base, offs_n, n_ok, stride_vt, MASKED)
+        v = _load_rows(v_base + offs_n[:, None] * stride_vt, n_ok, MASKED)
         acc1 += _pv(p1, v, p_step, PV_MODE, True, UPCAST, BLOCK_N >= 32, HW_CAST)
         acc2 += _pv(p2, v, p_step, PV_MODE, True, UPCAST, BLOCK_N >= 32, HW_CAST)
     return acc1, acc2
@@ -587,10 +581,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         )
     if causal and q.shape[2] > k.shape[2]:
         raise DiffquantError(f"causal attention with more queries ({q.shape[2]}) than keys ({k.shape[2]})")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _prepare(

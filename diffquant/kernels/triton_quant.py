@@ -28,9 +28,9 @@ same arithmetic, element by element:
   no finite value gets scale 1, like an all-zero one. Note that the reference's smoothing mean of a K channel that
   holds a NaN or an inf is itself NaN / inf, so that whole channel becomes NaN codes (the absmax ignores them).
 
-Rounding is integer / fp32 arithmetic (as in triton_diff, whose helpers these are copies of, kept here so that
-triton_diff can import this module without an import circle): Triton's interpreter does not implement the
-narrowing casts faithfully. The e4m3 byte is assembled from the rounded value's bits (sign, exponent, mantissa;
+Rounding is integer / fp32 arithmetic (these helpers, ``_rne`` and ``_round_e4m3``, are the ones triton_diff
+imports from here, as it imports ``_interpreting``): Triton's interpreter does not implement the narrowing
+casts faithfully. The e4m3 byte is assembled from the rounded value's bits (sign, exponent, mantissa;
 subnormals as m * 2^-9) and stored through a uint8 view, so the interpreter's fp32 -> e4m3 cast (which flushes
 subnormals) is never used and -0.0 / NaN signs survive; int8 codes are exact integers in fp32, which every
 backend casts exactly.
