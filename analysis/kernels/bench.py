@@ -140,6 +140,24 @@ def inputs(shape: dict, dist: str, kind: str, gen: torch.Generator) -> dict:
     }
 
 
+def v2_variants() -> dict:
+    """The DIFF V2 Triton variants by row name: their CoreQuant (imported here: after --smoke has chosen
+    Triton's interpreter)."""
+    from diffquant.kernels import CoreQuant
+
+    return {
+        "v2-bf16-triton": CoreQuant(),
+        "v2-int8qk-fp8pv-triton": CoreQuant(qk="int8", block=64, pv="fp8_e4m3"),
+        "v2-fp8qk-fp8pv-triton": CoreQuant(qk="fp8_e4m3", block=64, pv="fp8_e4m3"),
+    }
+
+
+def pair_flops(shape: dict) -> float:
+    """FLOPs of a DIFF V2 core (two causal maps per head; QK^T and PV each 2 T^2 d per map, halved by the
+    mask); the baseline computes half, DIFF V1 (2d-wide values) twice."""
+    return 2 * 4 * shape["H"] * shape["T"] ** 2 * shape["d"] / 2
+
+
 # --------------------------------------------------------------------- DIFF on torch SDPA, as a user writes it
 def sdpa_gqa_supported() -> bool:
     """Whether this torch's SDPA takes ``enable_gqa`` (torch >= 2.5) and runs it for bf16 on DEVICE."""
@@ -214,22 +232,18 @@ def add_row(
 
 def run(args: argparse.Namespace, on_shape=None) -> dict:
     """All shapes' rows; ``on_shape(partial_result)`` is called after each shape (for --json)."""
-    from diffquant.kernels import CoreQuant, diff_v1_core, diff_v2_core
+    from diffquant.kernels import diff_v1_core, diff_v2_core
     from diffquant.kernels.flash import flash_available
     from diffquant.kernels.triton_diff import diff_v1_attention, diff_v2_attention
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     gqa = sdpa_gqa_supported()
     expand = "enable_gqa" if gqa else "repeat_interleave"
-    variants = {
-        "v2-bf16": CoreQuant(),
-        "v2-int8qk-fp8pv": CoreQuant(qk="int8", block=64, pv="fp8_e4m3"),
-        "v2-fp8qk-fp8pv": CoreQuant(qk="fp8_e4m3", block=64, pv="fp8_e4m3"),
-    }
+    variants = v2_variants()
     rows: list[dict] = []
     for shape in shapes(args.quick, args.smoke):
         t, h, d = shape["T"], shape["H"], shape["d"]
-        flops_pair = 2 * 4 * h * t * t * d / 2  # two causal maps (QK^T and PV each 2*T^2*d per map)
+        flops_pair = pair_flops(shape)
         for dist in DISTS:
             head = {**shape, "dist": dist}
             x = inputs(shape, dist, "v2", gen)
@@ -253,7 +267,7 @@ def run(args: argparse.Namespace, on_shape=None) -> dict:
             for name, quant in variants.items():
                 # no block_m / block_n: the kernel picks its tiles per shape (triton_diff.launch_config)
                 call = partial(diff_v2_attention, q16, k16, v16, lam, quant=quant)
-                add_row(rows, head, f"{name}-triton", call, args.reps, flops_pair, ref)
+                add_row(rows, head, name, call, args.reps, flops_pair, ref)
             x1 = inputs(shape, dist, "v1", gen)
             q1, k1, v1 = (x1[n].to(torch.bfloat16) for n in ("q", "k", "v"))
             lam1, init1 = x1["lam"], x1["lambda_init"]
@@ -456,19 +470,14 @@ def candidates(variant: str, d: int, smoke: bool = False) -> list[dict]:
 def tune(args: argparse.Namespace, on_variant=None) -> dict:
     """Time every candidate configuration of every Triton variant on the T = 4096 shapes (N(0,1) inputs):
     the rows, and the fastest per (variant, d) as the kernel's table (triton_diff._CONFIGS) would hold it."""
-    from diffquant.kernels import CoreQuant
     from diffquant.kernels.triton_diff import diff_v1_attention, diff_v2_attention
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    quants = {
-        "v2-bf16-triton": CoreQuant(),
-        "v2-int8qk-fp8pv-triton": CoreQuant(qk="int8", block=64, pv="fp8_e4m3"),
-        "v2-fp8qk-fp8pv-triton": CoreQuant(qk="fp8_e4m3", block=64, pv="fp8_e4m3"),
-    }
+    quants = v2_variants()
     rows: list[dict] = []
     for shape in shapes(False, smoke=True) if args.smoke else TUNE_SHAPES:
         t, h, d = shape["T"], shape["H"], shape["d"]
-        flops_pair = 2 * 4 * h * t * t * d / 2
+        flops_pair = pair_flops(shape)
         head = {**shape, "dist": "normal"}
         x = {
             n: v.to(torch.bfloat16) if n != "lam" else v
