@@ -341,12 +341,7 @@ def stage_kernels_bench(ctx: Context, rec: Recorder) -> None:
         goals=kernel_goals(rows),
         issue46_goals=result.get("goals", []),
     )
-    if res["timed_out"]:
-        rec.finish("timeout", f"cut at the stage's budget after {len(rows)} rows (kept in bench.json)")
-    elif res["rc"] != 0:
-        rec.finish("failed", last_error(log))
-    else:
-        rec.finish("ok")
+    rec.finish_run(res, log, f"cut at the stage's budget after {len(rows)} rows (kept in bench.json)")
 
 
 def stage_kernels_tune(ctx: Context, rec: Recorder) -> None:
@@ -380,14 +375,10 @@ def stage_kernels_tune(ctx: Context, rec: Recorder) -> None:
         rec.finish(
             "skipped", "no CUDA: ran bench.py --smoke --tune on CPU instead (its times are not GPU times)"
         )
-    elif res["timed_out"]:
-        rec.finish(
-            "timeout", f"cut at the stage's budget after {len(rows)} configurations (kept in tune.json)"
-        )
-    elif res["rc"] != 0:
-        rec.finish("failed", last_error(log))
-    else:
-        rec.finish("ok")
+        return
+    rec.finish_run(
+        res, log, f"cut at the stage's budget after {len(rows)} configurations (kept in tune.json)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ cli

@@ -281,8 +281,7 @@ def probe(
             torch.cuda.synchronize()
         seconds = time.perf_counter() - begin
         tokens_per_s = settings["probe_steps"] * bsz * seq / seconds
-        # the model sees seq - 1 positions of each seq-token row (as the trainer's mfu column counts)
-        per_token = flops.training_flops_per_token(model, seq - 1) * (seq - 1) / seq
+        per_token = flops.row_flops_per_token(model, seq)  # as the trainer's mfu column counts
         out[kind] = {
             "mfu": flops.utilisation(per_token, tokens_per_s, peak),
             "tokens_per_s": tokens_per_s,

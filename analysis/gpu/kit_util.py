@@ -75,6 +75,16 @@ class Recorder:
         self.data["status"], self.data["reason"] = status, reason
         write_json(self.path, self.data)
 
+    def finish_run(self, res: dict[str, Any], log: Path, cut: str) -> None:
+        """The status of a stage that is one run_timed command: timeout (``cut`` says what was kept), failed
+        (the log's last error) or ok."""
+        if res["timed_out"]:
+            self.finish("timeout", cut)
+        elif res["rc"] != 0:
+            self.finish("failed", last_error(log))
+        else:
+            self.finish("ok")
+
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM to the process group, SIGKILL after ``grace`` seconds: a stage's children go with it."""

@@ -3956,9 +3956,9 @@ MUTANTS = [
     ),
     M(
         "MFU counts the target token as a position",
-        "diffquant/train/trainer.py",
-        "flops_per_token = training_flops_per_token(model, cfg.seq_len - 1) * (cfg.seq_len - 1) / cfg.seq_len",
-        "flops_per_token = training_flops_per_token(model, cfg.seq_len - 1)",
+        "diffquant/train/flops.py",
+        "return training_flops_per_token(model, row_len - 1) * (row_len - 1) / row_len",
+        "return training_flops_per_token(model, row_len - 1)",
         ("tests/test_train_speed.py::test_log_rows_report_tokens_per_second_and_mfu",),
     ),
     M(

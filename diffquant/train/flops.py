@@ -94,6 +94,13 @@ def training_flops_per_token(model: DecoderLM, seq_len: int, causal: bool = True
     return 6.0 * matmul_parameters(model) + 3.0 * attention_flops_per_token(model, seq_len, causal)
 
 
+def row_flops_per_token(model: DecoderLM, row_len: int) -> float:
+    """Training FLOPs per token of ``row_len``-token training rows, as tokens/s counts them: the model reads
+    ``row_len - 1`` positions of each row (the last token is only a target), so a row's FLOPs are spread over
+    its ``row_len`` tokens. What the trainer's ``mfu`` column and the GPU kit's probe divide."""
+    return training_flops_per_token(model, row_len - 1) * (row_len - 1) / row_len
+
+
 def peak_flops_of(name: str) -> float | None:
     """The dense bf16 peak (FLOP/s) of a CUDA device called ``name``, None when the table does not know it."""
     upper = name.upper()

@@ -47,7 +47,7 @@ from diffquant.schema import AssignStyle, check, key, plain_name
 from diffquant.shipped import resolve as resolve_shipped
 from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
-from diffquant.train.flops import peak_flops, training_flops_per_token, utilisation
+from diffquant.train.flops import peak_flops, row_flops_per_token, utilisation
 
 RETRIEVAL_RESERVE = 128  # tokens of seq_len the final retrieval evaluation keeps for question and answer
 _clock = time.perf_counter  # the clock tokens_per_second is measured with (tests put a fake one here)
@@ -487,10 +487,8 @@ def train(
     rows: list[dict[str, Any]] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     saved = start_step
-    # MFU: the model sees seq_len - 1 positions of each row (the last token is only a target), while
-    # tokens_per_second counts seq_len per row, so the FLOPs of a row are spread over its seq_len tokens.
     peak = peak_flops(device)
-    flops_per_token = training_flops_per_token(model, cfg.seq_len - 1) * (cfg.seq_len - 1) / cfg.seq_len
+    flops_per_token = row_flops_per_token(model, cfg.seq_len)  # MFU: per token as tokens_per_second counts
     tick = _clock()
     paused = 0.0  # seconds since ``tick`` spent evaluating, logging and checkpointing, not training
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Null()
