@@ -274,6 +274,10 @@ class Attention(nn.Module):
         """This layer's RoPE inverse frequencies on ``device``, computed once per (config, device)."""
         theta, rope_scaling = self.rope_theta, self.rope_scaling
         scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
+        if torch.compiler.is_compiling():
+            # traced into the graph once (Inductor folds it); filling the cache here would change state the
+            # compiled graph is guarded on, and the next call would compile again
+            return rope_inv_freq(self.head_dim, theta, rope_scaling, device)
         key = (self.head_dim, theta, scaling, device)
         if self._rope_cache is None or self._rope_cache[0] != key:
             self._rope_cache = (key, rope_inv_freq(self.head_dim, theta, rope_scaling, device))
