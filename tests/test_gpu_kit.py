@@ -418,3 +418,49 @@ def test_kernels_tune_stage_runs_only_when_named_and_records_the_best(tmp_path, 
     for key, cfg in best.items():
         variant = key.split(" ")[0]
         assert cfg["ms"] == min(r["ms"] for r in rows if r["variant"] == variant)
+
+
+def test_train_compile_stage_probes_every_kind_eager_then_compiled(tmp_path, monkeypatch):
+    """The training-compile stage (issue 46, goal 5) is not in a plain run; named, it probes every kind at
+    the ladder's largest size eagerly and then through the trainer's ``training_forward`` with compilation
+    on, each kind recorded as it ends, with compiled / eager tokens/s per kind and a digest table.
+    (The compile itself is replaced here by a recorder: tests/test_train.py compiles the trainer for real.)"""
+    import time
+
+    import torch
+    from kit_util import Context, Recorder
+
+    from diffquant.models.config import ATTENTION_KINDS
+    from diffquant.train import trainer
+
+    assert "train_compile" in kit.STAGES and "train_compile" not in kit.DEFAULT_STAGES
+    asked: list[bool] = []
+
+    def forward(model, compile_model):
+        asked.append(compile_model)
+        return model
+
+    monkeypatch.setattr(trainer, "training_forward", forward)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: asked.append("reset"))
+    monkeypatch.setitem(kit_trio.SETTINGS["rehearse"], "probe_steps", 1)
+    ctx = Context(mode="rehearse", work=tmp_path, deadline=time.time() + 300, cuda=False)
+    rec = Recorder(tmp_path / "train_compile.json")
+    kit_trio.stage_train_compile(ctx, rec)
+    data = json.loads((tmp_path / "train_compile.json").read_text())
+    assert data["status"] == "skipped" and "no CUDA" in data["reason"], data
+    n = data["numbers"]
+    kinds = {*ATTENTION_KINDS, "clipped-keep-maps"}
+    assert n["size"] == next(iter(kit_trio.LADDER["rehearse"]))
+    assert set(n["eager"]) == set(n["compiled"]) == set(n["speedup"]) == kinds
+    # each kind compiles afresh (TorchDynamo's recompile limit counts across models, then it runs eagerly)
+    assert asked == [False] * len(kinds) + ["reset", True] * len(kinds)
+    assert all(not r["compiled"] for r in n["eager"].values())
+    assert all(r["compiled"] for r in n["compiled"].values())
+    for kind in kinds:
+        ratio = n["compiled"][kind]["tokens_per_s"] / n["eager"][kind]["tokens_per_s"]
+        assert n["speedup"][kind] == pytest.approx(ratio, abs=1e-3)
+    lines = kit._compile_lines(n)
+    assert lines[0].startswith(f"train_compile, {n['size']}") and len(lines) == 2 + len(kinds)
+    assert f"compiled / eager tokens/s: baseline {n['speedup']['baseline']:.2f}x" in kit._note(
+        "train_compile", n
+    )

@@ -26,6 +26,7 @@ from kit_util import REPO, Context, Recorder, diffquant, kill_group, last_error,
 IMPORTED = ("triton", "optimum.quanto", "bitsandbytes", "gguf", "flash_attn")
 # Only looked up (slow to import, and used by no stage)
 LOOKED_UP = (
+    "numpy",  # Triton 3.6's interpreter fails under numpy 2.4 ("only 0-dimensional arrays ..."); 2.2 works
     "transformers",
     "accelerate",
     "tokenizers",

@@ -22,6 +22,7 @@ import os
 import site
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,9 @@ SETTINGS = {
         "calib_tokens": 4096,
         "retrieval_eval_samples": 10,
         "margin": 0.85,  # of the predicted training time actually planned
+        # the trainer's torch_compile for the probe and the three runs: off until the train_compile stage
+        # has measured on the GPU that compiled steps, compile time included, train more tokens (issue 46)
+        "torch_compile": False,
     },
     "rehearse": {
         "seq_len": 256,  # the trainer's retrieval check wants 128 tokens of question and answer in the context
@@ -119,6 +123,7 @@ SETTINGS = {
         "calib_tokens": 512,
         "retrieval_eval_samples": 1,
         "margin": 0.85,
+        "torch_compile": False,
     },
 }
 NEEDLE_FRACTION = 0.2
@@ -213,20 +218,32 @@ def cpu_flops() -> float:
 
 
 def probe(
-    base: dict[str, int], bsz: int, settings: dict[str, Any], device: str, data, every_kind: bool = True
+    base: dict[str, int],
+    bsz: int,
+    settings: dict[str, Any],
+    device: str,
+    data,
+    every_kind: bool = True,
+    compile_model: bool | None = None,
+    record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Training tokens/s of every attention kind at one size (the trio's and the rivals'): the trainer's step
-    (bf16 autocast on CUDA, AdamW without foreach as the trainer builds it, clipping, the data mixer's
-    batches), after warm-up steps, with the model FLOPs utilisation the trainer reports (``mfu``: model
-    FLOPs per token x tokens/s over the chip's dense bf16 peak, diffquant.train.flops; None off the known
-    GPUs). Clipped softmax is measured twice: recomputing its maps in backward (the default) and keeping
-    them (``clipped-keep-maps``: faster, T x T maps per head in memory)."""
+    (its forward, eager or ``torch.compile``d as ``compile_model`` says, else as the settings' ``torch_compile``;
+    bf16 autocast on CUDA; its AdamW, fused on CUDA; clipping; the data mixer's batches), after warm-up steps,
+    with the model FLOPs utilisation the trainer reports (``mfu``: model FLOPs per token x tokens/s over the
+    chip's dense bf16 peak, diffquant.train.flops; None off the known GPUs). Clipped softmax is measured
+    twice: recomputing its maps in backward (the default) and keeping them (``clipped-keep-maps``: faster,
+    T x T maps per head in memory). ``warmup_s`` is the warm-up steps' seconds: with compilation, mostly the
+    compile. ``record`` gets the results so far after each kind (a stage cut at its budget keeps them)."""
     import torch
     import torch.nn.functional as F
 
     from diffquant.models import DecoderLM
     from diffquant.train import flops
+    from diffquant.train.trainer import adamw, training_forward
 
+    if compile_model is None:
+        compile_model = settings["torch_compile"]
     seq = settings["seq_len"]
     peak = flops.peak_flops(torch.device(device))
     out: dict[str, Any] = {}
@@ -237,28 +254,26 @@ def probe(
     ]
     runs += [("clipped-keep-maps", config, False) for kind, config, _ in runs if kind == "clipped"]
     for kind, config, recompute in runs:
+        if compile_model:
+            # each kind compiles afresh: TorchDynamo counts recompiles of a function across models, and past
+            # its limit (8) it runs that function eagerly without saying so
+            torch._dynamo.reset()
         torch.manual_seed(0)
         model = DecoderLM(config).to(device).train()
         for attn in model.attention_modules():
             attn.recompute_maps = recompute
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        other = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-            lr=1e-3,
-            betas=(0.9, 0.95),
-            foreach=False,
-        )
+        opt = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        forward = training_forward(model, compile_model)
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if device == "cuda"
             else torch.autocast("cpu", enabled=False)
         )
 
-        def step(i: int, model=model, opt=opt, autocast=autocast) -> None:
+        def step(i: int, model=model, forward=forward, opt=opt, autocast=autocast) -> None:
             ids = data.batch(i, bsz).to(device)
             with autocast:
-                logits = model(ids[:, :-1])
+                logits = forward(ids[:, :-1])
             loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]),
                 ids[:, 1:].reshape(-1),
@@ -269,11 +284,13 @@ def probe(
             float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # the trainer syncs here too
             opt.step()
 
+        begin = time.perf_counter()
         for i in range(settings["probe_warmup"]):
             step(i)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        warmup_s = time.perf_counter() - begin
         begin = time.perf_counter()
         for i in range(settings["probe_steps"]):
             step(1000 + i)
@@ -286,11 +303,15 @@ def probe(
             "mfu": flops.utilisation(per_token, tokens_per_s, peak),
             "tokens_per_s": tokens_per_s,
             "step_s": seconds / settings["probe_steps"],
+            "warmup_s": round(warmup_s, 2),
+            "compiled": compile_model,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         }
-        del model, opt
+        del model, forward, opt
         if device == "cuda":
             torch.cuda.empty_cache()
+        if record is not None:
+            record(out)
     return out
 
 
@@ -392,6 +413,7 @@ def train_recipe(
         "checkpoint_every": steps,
         "save_dtype": "float32",
         "device": device,
+        "torch_compile": settings["torch_compile"],
     }
 
 
@@ -439,6 +461,50 @@ def study_recipe(models: dict[str, str], settings: dict[str, Any], device: str, 
         "plots": {"enabled": True},
         "output": {"dir": str(out)},
     }
+
+
+# ------------------------------------------------------------------------------------------ compile probe
+def stage_train_compile(ctx: Context, rec: Recorder) -> None:
+    """Does ``torch.compile`` raise training's share of the chip (issue 46, goal 5)? The probe at the ladder's
+    largest size (52M on the GPU) for every kind, eager and then compiled, each kind recorded as it ends
+    (``eager`` / ``compiled``: tokens/s, mfu, warmup_s: with compilation mostly the compile, peak memory);
+    ``speedup``: compiled over eager tokens/s per kind. If compiled steps win by more than their compile time
+    costs a run, SETTINGS["gpu"]["torch_compile"] is what to turn on for the trio. Runs only when named."""
+    from diffquant.train.data import TrainData
+
+    settings = SETTINGS[ctx.mode]
+    ladder = LADDER[ctx.mode]
+    size = next(iter(ladder))
+    data = TrainData(
+        "stdlib:train",
+        seq_len=settings["seq_len"],
+        max_tokens=settings["probe_data_tokens"],
+        needle_fraction=NEEDLE_FRACTION,
+        seed=0,
+    )
+    rec.set(size=size, batch=settings["batch_size"][size], seq_len=settings["seq_len"])
+    results: dict[str, dict[str, Any]] = {}
+    for label, compiled in (("eager", False), ("compiled", True)):
+        results[label] = probe(
+            ladder[size],
+            settings["batch_size"][size],
+            settings,
+            ctx.device,
+            data,
+            compile_model=compiled,
+            record=lambda out, label=label: rec.set(**{label: out}),
+        )
+    rec.set(
+        speedup={
+            kind: round(results["compiled"][kind]["tokens_per_s"] / row["tokens_per_s"], 3)
+            for kind, row in results["eager"].items()
+            if kind in results["compiled"]
+        }
+    )
+    if not ctx.cuda:
+        rec.finish("skipped", "no CUDA: probed on CPU at the toy size (CPU times, not the GPU's)")
+        return
+    rec.finish("ok")
 
 
 # ------------------------------------------------------------------------------------------ the stage
