@@ -3982,6 +3982,41 @@ MUTANTS = [
         "if False:",
         ("tests/test_kernels.py::test_launch_configuration_from_the_table_or_the_callers_tiles",),
     ),
+    M(
+        "RoPE's cache is filled while compiling (the forward compiles again after step 1)",
+        "diffquant/models/attention.py",
+        "        if torch.compiler.is_compiling():\n            # traced",
+        "        if False:\n            # traced",
+        ("tests/test_train.py::test_torch_compile_trains_the_eager_steps",),
+    ),
+    M(
+        "the recipe's torch_compile is ignored",
+        "diffquant/train/trainer.py",
+        "forward = training_forward(model, cfg.torch_compile)",
+        "forward = training_forward(model, False)",
+        ("tests/test_train.py::test_torch_compile_trains_the_eager_steps",),
+    ),
+    M(
+        "AdamW keeps the per-tensor loop on CUDA",
+        "diffquant/train/trainer.py",
+        'implementation = {"fused": True} if on_cuda else {"foreach": False}',
+        'implementation = {"foreach": False}',
+        ("tests/test_train.py::test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_elsewhere",),
+    ),
+    M(
+        "the compile probe reuses TorchDynamo's state across kinds",
+        "analysis/gpu/kit_trio.py",
+        "            torch._dynamo.reset()\n",
+        "            pass\n",
+        ("tests/test_gpu_kit.py::test_train_compile_stage_probes_every_kind_eager_then_compiled",),
+    ),
+    M(
+        "the compile stage probes eagerly twice",
+        "analysis/gpu/kit_trio.py",
+        "compile_model=compiled,",
+        "compile_model=False,",
+        ("tests/test_gpu_kit.py::test_train_compile_stage_probes_every_kind_eager_then_compiled",),
+    ),
 ]
 
 
