@@ -530,3 +530,32 @@ def test_reference_cores_offset_the_mask_for_fewer_queries_than_keys(kind) -> No
         expected = torch.stack(outs, 1)
     assert got.shape == (bsz, heads, t_len, dv)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("logits_bits", [None, 8])
+@pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
+def test_dispatch_keeps_p_v_exact_only_for_quantized_logits(kind: str, logits_bits, monkeypatch) -> None:
+    """A bf16 layer on the kernel: with quantized logits the kernel keeps P @ V in fp32 (``exact``), as the
+    explicit fake-quant path it stands for computes it; without, P is rounded to bf16 as the SDPA path it
+    replaces does. The dispatch decides; its choice reaches the kernel and the output is the kernel's own."""
+    pytest.importorskip("triton")
+    from diffquant.kernels import dispatch, triton_diff
+    from diffquant.kernels.reference import CoreQuant
+
+    cfg = make_config(kind, 2, head_dim=16)
+    attn = build_attention(cfg, seed=77).to(torch.bfloat16)
+    core = CoreQuant(logits_bits=logits_bits, logits_scale=torch.tensor([0.05]) if logits_bits else None)
+    monkeypatch.setattr(dispatch, "kernel_core", lambda layer: core)
+    name = f"{kind}_attention"
+    real, seen = getattr(triton_diff, name), []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["exact"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_diff, name, spy)
+    attn.kernel = "triton"
+    with torch.no_grad():
+        out = attn(torch.randn(BATCH, 20, E, dtype=torch.bfloat16))
+    assert attn.last_path == "triton" and seen == [logits_bits is not None]
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

@@ -4017,6 +4017,13 @@ MUTANTS = [
         "compile_model=False,",
         ("tests/test_gpu_kit.py::test_train_compile_stage_probes_every_kind_eager_then_compiled",),
     ),
+    M(
+        "the dispatch rounds P to bf16 for quantized logits too",
+        "diffquant/kernels/dispatch.py",
+        "exact = core.logits_bits is not None",
+        "exact = False",
+        ("tests/test_attention_reference.py::test_dispatch_keeps_p_v_exact_only_for_quantized_logits",),
+    ),
 ]
 
 
