@@ -315,6 +315,19 @@ def probe(
     return out
 
 
+def probe_data(settings: dict[str, Any]):
+    """The probe's batches: the trainer's data mixer over the first probe_data_tokens of stdlib:train."""
+    from diffquant.train.data import TrainData
+
+    return TrainData(
+        "stdlib:train",
+        seq_len=settings["seq_len"],
+        max_tokens=settings["probe_data_tokens"],
+        needle_fraction=NEEDLE_FRACTION,
+        seed=0,
+    )
+
+
 # ------------------------------------------------------------------------------------------ corpus
 def corpus_roots() -> list[Path]:
     """The installed packages' folders (site-packages / dist-packages) of this Python."""
@@ -470,18 +483,10 @@ def stage_train_compile(ctx: Context, rec: Recorder) -> None:
     (``eager`` / ``compiled``: tokens/s, mfu, warmup_s: with compilation mostly the compile, peak memory);
     ``speedup``: compiled over eager tokens/s per kind. If compiled steps win by more than their compile time
     costs a run, SETTINGS["gpu"]["torch_compile"] is what to turn on for the trio. Runs only when named."""
-    from diffquant.train.data import TrainData
-
     settings = SETTINGS[ctx.mode]
     ladder = LADDER[ctx.mode]
     size = next(iter(ladder))
-    data = TrainData(
-        "stdlib:train",
-        seq_len=settings["seq_len"],
-        max_tokens=settings["probe_data_tokens"],
-        needle_fraction=NEEDLE_FRACTION,
-        seed=0,
-    )
+    data = probe_data(settings)
     rec.set(size=size, batch=settings["batch_size"][size], seq_len=settings["seq_len"])
     results: dict[str, dict[str, Any]] = {}
     for label, compiled in (("eager", False), ("compiled", True)):
@@ -514,7 +519,6 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
 
     from diffquant.data import token_stream
     from diffquant.train import TrainConfig, train
-    from diffquant.train.data import TrainData
 
     settings = SETTINGS[ctx.mode]
     ladder = LADDER[ctx.mode]
@@ -523,13 +527,7 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     begin = time.time()
     stage_left = ctx.left()
     flops = cpu_flops()
-    data = TrainData(
-        "stdlib:train",
-        seq_len=settings["seq_len"],
-        max_tokens=settings["probe_data_tokens"],
-        needle_fraction=NEEDLE_FRACTION,
-        seed=0,
-    )
+    data = probe_data(settings)
     stdlib_tokens = token_stream("stdlib:train").numel()
     facts = {name: size_facts(base, settings["seq_len"]) for name, base in ladder.items()}
     rec.set(
