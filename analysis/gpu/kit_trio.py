@@ -139,19 +139,21 @@ def trio_configs(base: dict[str, int], seq_len: int) -> dict[str, Any]:
 
 
 def size_facts(base: dict[str, int], seq_len: int) -> dict[str, Any]:
-    """Parameters per kind (counted on the meta device: nothing allocated) and the training FLOPs per token
-    (6 x non-embedding parameters + the causal attention maps), for projecting tokens/s between sizes."""
+    """Parameters per kind and training FLOPs per token of the kind that needs most (both counted on the meta
+    device: nothing allocated), for projecting tokens/s between sizes: diffquant.train.flops's count, the
+    one the probe's and the trainer's mfu divide, over rows of ``seq_len`` tokens."""
     import torch
 
     from diffquant.models import DecoderLM
+    from diffquant.train import flops
 
-    params = {}
+    params, per_token = {}, {}
     for kind, config in trio_configs(base, seq_len).items():
         with torch.device("meta"):
-            params[kind] = DecoderLM(config).num_parameters()
-    embed = 2 * 259 * base["d_model"]
-    attn = 6 * base["n_layers"] * seq_len * base["n_heads"] * base["head_dim"] * 2
-    return {"params": params, "flops_per_token": 6 * (max(params.values()) - embed) + attn}
+            model = DecoderLM(config)
+        params[kind] = model.num_parameters()
+        per_token[kind] = flops.row_flops_per_token(model, seq_len)
+    return {"params": params, "flops_per_token": max(per_token.values())}
 
 
 def overhead_s(params: int, settings: dict[str, Any], cpu_flops: float, data_tokens: int) -> float:
