@@ -383,3 +383,60 @@ def test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_elsewhere():
     with fake_cuda():
         opt = adamw(model.to("cuda"), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+
+
+def test_precision_picks_the_forward_autocast(tmp_path):
+    """``precision``: auto = bf16 autocast on CUDA only (the trainer's behaviour before the key), fp32 = none
+    anywhere, bf16 = bf16 autocast on either device."""
+    import contextlib
+    import warnings
+
+    from diffquant.train.trainer import forward_precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(forward_precision("auto", cpu), contextlib.nullcontext)
+    assert isinstance(forward_precision("fp32", cuda), contextlib.nullcontext)
+    assert isinstance(forward_precision("fp32", cpu), contextlib.nullcontext)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "CUDA is not available" on a CPU build
+        for precision, device in (("auto", cuda), ("bf16", cuda), ("bf16", cpu)):
+            ctx = forward_precision(precision, device)
+            assert isinstance(ctx, torch.autocast) and ctx.device == device.type
+            assert ctx.fast_dtype == torch.bfloat16
+    with pytest.raises(DiffquantError, match="'precision' = 'fp16', expected auto, fp32 or bf16"):
+        _cfg(tmp_path, precision="fp16")
+
+
+def test_precision_bf16_runs_the_forward_in_bf16_and_keeps_fp32_weights(tmp_path):
+    """``precision: bf16`` on the CPU: every Linear of the training forward returns bf16 (the census counts
+    only grad-mode calls: evaluation is fp32), the losses move off the fp32 run's by bf16 rounding but stay
+    near it, and the checkpointed weights are fp32."""
+    from collections import Counter
+
+    counts: dict[str, Counter] = {}
+
+    def run(name, precision):
+        counts[name] = Counter()
+
+        def hook(module, args, out):
+            if torch.is_grad_enabled() and isinstance(module, torch.nn.Linear):
+                counts[name][out.dtype] += 1
+
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            cfg = _cfg(tmp_path, name, precision=precision, steps=6)
+            train(cfg, stop_after=2, log=lambda m: None)
+        finally:
+            handle.remove()
+        rows = (tmp_path / name / "log.csv").read_text().splitlines()
+        loss = rows[0].split(",").index("loss")
+        return [float(r.split(",")[loss]) for r in rows[1:]]
+
+    fp32, bf16 = run("fp32", "fp32"), run("bf16", "bf16")
+    assert set(counts["fp32"]) == {torch.float32} and set(counts["bf16"]) == {torch.bfloat16}
+    assert counts["bf16"][torch.bfloat16] == counts["fp32"][torch.float32] > 0
+    assert all(1e-5 < abs(a - b) < 0.05 for a, b in zip(fp32, bf16, strict=True)), (fp32, bf16)
+    weights = load_file(
+        str(tmp_path / "bf16" / "checkpoints" / "step-0000002" / "model" / "model.safetensors")
+    )
+    assert {t.dtype for t in weights.values()} == {torch.float32}

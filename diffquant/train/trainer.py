@@ -2,7 +2,7 @@
 
 Written nanoGPT-style: one loop, no framework. Determinism is the point: batches are a function of
 (seed, step), checkpoints hold the fp32 weights, the optimizer state and the step, so a run resumed from a
-checkpoint reaches bit-identical weights on CPU. fp32 on CPU; bf16 autocast on CUDA.
+checkpoint reaches bit-identical weights on CPU. fp32 on CPU; bf16 autocast on CUDA (``precision``).
 
 Speed: each log row has ``tokens_per_second`` (training steps only: the evaluation and checkpoint time in the
 interval is left out) and ``mfu``, model FLOPs utilisation (:mod:`diffquant.train.flops`: the model's
@@ -11,6 +11,7 @@ training FLOPs per second over the device's dense bf16 peak; empty where the pea
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import io
@@ -49,6 +50,7 @@ from diffquant.textfiles import read_yaml
 from diffquant.train.data import TrainData
 from diffquant.train.flops import peak_flops, row_flops_per_token, utilisation
 
+PRECISIONS = ("auto", "fp32", "bf16")
 RETRIEVAL_RESERVE = 128  # tokens of seq_len the final retrieval evaluation keeps for question and answer
 _clock = time.perf_counter  # the clock tokens_per_second is measured with (tests put a fake one here)
 
@@ -90,6 +92,9 @@ class TrainConfig:
     device: str = key("auto", check=lambda v: _one_of(v, ("auto", "cpu", "cuda"), "auto, cpu or cuda"))
     # torch.compile the training forward (and through AOTAutograd its backward); evaluation stays eager
     torch_compile: bool = key(False)
+    # the training forward's precision: auto = bf16 autocast on CUDA, fp32 on the CPU; fp32 = no autocast
+    # anywhere; bf16 = bf16 autocast on either device (weights, optimizer and loss stay fp32 in all three)
+    precision: str = key("auto", check=lambda v: _one_of(v, PRECISIONS, "auto, fp32 or bf16"))
     out: str | None = key(None, check=lambda v: _folder(v))
 
     def __post_init__(self) -> None:
@@ -225,6 +230,14 @@ def adamw(
     on_cuda = all(p.device.type == "cuda" for p in model.parameters())
     implementation = {"fused": True} if on_cuda else {"foreach": False}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **implementation)
+
+
+def forward_precision(precision: str, device: torch.device):
+    """The context the training forward runs in: bf16 autocast (``bf16``, or ``auto`` on CUDA), else none.
+    Only the forward: the loss is taken on fp32 logits, and backward, clipping and AdamW run outside it."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def training_forward(model: torch.nn.Module, compile_model: bool):
@@ -515,7 +528,7 @@ def train(
     flops_per_token = row_flops_per_token(model, cfg.seq_len)  # MFU: per token as tokens_per_second counts
     tick = _clock()
     paused = 0.0  # seconds since ``tick`` spent evaluating, logging and checkpointing, not training
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Null()
+    autocast = forward_precision(cfg.precision, device)
     forward = training_forward(model, cfg.torch_compile)
     # A start line and one at least every 10 s off a terminal (a large model's log_every steps can take
     # minutes); on a terminal a bar, the log lines printed above it.
@@ -579,14 +592,6 @@ def train(
         return out
     _finish(model, cfg, out, recipe_text, log, streams, overrides)
     return out
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _append_log(path: Path, row: dict[str, Any]) -> None:
