@@ -67,10 +67,11 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
         "env": "ok",
         "gpu_tests": "skipped",
         "kernels_bench": "skipped",
+        "autocast_gap": "skipped",
         "cli": "ok",
         "trio": "ok",
     }
-    for name in ("gpu_tests", "kernels_bench"):
+    for name in ("gpu_tests", "kernels_bench", "autocast_gap"):
         assert "no CUDA" in stages[name]["reason"]
     for stage in stages.values():
         assert stage["wall_s"] > 0 and stage["numbers"]
@@ -79,6 +80,15 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
     assert stages["kernels_bench"]["numbers"]["smoke_rows"] == 14
     assert {g["goal"] for g in stages["kernels_bench"]["numbers"]["issue46_goals"]} == {1, 2, 3, 4}
     assert stages["kernels_bench"]["numbers"]["goals"]["assessable"] is False
+    # issue 45's early-gap question: baseline and DIFF V2 in fp32 and bf16, every step's loss, the gap
+    gap = stages["autocast_gap"]["numbers"]
+    steps = gap["steps"]
+    assert set(gap["runs"]) == {f"{k} {p}" for k in ("baseline", "diff_v2") for p in ("fp32", "bf16")}
+    assert all(len(run["loss"]) == steps for run in gap["runs"].values())
+    for p in ("fp32", "bf16"):
+        expected = gap["runs"][f"diff_v2 {p}"]["loss"][-1] - gap["runs"][f"baseline {p}"]["loss"][-1]
+        assert gap["gap"][p] == pytest.approx(expected, abs=1e-4)
+    assert gap["runs"]["baseline fp32"]["loss"] != gap["runs"]["baseline bf16"]["loss"]  # autocast engaged
     # the CLI: every command ran and left numbers
     commands = stages["cli"]["numbers"]["commands"]
     assert {c for c, r in commands.items() if r["status"] == "ok"} >= {
@@ -464,3 +474,24 @@ def test_train_compile_stage_probes_every_kind_eager_then_compiled(tmp_path, mon
     assert f"compiled / eager tokens/s: baseline {n['speedup']['baseline']:.2f}x" in kit._note(
         "train_compile", n
     )
+
+
+def test_autocast_gap_trains_the_recipe_of_the_cpu_experiment():
+    """The GPU's early-gap runs must be the recipes analysis/autocast trained on the CPU (seed 0, the 3M trio
+    of the H200's first run, its 106-step schedule), or the two cannot be compared: every key equal but the
+    run's name and the two keys added since (``torch_compile`` off, ``precision`` the one asked)."""
+    import kit_autocast
+
+    assert kit_autocast.EARLY["gpu"] == ("3M", 106, 12)
+    recorded = json.loads((ROOT / "analysis" / "autocast" / "results.json").read_text())["runs"]
+    seen = set()
+    for run in recorded:
+        if run["seed"] != 0 or run["kind"] not in kit_autocast.KINDS:
+            continue
+        recipe = kit_autocast.early_recipe(run["kind"], "gpu", 0, run["precision"], 106, "cpu")
+        assert recipe.pop("torch_compile") is False and recipe.pop("precision") == run["precision"]
+        assert recipe.pop("name") != run["recipe"]["name"]
+        old = {k: v for k, v in run["recipe"].items() if k != "name"}
+        assert recipe == old
+        seen.add((run["kind"], run["precision"]))
+    assert seen == {(k, p) for k in kit_autocast.KINDS for p in kit_autocast.PRECISIONS}

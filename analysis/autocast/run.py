@@ -6,13 +6,14 @@ schedule, data stdlib:train) trained by the project's own trainer (``diffquant.t
 stopped after ``--steps`` steps of the 106-step schedule (``stop_after``), once in fp32 and once with the
 forward pass under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 
-The trainer turns autocast on only on CUDA (``torch.autocast("cuda", bfloat16)`` around the forward pass;
-on the CPU a no-op context, ``trainer._Null``). The trainer is not edited: for the bf16 runs this script
-swaps ``trainer._Null`` for a factory of ``torch.autocast("cpu", dtype=torch.bfloat16)`` while ``train``
-runs, so the trainer's own loop wraps exactly what it wraps on CUDA (the model's forward; the loss on
-``logits.float()``, backward, clipping and AdamW outside it). A global forward hook counts the dtypes of
-every nn.Linear output and of the attention output during training, so the record shows whether autocast
-engaged (bf16 runs: bf16 Linear outputs; fp32 runs: none).
+The trainer's ``precision`` key says where the forward pass runs under autocast (``auto``: bf16 on CUDA,
+fp32 on the CPU); here ``fp32`` and ``bf16`` (``torch.autocast("cpu", dtype=torch.bfloat16)`` around the
+model's forward; the loss on ``logits.float()``, backward, clipping and AdamW outside it, as on the GPU).
+Seeds 0 and 1 were run before the key existed, with the same context swapped in for the trainer's CPU no-op
+(``trainer._Null``, since removed). A global forward hook counts the dtypes of every nn.Linear output and of
+the attention output during training, so the record shows whether autocast engaged (bf16 runs: bf16 Linear
+outputs; fp32 runs: none). The GPU kit's ``autocast_gap`` stage trains the same recipes on CUDA
+(``kit_autocast.early_recipe``).
 
 After the last step the checkpoint the trainer writes on ``stop_after`` is loaded and its validation bits
 per byte measured in fp32 (the trainer's ``_val_bpb``: stdlib:validation, the kit's eval_tokens = 8192).
@@ -40,52 +41,16 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "analysis" / "gpu"))
 
-from kit_trio import KINDS, LADDER, SETTINGS, learning_rate, size_facts, train_recipe, trio_configs  # noqa: E402
+from kit_autocast import EARLY, early_recipe  # noqa: E402
+from kit_trio import KINDS, LADDER, SETTINGS, trio_configs  # noqa: E402
 
 from diffquant.io import load_checkpoint  # noqa: E402
 from diffquant.train import TrainConfig, train  # noqa: E402
 from diffquant.train import trainer as trainer_mod  # noqa: E402
 from diffquant.train.data import TrainData  # noqa: E402
 
-SIZE = "3M"
-SCHEDULE_STEPS = 106  # the kit's trio schedule on the H200 (issue 45, item 5)
+SIZE, SCHEDULE_STEPS, _ = EARLY["gpu"]  # the kit's 3M trio and its 106-step schedule on the H200
 PRECISIONS = ("fp32", "bf16")
-
-
-def recipe_for(kind: str, seed: int, schedule: int) -> dict[str, Any]:
-    """The kit's recipe for ``kind`` at the 3M size (its own ``train_recipe``), on the CPU, the seed set,
-    a log row every step (logging only: the batches, the schedule and the evaluation steps are unchanged)."""
-    settings = SETTINGS["gpu"]
-    base = LADDER["gpu"][SIZE]
-    configs = trio_configs(base, settings["seq_len"])
-    lr = learning_rate(max(size_facts(base, settings["seq_len"])["params"].values()))
-    recipe = train_recipe(
-        kind,
-        settings["batch_size"][SIZE],
-        configs[kind],
-        settings,
-        schedule,
-        lr,
-        "stdlib:train",
-        settings["stdlib_data_tokens"],
-        "cpu",
-    )
-    recipe.update(name=f"autocast-{kind}-s{seed}", seed=seed, log_every=1)
-    return recipe
-
-
-@contextlib.contextmanager
-def cpu_autocast_in_trainer(enabled: bool):
-    """While ``train`` runs: the trainer's CPU no-op context replaced by CPU bf16 autocast."""
-    if not enabled:
-        yield
-        return
-    saved = trainer_mod._Null
-    trainer_mod._Null = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    try:
-        yield
-    finally:
-        trainer_mod._Null = saved
 
 
 @contextlib.contextmanager
@@ -108,7 +73,7 @@ def dtype_census(counts: Counter):
 
 
 def one_run(kind: str, seed: int, precision: str, steps: int, schedule: int, work: Path) -> dict[str, Any]:
-    recipe = recipe_for(kind, seed, schedule)
+    recipe = early_recipe(kind, "gpu", seed, precision, schedule, "cpu")
     text = yaml.safe_dump(recipe, sort_keys=False)
     path = work / f"{kind}-s{seed}-{precision}.yaml"
     path.write_text(text)
@@ -118,7 +83,7 @@ def one_run(kind: str, seed: int, precision: str, steps: int, schedule: int, wor
     counts: Counter = Counter()
     lines: list[str] = []
     begin = time.perf_counter()
-    with cpu_autocast_in_trainer(precision == "bf16"), dtype_census(counts):
+    with dtype_census(counts):
         train(cfg, stop_after=steps, recipe_text=text, log=lines.append)
     train_s = time.perf_counter() - begin
     import csv
@@ -179,7 +144,7 @@ def main() -> None:
             "dirty_files": dirty,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
-            "cpu_bf16_autocast": "forward under torch.autocast('cpu', dtype=torch.bfloat16) via trainer._Null",
+            "cpu_bf16_autocast": "forward under torch.autocast('cpu', dtype=torch.bfloat16): precision bf16",
         }
     )
     settings = SETTINGS["gpu"]

@@ -36,19 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kit_util import REPO, Context, Recorder, kill_group, last_error, read_json, start, write_json  # noqa: E402
 
-STAGES = ("env", "gpu_tests", "kernels_bench", "kernels_tune", "train_compile", "cli", "trio")
+STAGES = ("env", "gpu_tests", "kernels_bench", "kernels_tune", "train_compile", "autocast_gap", "cli", "trio")
 # kernels_tune (time every clean launch configuration of the Triton kernels) and train_compile (every kind's
 # training step eager and torch.compile'd), both issue 46, run only when named (--stages kernels_tune
 # --budget kernels_tune=420): each needs a device call of its own.
 ONLY_WHEN_NAMED = ("kernels_tune", "train_compile")
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in ONLY_WHEN_NAMED)
-# Seconds per stage on the GPU: 30 + 100 + 90 + 90 + 210 = 520, and the driver's deadline is 520 s from
+# Seconds per stage on the GPU: 30 + 100 + 90 + 40 + 90 + 170 = 520, and the driver's deadline is 520 s from
 # run.sh's start (wheel install included), under the 9 minutes the issue allows and the device's 10 per
 # command. Time a stage leaves unused goes to the trio, so generous early budgets cost nothing when those
 # stages end early. Why these: env imports torch, triton and the carried libraries on a cold machine; the GPU
 # tests compile a Triton kernel variant per case (56 cases, 4 parallel shards); the benchmark compiles per
-# shape (5 shapes x 2 distributions); the CLI is 5 commands, each ~5 s of start-up, on the zoo and a 189M
-# model; the trio trains three models and studies them.
+# shape (5 shapes x 2 distributions); autocast_gap trains four 3M models for 12 steps; the CLI is 5
+# commands, each ~5 s of start-up, on the zoo and a 189M model; the trio trains three models and studies them.
 BUDGETS = {
     "gpu": {
         "env": 30,
@@ -56,8 +56,9 @@ BUDGETS = {
         "kernels_bench": 90,
         "kernels_tune": 420,
         "train_compile": 420,
+        "autocast_gap": 40,
         "cli": 90,
-        "trio": 210,
+        "trio": 170,
     },
     # The rehearsal's budgets are ceilings for a slow shared CPU, not targets: it takes 1-2 minutes.
     "rehearse": {
@@ -66,6 +67,7 @@ BUDGETS = {
         "kernels_bench": 60,
         "kernels_tune": 60,
         "train_compile": 300,
+        "autocast_gap": 120,
         "cli": 180,
         "trio": 240,
     },
@@ -325,6 +327,11 @@ def _note(name: str, n: dict[str, Any]) -> str:
     if name == "train_compile":
         speedup = ", ".join(f"{kind} {x:.2f}x" for kind, x in n.get("speedup", {}).items())
         return f"size {n.get('size')}, compiled / eager tokens/s: {speedup or '-'}"
+    if name == "autocast_gap":
+        gap = n.get("gap", {})
+        return f"{n.get('size')}, DIFF V2 - baseline loss at step {n.get('steps')}: " + ", ".join(
+            f"{p} {g:+.3f}" for p, g in gap.items()
+        )
     if name == "cli":
         return ", ".join(
             f"{c} {r.get('wall_s', '-')} s {r.get('status')}" for c, r in n.get("commands", {}).items()
@@ -533,6 +540,7 @@ def drive(args: argparse.Namespace) -> int:
 
 def stage_main(args: argparse.Namespace) -> int:
     """One stage, in the process the driver started for it."""
+    import kit_autocast
     import kit_stages
     import kit_trio
 
@@ -545,6 +553,7 @@ def stage_main(args: argparse.Namespace) -> int:
         "kernels_bench": kit_stages.stage_kernels_bench,
         "kernels_tune": kit_stages.stage_kernels_tune,
         "train_compile": kit_trio.stage_train_compile,
+        "autocast_gap": kit_autocast.stage_autocast_gap,
         "cli": kit_stages.stage_cli,
         "trio": kit_trio.stage_trio,
     }[args.name]

@@ -242,7 +242,7 @@ def probe(
 
     from diffquant.models import DecoderLM
     from diffquant.train import flops
-    from diffquant.train.trainer import adamw, training_forward
+    from diffquant.train.trainer import adamw, forward_precision, training_forward
 
     if compile_model is None:
         compile_model = settings["torch_compile"]
@@ -266,11 +266,7 @@ def probe(
             attn.recompute_maps = recompute
         opt = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         forward = training_forward(model, compile_model)
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if device == "cuda"
-            else torch.autocast("cpu", enabled=False)
-        )
+        autocast = forward_precision("auto", torch.device(device))
 
         def step(i: int, model=model, forward=forward, opt=opt, autocast=autocast) -> None:
             ids = data.batch(i, bsz).to(device)

@@ -4024,6 +4024,34 @@ MUTANTS = [
         "exact = False",
         ("tests/test_attention_reference.py::test_dispatch_keeps_p_v_exact_only_for_quantized_logits",),
     ),
+    M(
+        "precision bf16 autocasts only on CUDA",
+        "diffquant/train/trainer.py",
+        'if precision == "bf16" or (precision == "auto" and device.type == "cuda"):',
+        'if precision == "auto" and device.type == "cuda":',
+        ("tests/test_train.py::test_precision_picks_the_forward_autocast",),
+    ),
+    M(
+        "the recipe's precision is ignored",
+        "diffquant/train/trainer.py",
+        "autocast = forward_precision(cfg.precision, device)",
+        'autocast = forward_precision("auto", device)',
+        ("tests/test_train.py::test_precision_bf16_runs_the_forward_in_bf16_and_keeps_fp32_weights",),
+    ),
+    M(
+        "the early-gap runs leave precision at auto",
+        "analysis/gpu/kit_autocast.py",
+        "log_every=1, precision=precision)",
+        "log_every=1)",
+        ("tests/test_gpu_kit.py::test_autocast_gap_trains_the_recipe_of_the_cpu_experiment",),
+    ),
+    M(
+        "the early gap is read at the first step",
+        "analysis/gpu/kit_autocast.py",
+        'p: round(runs[f"diff_v2 {p}"]["loss"][-1] - runs[f"baseline {p}"]["loss"][-1], 4)',
+        'p: round(runs[f"diff_v2 {p}"]["loss"][0] - runs[f"baseline {p}"]["loss"][0], 4)',
+        ("tests/test_gpu_kit.py::test_the_rehearsal_runs_every_stage",),
+    ),
 ]
 
 
