@@ -19,6 +19,7 @@ import csv
 import json
 import platform
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -82,7 +83,11 @@ def main() -> None:
                 f"{eager['last_loss']:>12.4f}{compiled['last_loss']:>10.4f}",
                 flush=True,
             )
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     meta = {
+        "commit": commit or None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
