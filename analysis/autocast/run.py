@@ -36,16 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "analysis" / "gpu"))
 
 from kit_autocast import EARLY, early_recipe  # noqa: E402
-from kit_trio import KINDS, LADDER, SETTINGS, trio_configs  # noqa: E402
+from kit_trio import KINDS, LADDER, SETTINGS, train_from_recipe, trio_configs  # noqa: E402
 
 from diffquant.io import load_checkpoint  # noqa: E402
-from diffquant.train import TrainConfig, train  # noqa: E402
 from diffquant.train import trainer as trainer_mod  # noqa: E402
 from diffquant.train.data import TrainData  # noqa: E402
 
@@ -74,17 +72,14 @@ def dtype_census(counts: Counter):
 
 def one_run(kind: str, seed: int, precision: str, steps: int, schedule: int, work: Path) -> dict[str, Any]:
     recipe = early_recipe(kind, "gpu", seed, precision, schedule, "cpu")
-    text = yaml.safe_dump(recipe, sort_keys=False)
-    path = work / f"{kind}-s{seed}-{precision}.yaml"
-    path.write_text(text)
-    cfg = TrainConfig.load(path)
     out = work / f"{kind}-s{seed}-{precision}"
-    cfg.out = str(out)
     counts: Counter = Counter()
     lines: list[str] = []
     begin = time.perf_counter()
     with dtype_census(counts):
-        train(cfg, stop_after=steps, recipe_text=text, log=lines.append)
+        cfg = train_from_recipe(
+            recipe, work / f"{kind}-s{seed}-{precision}.yaml", out, stop_after=steps, log=lines.append
+        )
     train_s = time.perf_counter() - begin
     import csv
 

@@ -19,8 +19,15 @@ import csv
 import time
 from typing import Any
 
-import yaml
-from kit_trio import LADDER, SETTINGS, learning_rate, size_facts, train_recipe, trio_configs
+from kit_trio import (
+    LADDER,
+    SETTINGS,
+    learning_rate,
+    size_facts,
+    train_from_recipe,
+    train_recipe,
+    trio_configs,
+)
 from kit_util import Context, Recorder
 
 KINDS = ("baseline", "diff_v2")
@@ -60,8 +67,6 @@ def stage_autocast_gap(ctx: Context, rec: Recorder) -> None:
     DIFF V2 - baseline gap at the last step per precision (``gap``), each run recorded as it ends."""
     import torch
 
-    from diffquant.train import TrainConfig, train
-
     size, schedule, steps = EARLY[ctx.mode]
     rec.set(size=size, schedule=schedule, steps=steps, seed=0)
     runs: dict[str, dict[str, Any]] = {}
@@ -69,14 +74,14 @@ def stage_autocast_gap(ctx: Context, rec: Recorder) -> None:
     for precision in PRECISIONS:
         for kind in KINDS:
             recipe = early_recipe(kind, ctx.mode, 0, precision, schedule, ctx.device)
-            path = folder / f"{kind}-{precision}.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            text = yaml.safe_dump(recipe, sort_keys=False)
-            path.write_text(text)
-            cfg = TrainConfig.load(path)
-            cfg.out = str(folder / f"{kind}-{precision}")
             begin = time.time()
-            train(cfg, stop_after=steps, recipe_text=text, log=lambda message: None)
+            train_from_recipe(
+                recipe,
+                folder / f"{kind}-{precision}.yaml",
+                folder / f"{kind}-{precision}",
+                stop_after=steps,
+                log=lambda message: None,
+            )
             with open(folder / f"{kind}-{precision}" / "log.csv", newline="") as f:
                 rows = list(csv.DictReader(f))
             runs[f"{kind} {precision}"] = {

@@ -248,6 +248,7 @@ def probe(
         compile_model = settings["torch_compile"]
     seq = settings["seq_len"]
     peak = flops.peak_flops(torch.device(device))
+    autocast = forward_precision("auto", torch.device(device))
     out: dict[str, Any] = {}
     runs = [
         (kind, config, True)
@@ -266,7 +267,6 @@ def probe(
             attn.recompute_maps = recompute
         opt = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         forward = training_forward(model, compile_model)
-        autocast = forward_precision("auto", torch.device(device))
 
         def step(i: int, model=model, forward=forward, opt=opt, autocast=autocast) -> None:
             ids = data.batch(i, bsz).to(device)
@@ -428,6 +428,24 @@ def train_recipe(
     }
 
 
+def train_from_recipe(
+    recipe: dict[str, Any], path: Path, out: Path, *, stop_after: int | None = None, log=print
+):
+    """Write ``recipe`` to ``path`` as YAML (the run's record), load it as ``diffquant train`` would and train
+    into ``out``; returns the loaded TrainConfig. The trio, the autocast_gap stage and analysis/autocast."""
+    import yaml
+
+    from diffquant.train import TrainConfig, train
+
+    text = yaml.safe_dump(recipe, sort_keys=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    cfg = TrainConfig.load(path)
+    cfg.out = str(out)
+    train(cfg, stop_after=stop_after, recipe_text=text, log=log)
+    return cfg
+
+
 def learning_rate(params: int) -> float:
     """Smaller models take larger steps (the zoo: 3e-3 at 0.9M; train-gpu.yaml: 2e-3 at 3.3M)."""
     return 2e-3 if params < 10e6 else (1.5e-3 if params < 35e6 else 1e-3)
@@ -501,7 +519,6 @@ def stage_train_compile(ctx: Context, rec: Recorder) -> None:
         speedup={
             kind: round(results["compiled"][kind]["tokens_per_s"] / row["tokens_per_s"], 3)
             for kind, row in results["eager"].items()
-            if kind in results["compiled"]
         }
     )
     if not ctx.cuda:
@@ -516,7 +533,6 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     import yaml
 
     from diffquant.data import token_stream
-    from diffquant.train import TrainConfig, train
 
     settings = SETTINGS[ctx.mode]
     ladder = LADDER[ctx.mode]
@@ -601,16 +617,10 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
         recipe = train_recipe(
             kind, batch, configs[kind], settings, steps, lr, source, data_tokens, ctx.device
         )
-        path = trio / "recipes" / f"{kind}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(recipe, sort_keys=False)
-        path.write_text(text)
         out = trio / "train" / kind
         start = time.time()
         try:
-            cfg = TrainConfig.load(path)
-            cfg.out = str(out)
-            train(cfg, recipe_text=text)
+            train_from_recipe(recipe, trio / "recipes" / f"{kind}.yaml", out)
         except Exception as err:  # noqa: BLE001 - recorded; the other kinds still train
             runs[kind] = {
                 "status": "failed",

@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("baseline", "diff_v1", "diff_v2", "gated", "sink", "clipped")
 
 
-def one_run(kind: str, compiled: bool, steps: int, folder: Path) -> list[dict[str, float]]:
-    """The log rows of ``steps`` steps of the zoo recipe of ``kind``."""
+def one_run(kind: str, compiled: bool, steps: int, skip: int, folder: Path) -> dict[str, float]:
+    """``steps`` steps of the zoo recipe of ``kind``: the median tokens/s of the log rows after the first
+    ``skip``, the first step's seconds and the last step's loss."""
     recipe = ROOT / "recipes" / f"zoo-{kind}.yaml"
     overrides = ["log_every=1", f"torch_compile={'true' if compiled else 'false'}"]
     cfg = TrainConfig.load(recipe, overrides)
@@ -40,17 +41,12 @@ def one_run(kind: str, compiled: bool, steps: int, folder: Path) -> list[dict[st
     torch._dynamo.reset()  # each run compiles afresh, as a new process would
     out = train(cfg, stop_after=steps, log=lambda message: None)
     with open(out / "log.csv", newline="") as f:
-        return [
-            {k: float(v) for k, v in row.items() if k in ("step", "loss", "tokens_per_second")}
-            for row in csv.DictReader(f)
+        rows = [
+            {k: float(row[k]) for k in ("step", "loss", "tokens_per_second")} for row in csv.DictReader(f)
         ]
-
-
-def summary(rows: list[dict[str, float]], skip: int, tokens_per_step: int) -> dict[str, float]:
-    steady = [r["tokens_per_second"] for r in rows if r["step"] > skip]
     return {
-        "tokens_per_s": statistics.median(steady),
-        "first_step_s": tokens_per_step / rows[0]["tokens_per_second"],
+        "tokens_per_s": statistics.median(r["tokens_per_second"] for r in rows if r["step"] > skip),
+        "first_step_s": cfg.batch_size * cfg.seq_len / rows[0]["tokens_per_second"],
         "last_loss": rows[-1]["loss"],
     }
 
@@ -71,10 +67,8 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:
-            cfg = TrainConfig.load(ROOT / "recipes" / f"zoo-{kind}.yaml")
-            per_step = cfg.batch_size * cfg.seq_len
-            eager = summary(one_run(kind, False, args.steps, Path(tmp)), args.skip, per_step)
-            compiled = summary(one_run(kind, True, args.steps, Path(tmp)), args.skip, per_step)
+            eager = one_run(kind, False, args.steps, args.skip, Path(tmp))
+            compiled = one_run(kind, True, args.steps, args.skip, Path(tmp))
             ratio = compiled["tokens_per_s"] / eager["tokens_per_s"]
             results[kind] = {"eager": eager, "compiled": compiled, "ratio": round(ratio, 3)}
             print(
