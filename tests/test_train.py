@@ -1,5 +1,6 @@
 """Training: the schedule, logs, checkpoints, and resume to bit-identical weights."""
 
+import csv
 import json
 import pickle
 import re
@@ -16,6 +17,12 @@ from diffquant.train import TrainConfig, lr_at, train
 from diffquant.train.data import TrainData
 
 RECIPES = Path(__file__).parents[1] / "recipes"
+
+
+def _log_rows(out: Path) -> list[dict[str, str]]:
+    """The run's log.csv rows by column."""
+    with open(out / "log.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def _cfg(tmp_path, name="t", **kw):
@@ -346,12 +353,7 @@ def test_torch_compile_trains_the_eager_steps(tmp_path):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
 
-    def rows(out):
-        lines = (out / "log.csv").read_text().splitlines()
-        header = lines[0].split(",")
-        return [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
-
-    a, b = rows(eager), rows(compiled)
+    a, b = _log_rows(eager), _log_rows(compiled)
     assert len(a) == len(b) == 3
     lam = [c for c in a[0] if c.startswith("lambda_L")]
     assert lam and set(lam) == {c for c in b[0] if c.startswith("lambda_L")}
@@ -428,9 +430,7 @@ def test_precision_bf16_runs_the_forward_in_bf16_and_keeps_fp32_weights(tmp_path
             train(cfg, stop_after=2, log=lambda m: None)
         finally:
             handle.remove()
-        rows = (tmp_path / name / "log.csv").read_text().splitlines()
-        loss = rows[0].split(",").index("loss")
-        return [float(r.split(",")[loss]) for r in rows[1:]]
+        return [float(row["loss"]) for row in _log_rows(tmp_path / name)]
 
     fp32, bf16 = run("fp32", "fp32"), run("bf16", "bf16")
     assert set(counts["fp32"]) == {torch.float32} and set(counts["bf16"]) == {torch.bfloat16}
