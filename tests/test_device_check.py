@@ -234,7 +234,7 @@ def _as_cuda(cuda: bool, device: tuple[str, ...]):
 
 def _run_folder_state(folder):
     """Every artifact of a run folder, minus what names the device or the clock: JSON as data, tensors as
-    lists."""
+    lists, figures as bytes."""
     from safetensors.torch import load_file
 
     skip = {"device", "started", "finished", "seconds", "ident", "settings", "fingerprint"}
@@ -249,7 +249,7 @@ def _run_folder_state(folder):
     state = {}
     for path in sorted(folder.rglob("*")):
         rel = str(path.relative_to(folder))
-        if not path.is_file() or path.name.startswith(".diffquant-run") or rel == "timing.csv":
+        if not path.is_file() or path.name.startswith(".diffquant-run") or path.name == "timing.csv":
             continue
         if path.suffix == ".json":
             state[rel] = clean(json.loads(path.read_text()))
@@ -257,6 +257,8 @@ def _run_folder_state(folder):
             state[rel] = [clean(json.loads(line)) for line in path.read_text().splitlines()]
         elif path.suffix == ".safetensors":
             state[rel] = {k: v.tolist() for k, v in load_file(str(path)).items()}
+        elif path.suffix in (".png", ".pt"):
+            state[rel] = path.read_bytes()
         else:
             state[rel] = path.read_text()
     return state
@@ -422,6 +424,114 @@ def test_device_mapped_profile_and_eval_on_cuda(tmp_path, torch_paths, monkeypat
     argv = ["eval", *paths, "--task", task, "--plan", "kv2-g8-r8", "w8a8"]
     cpu, cuda = _both(tmp_path / "eval", argv, ("--device-map", MIXED_MAP))
     assert cuda == cpu and cpu["cells-rank0.jsonl"]
+
+
+def _blocks_see(monkeypatch):
+    """The device types of the hidden states every decoder block ran on (a spy on ``Block.forward``): a
+    command that ignored its device would still give the CPU's numbers."""
+    from diffquant.models.transformer import Block
+
+    seen, forward = set(), Block.forward
+
+    def spy(self, x, *args, **kwargs):
+        seen.add(x.device.type)
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Block, "forward", spy)
+    return seen
+
+
+@pytest.mark.slow
+def test_run_recipe_on_cuda(tmp_path, torch_paths, monkeypatch):
+    """`diffquant run` of a recipe with ``device: cuda``, the GPU kit's study in small (analysis/gpu/kit_trio.py
+    ::study_recipe): Table 5 with sink rates, the attention-logit / W8A8 / W4A8 sweep on bpb and retrieval,
+    figures and the report give the CPU run's artifacts (figures byte for byte), every block on the device."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    seen = _blocks_see(monkeypatch)
+    kinds = ("baseline", "diff_v1", "diff_v2")
+    models = {}
+    for kind in kinds:  # ffn 64: groups of 32 (W4A8) divide every Linear
+        save_checkpoint(tiny_model(kind, vocab_size=259, max_seq_len=160, ffn_dim=64), tmp_path / kind)
+        models[kind] = str(tmp_path / kind)
+    _, data = _checkpoints(tmp_path, ())
+    states = []
+    for cuda in (False, True):
+        out = tmp_path / ("cuda" if cuda else "cpu")
+        recipe = {
+            "name": "trio",
+            "models": models,
+            "device": "cuda" if cuda else "cpu",
+            "dtype": "float32",
+            "data": {"calib": {"source": data, "tokens": 64, "seq_len": 32}},
+            "profile": {"data": data, "tokens": 64, "seq_len": 32, "sink_rate": True},
+            "eval": {
+                "tasks": [
+                    {"type": "bpb", "data": data, "tokens": 64, "seq_len": 32},
+                    {
+                        "type": "retrieval",
+                        "needles": 1,
+                        "queries": 1,
+                        "depths": [50],
+                        "samples_per_depth": 1,
+                        "context_bytes": 20,
+                        "seed": 7,
+                    },
+                ]
+            },
+            "sweep": {"plans": ["attn-logits-int4", "w8a8", "w4a8"]},
+            "plots": {"enabled": True},
+            "output": {"dir": str(out)},
+        }
+        (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+        seen.clear()
+        with _as_cuda(cuda, ()):
+            assert main(["run", str(tmp_path / "recipe.yaml")]) == 0
+        assert seen == {"cuda" if cuda else "cpu"}
+        state = _run_folder_state(out)
+        # what names the folder or the clock: the run's own paths, the figures' input stamps, the timings
+        state = {
+            k: v for k, v in state.items() if not k.startswith(("report.", "manifest", "figures/figures"))
+        }
+        states.append(state)
+        assert json.loads((out / "manifest.json").read_text())["recipe"]["device"] == recipe["device"]
+    cpu, cuda = states
+    assert cuda == cpu and "table5.json" in cpu and "sweep/results.json" in cpu
+    assert sum(k.endswith(".png") for k in cpu) >= 10
+
+
+@pytest.mark.slow
+def test_act_scales_and_quantized_exports_on_cuda(tmp_path, torch_paths, monkeypatch):
+    """`diffquant act-scales --device cuda` (written as CPU tensors, loadable without a GPU) and `diffquant
+    export --device cuda` of a GPTQ-quantized checkpoint as compressed-tensors and GPTQ: the CPU run's files,
+    byte for byte."""
+    monkeypatch.setenv("DIFFQUANT_QUIET", "1")
+    seen = _blocks_see(monkeypatch)
+    (path,), data = _checkpoints(tmp_path, ("baseline",))
+    calib = ["--calib-data", data, "--calib-tokens", "64", "--seq-len", "32"]
+    files = []
+    for cuda in (False, True):
+        out = tmp_path / ("cuda" if cuda else "cpu")
+        seen.clear()
+        with _as_cuda(cuda, ("--device", "cuda")) as where:
+            argv = ["act-scales", path, "--data", data, "--tokens", "64", "--seq-len", "32"]
+            assert main([*argv, "--out", str(out / "act.pt"), *where]) == 0
+            argv = ["quantize", path, "--plan", "w4a16-gptq-g32", *calib, "--out", str(out / "q")]
+            assert main([*argv, *where]) == 0
+            for to in ("gptq", "compressed-tensors"):
+                assert main(["export", str(out / "q"), str(out / to), "--to", to, *where]) == 0
+        assert seen == {"cuda" if cuda else "cpu"}
+        scales = torch.load(out / "act.pt")
+        assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in scales.values())
+        files.append(
+            {
+                str(f.relative_to(out)): f.read_bytes()
+                for f in sorted(out.rglob("*"))
+                if f.is_file() and f.parent.name in ("gptq", "compressed-tensors")
+            }
+        )
+        files[-1]["act"] = {k: v.tolist() for k, v in scales.items()}
+    cpu, cuda = files
+    assert cuda == cpu and "gptq/model.safetensors" in cpu and "compressed-tensors/model.safetensors" in cpu
 
 
 @pytest.mark.parametrize("kind", ["diff_v2", "gated"])

@@ -4052,6 +4052,20 @@ MUTANTS = [
         'p: round(runs[f"diff_v2 {p}"]["loss"][0] - runs[f"baseline {p}"]["loss"][0], 4)',
         ("tests/test_gpu_kit.py::test_the_rehearsal_runs_every_stage",),
     ),
+    M(
+        "device check: a recipe's profile stage loads its models without the recipe's device (on the CPU)",
+        "diffquant/recipes.py",
+        "    models = _load_models(recipe, options)\n",
+        "    models = _load_models(recipe, parse_run_options({}, name=lambda key: key))\n",
+        ("tests/test_device_check.py::test_run_recipe_on_cuda",),
+    ),
+    M(
+        "device check: a quantized export packs the codes where the model is (CPU shifts meet CUDA codes)",
+        "diffquant/io/export_quant.py",
+        '        codes = q.codes.to("cpu")\n',
+        "        codes = q.codes\n",
+        ("tests/test_device_check.py::test_act_scales_and_quantized_exports_on_cuda",),
+    ),
 ]
 
 
