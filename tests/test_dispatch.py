@@ -32,7 +32,7 @@ STATIC_LOGITS = {
 
 
 @pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
-@pytest.mark.parametrize("plan", ["qk-int8-pv-fp8", "static-logits"])
+@pytest.mark.parametrize("plan", ["qk-int8-pv-fp8", "qk-int8-token-pv-fp8", "static-logits"])
 def test_triton_path_equals_fake_quant_path(kind, plan):
     model = _model(kind)
     apply_plan(model, preset(plan) if plan != "static-logits" else QuantPlan.from_dict(STATIC_LOGITS))
@@ -65,6 +65,21 @@ def test_kernel_takes_only_what_it_implements():
     assert (core.qk, core.block, core.pv, core.logits_bits) == ("int8", 64, "fp8_e4m3", None)
     assert planned_paths(sage, cuda=True) == {"triton": 2}
     assert planned_paths(sage, cuda=False) == {"explicit": 2}
+    per_token = _model("diff_v1")
+    apply_plan(per_token, preset("qk-int8-token-pv-fp8"))
+    core = kernel_core(per_token.layers[0].attn)
+    assert (core.qk, core.block, core.pv) == ("int8", 1, "fp8_e4m3")
+    row = QuantPlan.from_dict(
+        {
+            "rules": [
+                {"sites": "kind:q", "scheme": "fp8_e4m3:row"},
+                {"sites": "kind:k", "scheme": {"format": "fp8_e4m3", "granularity": "row", "smooth": True}},
+            ]
+        }
+    )
+    m = _model("diff_v2")
+    apply_plan(m, row)
+    assert (kernel_core(m.layers[0].attn).qk, kernel_core(m.layers[0].attn).block) == ("fp8_e4m3", 1)
 
 
 def test_odd_head_dims_fall_back():

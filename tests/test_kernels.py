@@ -441,6 +441,7 @@ VARIANTS = {
     "logits-int4+qk-int8": dict(logits_bits=4, qk="int8", block=8),
     "logits-int6-clipped": dict(logits_bits=6, clip=0.5),  # scale at half the absmax: saturation exercised
     "sage": dict(qk="int8", block=8, pv="fp8_e4m3"),  # SageAttention: int8 Q/K (K smoothed), fp8 P and V
+    "sage-token": dict(qk="int8", block=1, pv="fp8_e4m3"),  # the same with a Q/K scale per token
 }
 
 
@@ -743,6 +744,7 @@ GPU_VARIANTS = {
     "pv-bf16": dict(pv="bf16"),
     "pv-fp8": dict(pv="fp8_e4m3"),
     "sage": dict(qk="int8", block=64, pv="fp8_e4m3"),
+    "sage-token": dict(qk="int8", block=1, pv="fp8_e4m3"),
     "logits-int8": dict(logits_bits=8),
 }
 

@@ -98,6 +98,15 @@ CASES = [
     ("T32-b16-fp32-subnormal", lambda f, g: _draw((1, 1, 32, 16), "subnormal", g), 16),
     ("T48-b16-ties-zero-block", lambda f, g: _symmetric(f, g, 16), 16),
     ("T40-b16-nonfinite", lambda f, g: _nonfinite(g), 16),
+    # block 1 (per-token scales): tiles of many tokens with a scale per row; T = 300 at d = 32 is one full
+    # 256-row tile and a partial one, the fa3 outliers make neighbouring rows' scales differ
+    (
+        "T300-b1-bf16-fa3-transposed",
+        lambda f, g: _draw((1, 300, 2, 32), "fa3", g).bfloat16().transpose(1, 2),
+        1,
+    ),
+    ("T40-b1-nonfinite", lambda f, g: _nonfinite(g), 1),
+    ("T48-b1-ties-zero-rows", lambda f, g: _symmetric(f, g, 16), 1),
 ]
 
 
@@ -211,14 +220,14 @@ from diffquant.kernels import triton_quant as tq
 
 fn = tq._quant_tokens_kernel
 out = {}
-for fmt, smooth in (("int8", True), ("fp8_e4m3", False)):
+for fmt, smooth, per_row in (("int8", True, False), ("fp8_e4m3", False, False), ("int8", True, True)):
     consts = {"D": 128, "ROWS": 64, "FMT": tq._FORMATS[fmt][0], "MAX_VALUE": tq._FORMATS[fmt][1],
-              "SMOOTH": smooth, "SINGLE": True}
+              "SMOOTH": smooth, "SINGLE": True, "PER_ROW": per_row}
     ptrs = {"X": "*bf16", "MEAN": "*fp32", "CODES": "*i8" if fmt == "int8" else "*u8", "SCALE": "*fp32"}
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    out[fmt] = {
+    out[fmt + ("-per-row" if per_row else "")] = {
         "div_rn": len(re.findall(r"\\bdiv\\.rn\\.f32\\b", ptx)),
         "div_other": len(re.findall(r"\\bdiv\\.(?:approx|full)", ptx)),
         "rne_constant": "0f4B400000" in ptx,

@@ -1,7 +1,7 @@
 """Which attention path runs: torch SDPA, the explicit map path, the Triton kernel, or flash-attn.
 
 On CUDA, a DIFF layer whose quantization plan asks for a variant the fused Triton kernel implements
-(int8 / fp8 Q/K per token block with K smoothing, fp8 P*V at P's static 1/448 scale with per-channel V,
+(int8 / fp8 Q/K per token or per token block with K smoothing, fp8 P*V at P's static 1/448 scale with per-channel V,
 static per-head n-bit logits) runs that kernel; an unquantized DIFF layer runs flash-attn when it is
 installed; everything else takes the torch paths (fake-quant). ``Attention.last_path`` records what ran,
 and ``path_summary`` reports it for ``diffquant info`` and run manifests.
@@ -51,13 +51,14 @@ def kernel_core(attn) -> CoreQuant | None:
     if q is not None or k is not None:
         if q is None or k is None or q.format != k.format or q.granularity != k.granularity:
             return None
-        if q.format not in ("int8", "fp8_e4m3") or not q.granularity.startswith("tokens("):
+        per_token = q.granularity in ("token", "row")  # one scale per token: the kernel's block 1
+        if q.format not in ("int8", "fp8_e4m3") or not (per_token or q.granularity.startswith("tokens(")):
             return None
         if q.is_static or k.is_static or q.smooth or not k.smooth or q.asymmetric or k.asymmetric:
             return None
         if q.scale is not None or k.scale is not None or q.scale_format != "fp32" or k.scale_format != "fp32":
             return None
-        fields.update(qk=q.format, block=q.group_size)
+        fields.update(qk=q.format, block=1 if per_token else q.group_size)
     if p1 is not None or p2 is not None or v is not None:
         probs_ok = p1 == p2 and p1 is not None and p1.format == "fp8_e4m3" and p1.scale == 1.0 / 448.0
         v_ok = v is not None and v.format == "fp8_e4m3" and v.granularity == "channel" and not v.is_static

@@ -121,11 +121,17 @@ def _store(c_base, s_base, rows, d_offs, ok, codes, scale, D: tl.constexpr):
 
 
 @triton.jit
-def _absmax(v):
-    """Max |v| over the tile, non-finite entries counted as 0 (NaN and inf both fail ``<= FLT_MAX``)."""
+def _row_absmax(v):
+    """Max |v| of each row of the tile, non-finite entries counted as 0 (NaN and inf both fail ``<= FLT_MAX``)."""
     mag = tl.abs(v)
     mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)
-    return tl.max(tl.max(mag, axis=1), axis=0)
+    return tl.max(mag, axis=1)
+
+
+@triton.jit
+def _absmax(v):
+    """Max |v| over the tile, non-finite entries counted as 0."""
+    return tl.max(_row_absmax(v), axis=0)
 
 
 @triton.jit
@@ -152,8 +158,10 @@ def _quant_tokens_kernel(
     MAX_VALUE: tl.constexpr,
     SMOOTH: tl.constexpr,
     SINGLE: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
-    """One program: one (batch, head) and one block of ``block`` tokens, in ``n_chunks`` tiles of ROWS rows."""
+    """One program: one (batch, head) and one block of ``block`` tokens, in ``n_chunks`` tiles of ROWS rows;
+    PER_ROW (``block`` 1): ROWS tokens, each its own block, with one absmax per row of the tile."""
     pid = tl.program_id(0).to(tl.int64)
     bh = pid // n_blocks
     blk = pid % n_blocks
@@ -167,7 +175,14 @@ def _quant_tokens_kernel(
     r_offs = tl.arange(0, ROWS)
     d_offs = tl.arange(0, D)
 
-    if SINGLE:  # the whole block in one register tile: load once
+    if PER_ROW:  # per-token scales: a tile of ROWS tokens, one absmax (and scale) per row
+        first = blk * ROWS
+        ok = first + r_offs < T
+        v = _load(x_base, m_base, first + r_offs, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
+        scale = tl.div_rn(_row_absmax(v), MAX_VALUE)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        _store(c_base, s_base, first + r_offs, d_offs, ok, _quantize(v, scale[:, None], FMT), scale, D)
+    elif SINGLE:  # the whole block in one register tile: load once
         ok = (r_offs < block) & (first + r_offs < T)
         v = _load(x_base, m_base, first + r_offs, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
         scale = tl.div_rn(_absmax(v), MAX_VALUE)
@@ -228,6 +243,8 @@ def quantize_tokens_triton(
     scale; mean (B, h, 1, d) fp32 (``x.float().mean(dim=2, keepdim=True)``, subtracted before quantizing) when
     ``smooth``, else None. Bit-identical to :func:`diffquant.kernels.reference.quantize_tokens` (codes after
     the cast to the code dtype). ``x`` may be float32 / bfloat16 / float16 with any strides (read in place).
+    ``block`` 1 (per-token scales) quantizes a tile of tokens per program, one absmax per row: the attention
+    kernels read a scale per token either way, so finer blocks cost them nothing.
     """
     _check(x, fmt, block)
     mode, max_value, code_dtype = _FORMATS[fmt]
@@ -237,13 +254,18 @@ def quantize_tokens_triton(
     scale = torch.empty((b, h, t), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return codes, scale, mean
-    rows = min(triton.next_power_of_2(block), max(1, _TILE_ELEMENTS // d))
-    n_chunks = triton.cdiv(block, rows)
+    per_row = block == 1  # per-token scales: a program quantizes a tile of tokens, each with its own scale
+    rows = (
+        max(1, _TILE_ELEMENTS // d)
+        if per_row
+        else min(triton.next_power_of_2(block), max(1, _TILE_ELEMENTS // d))
+    )
+    n_chunks = 1 if per_row else triton.cdiv(block, rows)
     m = mean if mean is not None else scale  # a dummy pointer when not smoothing (never read)
     m_strides = (mean.stride(0), mean.stride(1), mean.stride(3)) if mean is not None else (0, 0, 0)
     # fp8 codes are written as their bytes (see the module docstring), int8 codes as int8
     out = codes.view(torch.uint8) if mode == 1 else codes
-    n_blocks = triton.cdiv(t, block)
+    n_blocks = triton.cdiv(t, rows if per_row else block)
     _quant_tokens_kernel[(b * h * n_blocks,)](
         x,
         m,
@@ -262,6 +284,7 @@ def quantize_tokens_triton(
         MAX_VALUE=max_value,
         SMOOTH=smooth,
         SINGLE=n_chunks == 1,
+        PER_ROW=per_row,
         num_warps=_NUM_WARPS,
     )
     return codes, scale, mean

@@ -68,6 +68,16 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
             {"sites": ["kind:v"], "scheme": "fp8_e4m3:channel"},
         ],
     },
+    "qk-int8-token-pv-fp8": {
+        "description": "qk-int8-pv-fp8 with a scale per token for Q and K (K smoothed): as fast in the "
+        "kernel, which reads a scale per token either way; an outlier costs only its own token's precision",
+        "rules": [
+            {"sites": ["kind:q"], "scheme": "int8:token"},
+            {"sites": ["kind:k"], "scheme": {"format": "int8", "granularity": "token", "smooth": True}},
+            {"sites": ["kind:probs"], "scheme": {"format": "fp8_e4m3", "scale": 1.0 / 448.0}},
+            {"sites": ["kind:v"], "scheme": "fp8_e4m3:channel"},
+        ],
+    },
     # ---- weights and Linear inputs
     "w8a8": {
         "description": "int8 weights per output channel, int8 Linear inputs per token (dynamic)",
