@@ -77,7 +77,7 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
         assert stage["wall_s"] > 0 and stage["numbers"]
     # what a CPU can do for the GPU-only stages, it did
     assert stages["gpu_tests"]["numbers"]["collected"] >= 50
-    assert stages["kernels_bench"]["numbers"]["smoke_rows"] == 14
+    assert stages["kernels_bench"]["numbers"]["smoke_rows"] == 16  # 8 variants x 2 distributions
     assert {g["goal"] for g in stages["kernels_bench"]["numbers"]["issue46_goals"]} == {1, 2, 3, 4}
     assert stages["kernels_bench"]["numbers"]["goals"]["assessable"] is False
     # issue 45's early-gap question: baseline and DIFF V2 in fp32 and bf16, every step's loss, the gap

@@ -228,7 +228,7 @@ GOAL_SPEEDUP_VS_BF16 = 1.3  # issue 8: the quantized DIFF V2 core at least 1.3x 
 GOAL_VS_BASELINE = 1.0  # ... and at least as fast as the baseline's flash attention (T >= 4096)
 GOAL_COSINE = 0.999  # ... with cosine similarity >= 0.999 to the fp32 reference
 GOAL_MIN_T = 4096
-QUANTIZED = ("v2-int8qk-fp8pv-triton", "v2-fp8qk-fp8pv-triton")
+QUANTIZED = ("v2-int8qk-fp8pv-triton", "v2-int8tokqk-fp8pv-triton", "v2-fp8qk-fp8pv-triton")
 BF16_V2 = ("v2-bf16-triton", "v2-flash-bf16")
 BASELINE = ("baseline-sdpa-bf16", "baseline-flash-bf16")
 

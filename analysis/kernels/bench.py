@@ -11,6 +11,8 @@ warm-up (median of --reps):
                           torch refuses it), then out[:, 0::2] - lam * out[:, 1::2] in fp32, cast to bf16
   v2-bf16-triton          DIFF V2 core, the Triton kernel, bf16
   v2-int8qk-fp8pv-triton  DIFF V2, Triton, int8 Q/K per 64-token block with K smoothing, fp8 P*V (SageAttention)
+  v2-int8tokqk-fp8pv-triton  the same with a Q/K scale per token (the same attention kernel: it reads a scale
+                          per token either way; only the quantizer's absmax is per row)
   v2-fp8qk-fp8pv-triton   DIFF V2, Triton, fp8 Q/K, fp8 P*V
   v1-sdpa-bf16            DIFF V1 on torch SDPA: two causal calls (map 1 on the even Q/K components, map 2 on
                           the odd ones) over the 2d-wide value heads, Q/K zero-padded to 2d with scale 1/sqrt(d)
@@ -27,7 +29,7 @@ Then the goals, per shape (T, H, Hkv, d), on the N(0,1) times (the time does not
 as a table and stored under "goals" (one entry per shape and goal: measured ratios, "met" / "missed" / "n/a"):
   1  v2-bf16-triton <= 2.5 x baseline-sdpa-bf16, and faster than v2-sdpa-bf16
   2  v2-int8qk-fp8pv-triton <= 1 x baseline-sdpa-bf16, cosine >= 0.999 on both distributions (the same check
-     is reported for v2-fp8qk-fp8pv-triton)
+     is reported for v2-int8tokqk-fp8pv-triton and v2-fp8qk-fp8pv-triton)
   3  v1-bf16-triton <= 3 x baseline-sdpa-bf16, and faster than v1-sdpa-bf16
   4  every Triton variant ran (no "error" row) on both distributions
 A goal is "missed" when a measured part fails, otherwise "n/a" when a part has no number (its row is missing or
@@ -54,7 +56,16 @@ import torch.nn.functional as F
 
 DEVICE = "cuda"
 DISTS = ("normal", "fa3")
-TRITON_VARIANTS = ("v2-bf16-triton", "v2-int8qk-fp8pv-triton", "v2-fp8qk-fp8pv-triton", "v1-bf16-triton")
+TRITON_VARIANTS = (
+    "v2-bf16-triton",
+    "v2-int8qk-fp8pv-triton",
+    "v2-int8tokqk-fp8pv-triton",
+    "v2-fp8qk-fp8pv-triton",
+    "v1-bf16-triton",
+)
+QUANTIZED_V2 = TRITON_VARIANTS[1:4]  # goal 2's variants
+# --tune times each kernel once: per-token Q/K scales change the quantizer, not the attention kernel's launch
+TUNED_VARIANTS = tuple(v for v in TRITON_VARIANTS if v != "v2-int8tokqk-fp8pv-triton")
 BASELINE = "baseline-sdpa-bf16"
 GOAL_V2_VS_BASELINE = 2.5  # goal 1: bf16 DIFF V2 Triton time / baseline SDPA time
 GOAL_QUANT_VS_BASELINE = 1.0  # goal 2: quantized DIFF V2 Triton time / baseline SDPA time
@@ -106,7 +117,10 @@ def measure(fn, reps: int) -> tuple[torch.Tensor, float]:
 
 
 def accuracy(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    o, r = out.float().flatten(), ref.float().flatten()
+    """Cosine, relative L1 and RMSE over every element, summed in float64: fp32 sums over millions of
+    elements are off by ~1e-4 in the cosine (1.0002 measured on the CPU for a bf16 core), the size of the
+    differences goal 2's 0.999 has to tell apart."""
+    o, r = out.double().flatten(), ref.double().flatten()
     return {
         "cosine": float(torch.nn.functional.cosine_similarity(o, r, dim=0)),
         "rel_l1": float((o - r).abs().sum() / r.abs().sum()),
@@ -148,6 +162,7 @@ def v2_variants() -> dict:
     return {
         "v2-bf16-triton": CoreQuant(),
         "v2-int8qk-fp8pv-triton": CoreQuant(qk="int8", block=64, pv="fp8_e4m3"),
+        "v2-int8tokqk-fp8pv-triton": CoreQuant(qk="int8", block=1, pv="fp8_e4m3"),
         "v2-fp8qk-fp8pv-triton": CoreQuant(qk="fp8_e4m3", block=64, pv="fp8_e4m3"),
     }
 
@@ -330,7 +345,7 @@ def _shape_goals(shape: tuple, dists: dict[str, dict[str, dict]]) -> list[dict]:
         )
 
     out = [speed(1, "v2-bf16-triton", "v2-sdpa-bf16", GOAL_V2_VS_BASELINE)]
-    for variant in ("v2-int8qk-fp8pv-triton", "v2-fp8qk-fp8pv-triton"):  # goal 2 (and its fp8 twin)
+    for variant in QUANTIZED_V2:  # goal 2 (per 64-token block, per token, and the fp8 Q/K twin)
         vs_base = ratio(variant, BASELINE)
         cos = {dist: get(variant, "cosine", dist) for dist in DISTS}
         out.append(
@@ -426,10 +441,10 @@ def print_tables(result: dict, smoke: bool = False) -> None:
     print()
     note = " (smoke: CPU interpreter times, the verdicts mean nothing)" if smoke else ""
     print(f"goals, on the normal inputs' times{note}")
-    print(f"{'T':>6}{'H':>4}{'Hkv':>4}{'d':>5} {'goal':<5}{'variant':<24}{'status':<8} measured")
+    print(f"{'T':>6}{'H':>4}{'Hkv':>4}{'d':>5} {'goal':<5}{'variant':<26}{'status':<8} measured")
     for g in result["goals"]:
         print(
-            f"{g['T']:>6}{g['H']:>4}{g['Hkv']:>4}{g['d']:>5} {g['goal']:<5}{g['variant']:<24}{g['status']:<8} "
+            f"{g['T']:>6}{g['H']:>4}{g['Hkv']:>4}{g['d']:>5} {g['goal']:<5}{g['variant']:<26}{g['status']:<8} "
             f"{g['text']}"
         )
 
@@ -485,7 +500,7 @@ def tune(args: argparse.Namespace, on_variant=None) -> dict:
         }
         x1 = inputs(shape, "normal", "v1", gen)
         q1, k1, v1 = (x1[n].to(torch.bfloat16) for n in ("q", "k", "v"))
-        for variant in TRITON_VARIANTS:
+        for variant in TUNED_VARIANTS:
             for cfg in candidates(variant, d, args.smoke):
                 if variant.startswith("v1"):
                     call = partial(diff_v1_attention, q1, k1, v1, x1["lam"], x1["lambda_init"], None, **cfg)

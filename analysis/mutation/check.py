@@ -4066,6 +4066,37 @@ MUTANTS = [
         "        codes = q.codes\n",
         ("tests/test_device_check.py::test_act_scales_and_quantized_exports_on_cuda",),
     ),
+    M(
+        "per-token Q/K: the quantizer's per-row tile takes one absmax for the whole tile",
+        "diffquant/kernels/triton_quant.py",
+        "        scale = tl.div_rn(_row_absmax(v), MAX_VALUE)\n",
+        "        scale = tl.div_rn(_absmax(v) + 0.0 * _row_absmax(v), MAX_VALUE)\n",
+        ("tests/test_triton_quant.py::test_quantize_tokens_triton_matches_reference",),
+    ),
+    M(
+        "per-token Q/K: the per-row tiles start at a multiple of the block (1), not of the tile's rows",
+        "diffquant/kernels/triton_quant.py",
+        "        first = blk * ROWS\n",
+        "        first = blk * block\n",
+        ("tests/test_triton_quant.py::test_quantize_tokens_triton_matches_reference",),
+    ),
+    M(
+        "per-token Q/K: dispatch runs a per-token plan with the kernel's 64-token blocks",
+        "diffquant/kernels/dispatch.py",
+        "block=1 if per_token else q.group_size",
+        "block=64 if per_token else q.group_size",
+        (
+            "tests/test_dispatch.py::test_kernel_takes_only_what_it_implements",
+            "tests/test_dispatch.py::test_triton_path_equals_fake_quant_path",
+        ),
+    ),
+    M(
+        "kernel bench: the accuracy metric summed in fp32 (a cosine off by ~1e-4 over a million elements)",
+        "analysis/kernels/bench.py",
+        "    o, r = out.double().flatten(), ref.double().flatten()\n",
+        "    o, r = out.float().flatten(), ref.float().flatten()\n",
+        ("tests/test_kernel_bench.py::test_accuracy_sums_in_float64",),
+    ),
 ]
 
 
