@@ -13,6 +13,19 @@ from typing import Any
 
 from diffquant.errors import DiffquantError
 
+
+def sage_rules(granularity: str) -> list[dict[str, Any]]:
+    """SageAttention's casts (Zhang et al. 2024) as plan rules: int8 Q and K at ``granularity`` (K smoothed:
+    its mean over tokens subtracted first), P in fp8_e4m3 at the static scale 1/448, V in fp8_e4m3 per
+    channel; what the fused kernel implements (diffquant.kernels.dispatch)."""
+    return [
+        {"sites": ["kind:q"], "scheme": f"int8:{granularity}"},
+        {"sites": ["kind:k"], "scheme": {"format": "int8", "granularity": granularity, "smooth": True}},
+        {"sites": ["kind:probs"], "scheme": {"format": "fp8_e4m3", "scale": 1.0 / 448.0}},
+        {"sites": ["kind:v"], "scheme": "fp8_e4m3:channel"},
+    ]
+
+
 PRESET_TABLE: dict[str, dict[str, Any]] = {
     # ---- attention logits, dynamic absmax per tensor / head / row (DIFF paper, Fig. 8)
     "attn-logits-int8": {
@@ -61,22 +74,12 @@ PRESET_TABLE: dict[str, dict[str, Any]] = {
     "qk-int8-pv-fp8": {
         "description": "SageAttention-style: int8 Q/K per 64-token block (K smoothed), "
         "P in fp8_e4m3 at the static scale 1/448, V in fp8_e4m3 per channel",
-        "rules": [
-            {"sites": ["kind:q"], "scheme": "int8:tokens(64)"},
-            {"sites": ["kind:k"], "scheme": {"format": "int8", "granularity": "tokens(64)", "smooth": True}},
-            {"sites": ["kind:probs"], "scheme": {"format": "fp8_e4m3", "scale": 1.0 / 448.0}},
-            {"sites": ["kind:v"], "scheme": "fp8_e4m3:channel"},
-        ],
+        "rules": sage_rules("tokens(64)"),
     },
     "qk-int8-token-pv-fp8": {
         "description": "qk-int8-pv-fp8 with a scale per token for Q and K (K smoothed): as fast in the "
         "kernel, which reads a scale per token either way; an outlier costs only its own token's precision",
-        "rules": [
-            {"sites": ["kind:q"], "scheme": "int8:token"},
-            {"sites": ["kind:k"], "scheme": {"format": "int8", "granularity": "token", "smooth": True}},
-            {"sites": ["kind:probs"], "scheme": {"format": "fp8_e4m3", "scale": 1.0 / 448.0}},
-            {"sites": ["kind:v"], "scheme": "fp8_e4m3:channel"},
-        ],
+        "rules": sage_rules("token"),
     },
     # ---- weights and Linear inputs
     "w8a8": {
