@@ -210,6 +210,63 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         tq.quantize_tokens_triton(torch.zeros(1, 1, 8, 16), "int8", 4)
 
 
+# ------------------------------------------------------------------------------------------ V in fp8
+VALUE_CASES = [
+    # (id, builder(generator) -> v): V's per-(batch, channel) absmax spans heads and positions, so the cases
+    # give different maxima per head, batch and channel, and tiles that end mid-way (T not a multiple of ROWS)
+    ("B2-h3-T70-d64-fp32-fa3", lambda g: _draw((2, 3, 70, 64), "fa3", g)),
+    (
+        "B1-h2-T130-d128-bf16-transposed",
+        lambda g: _draw((1, 130, 2, 128), "fa3", g).bfloat16().transpose(1, 2),
+    ),
+    ("B1-h1-T40-d256-fp16-wide", lambda g: _draw((1, 1, 40, 256), "wide", g).half()),
+    ("B2-h1-T40-d16-nonfinite", lambda g: _nonfinite(g)),
+    ("B1-h2-T48-d16-ties-zero-channel", lambda g: _symmetric("fp8_e4m3", g, 16).expand(1, 2, 48, 16).clone()),
+    ("B1-h1-T32-d16-subnormal", lambda g: _draw((1, 1, 32, 16), "subnormal", g)),
+]
+
+
+@cpu_kernels
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
+def test_quantize_values_triton_matches_reference(case):
+    """V's fp8 codes and per-(batch, channel) scales (two kernels: an atomic absmax, then the codes) equal
+    ``reference.quantize_values(v, "fp8_e4m3")`` byte for byte, as the attention kernel receives them."""
+    from diffquant.kernels.reference import quantize_values
+
+    name, build = case
+    v = build(_gen(name))
+    if "zero-channel" in name:
+        v[..., 3] = 0.0  # an all-zero channel: scale 1
+    codes, scale = tq.quantize_values_triton(v)
+    ref_codes, ref_scale = quantize_values(v, "fp8_e4m3")
+    b, h, t, d = v.shape
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (b, h, t, d) and codes.is_contiguous(), name
+    diff = codes.view(torch.uint8) != ref_codes.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert not diff.any(), (
+        f"{name}: {int(diff.sum())} code bytes differ, first at {diff.nonzero()[0].tolist()}"
+    )
+    assert scale.shape == (b, d) and torch.equal(scale, ref_scale.reshape(b, d)), name
+    if "zero-channel" in name:
+        assert torch.equal(scale[:, 3], torch.ones(b)), "an all-zero channel gets scale 1"
+    if "nonfinite" in name:
+        assert codes.float().isnan().any() and codes.float().abs().eq(448).any(), "NaN kept, inf saturates"
+
+
+@cpu_kernels
+def test_quantize_values_triton_refuses_what_it_cannot_take():
+    for shape, dtype, match in (
+        ((1, 1, 8, 24), torch.float32, "value width 24"),
+        ((1, 1, 8, 512), torch.float32, "value width 512"),
+        ((1, 8, 16), torch.float32, "expected \\(batch, heads"),
+        ((1, 1, 8, 16), torch.float64, "dtype"),
+    ):
+        with pytest.raises(DiffquantError, match=match):
+            tq.quantize_values_triton(torch.zeros(shape, dtype=dtype))
+    codes, scale = tq.quantize_values_triton(torch.zeros(2, 1, 0, 16))
+    assert codes.shape == (2, 1, 0, 16) and torch.equal(scale, torch.ones(2, 16))
+
+
 # ------------------------------------------------------------------------------------------ compiled code
 _PTX_SCRIPT = """
 import json, re
@@ -232,6 +289,19 @@ for fmt, smooth, per_row in (("int8", True, False), ("fp8_e4m3", False, False), 
         "div_other": len(re.findall(r"\\bdiv\\.(?:approx|full)", ptx)),
         "rne_constant": "0f4B400000" in ptx,
     }
+for name in ("_values_absmax_kernel", "_values_quant_kernel"):
+    fn = getattr(tq, name)
+    consts = {"D": 128, "ROWS": 64}
+    ptrs = {"X": "*bf16", "AMAX": "*i32", "CODES": "*u8", "SCALE": "*fp32"}
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    out[name] = {
+        "div_rn": len(re.findall(r"\\bdiv\\.rn\\.f32\\b", ptx)),
+        "div_other": len(re.findall(r"\\bdiv\\.(?:approx|full)", ptx)),
+        "rne_constant": "0f4B400000" in ptx,
+        "atomic_max": len(re.findall(r"\\batom\\.global\\.[a-z_.]*max\\.s32|\\bred\\.global\\.[a-z_.]*max\\.s32", ptx)),
+    }
 print(json.dumps(out))
 """
 
@@ -240,7 +310,8 @@ print(json.dumps(out))
 def test_compiled_kernel_divides_in_ieee_fp32():
     """The interpreter's ``/`` on fp32 is numpy's IEEE division, so it cannot tell ``tl.div_rn`` from compiled
     Triton's approximate ``/``; the sm_90 code (compiled offline, no GPU needed) shows it: every division is
-    ``div.rn.f32`` (per element and the scale), none ``div.full`` / ``div.approx``, and the RNE add survives."""
+    ``div.rn.f32`` (per element and the scale), none ``div.full`` / ``div.approx``, and the RNE add survives;
+    V's absmax pass is an atomic integer max on the fp32 bits."""
     import json
     import subprocess
     import sys
@@ -252,5 +323,8 @@ def test_compiled_kernel_divides_in_ieee_fp32():
         pytest.skip(f"no ptxas for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
+    absmax = got.pop("_values_absmax_kernel")  # V's first pass: only the atomic max, no division
+    assert absmax["atomic_max"] > 0 and absmax["div_rn"] == absmax["div_other"] == 0, absmax
+    assert set(got) == {"int8", "fp8_e4m3", "int8-per-row", "_values_quant_kernel"}
     for fmt, ptx in got.items():
         assert ptx["div_rn"] > 0 and ptx["div_other"] == 0 and ptx["rne_constant"], (fmt, ptx)

@@ -4097,6 +4097,27 @@ MUTANTS = [
         "    o, r = out.float().flatten(), ref.float().flatten()\n",
         ("tests/test_kernel_bench.py::test_accuracy_sums_in_float64",),
     ),
+    M(
+        "V in fp8: the absmax pass counts inf / NaN (their bits win the integer max)",
+        "diffquant/kernels/triton_quant.py",
+        "    mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)\n    tl.atomic_max(",
+        "    tl.atomic_max(",
+        ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
+    ),
+    M(
+        "V in fp8: one absmax for every batch (the atomic max ignores the batch)",
+        "diffquant/kernels/triton_quant.py",
+        "    tl.atomic_max(AMAX + b * D + tl.arange(0, D),",
+        "    tl.atomic_max(AMAX + tl.arange(0, D),",
+        ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
+    ),
+    M(
+        "V in fp8: an all-zero channel keeps scale 0 (its codes 0 / 0)",
+        "diffquant/kernels/triton_quant.py",
+        "    scale = tl.div_rn(amax, 448.0)\n    scale = tl.where(scale > 0.0, scale, 1.0)\n",
+        "    scale = tl.div_rn(amax, 448.0)\n",
+        ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
+    ),
 ]
 
 

@@ -76,9 +76,14 @@ from diffquant.kernels.reference import (
     kv_heads_v1,
     kv_heads_v2,
     logits_scales,
-    quantize_values,
 )
-from diffquant.kernels.triton_quant import _interpreting, _rne, _round_e4m3, quantize_tokens_triton
+from diffquant.kernels.triton_quant import (
+    _interpreting,
+    _rne,
+    _round_e4m3,
+    quantize_tokens_triton,
+    quantize_values_triton,
+)
 
 __all__ = ["diff_v1_attention", "diff_v2_attention", "kernel_constants", "kernel_round", "launch_config"]
 
@@ -605,10 +610,9 @@ def _prepare(
             q_dequant = ops["q"].float() * ops["qs"][..., None]
             ops["qb"] = ((q_dequant * mean).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
     if quant.pv == "fp8_e4m3":
-        codes, scale = quantize_values(v, quant.pv)
-        # fp8 storage is exact (the codes are e4m3 values); the interpreter loads and upcasts it fine
-        ops["v"] = codes.to(torch.float8_e4m3fn)
-        ops["vs"] = scale.reshape(v.shape[0], v.shape[-1]).contiguous()
+        # two Triton kernels, bit-identical to reference.quantize_values (~45 torch kernels); the interpreter
+        # loads and upcasts the fp8 codes fine
+        ops["v"], ops["vs"] = quantize_values_triton(v)
     ops["ls"] = torch.ones(q.shape[1], dtype=torch.float32, device=dev)
     if quant.logits_bits is not None:
         ops["ls"] = logits_scales(quant, q.shape[1], dev)

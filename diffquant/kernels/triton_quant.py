@@ -1,4 +1,5 @@
-"""Q / K quantization per block of tokens for the quantized DIFF attention kernels, as ONE Triton kernel per tensor.
+"""Q / K quantization per block of tokens (and V's fp8 per channel) for the quantized DIFF attention kernels, as ONE
+Triton kernel per tensor (two for V).
 
 Why it exists: the kernels in :mod:`diffquant.kernels.triton_diff` with ``qk`` int8 / fp8_e4m3 (SageAttention,
 Zhang et al. 2024, arXiv 2410.02367) take Q and K as codes plus a per-token copy of each block's scale. Computed
@@ -7,7 +8,10 @@ tensor (cast, mean, subtract, pad, abs, isfinite, where, amax, divide, where, di
 slices, expand, the cast to int8 / fp8), which on an H200 at T = 4096 costs more than the whole attention (torch
 SDPA takes 0.12 ms there). :func:`quantize_tokens_triton` does it in one kernel pass per tensor, plus torch's own
 ``x.float().mean(dim=2, keepdim=True)`` for K's smoothing (one reduction; for bf16 / fp16 inputs ``x.float()``
-is a cast kernel too, kept so that the mean is the reference's mean bit for bit).
+is a cast kernel too, kept so that the mean is the reference's mean bit for bit). V for fp8 P*V
+(:func:`quantize_values_triton`: one absmax per batch and channel over every head and position, then the codes)
+takes two kernels, the first an atomic max across programs, where ``reference.quantize_values`` takes ~45 torch
+kernels (counted: most of them on the small scale tensor, each a launch).
 
 It is BIT-IDENTICAL to ``quantize_tokens(x, fmt, block, smooth)``: codes equal ``TokenQuant.codes`` after the
 cast the attention kernel's ``_prepare`` applies (``.to(torch.int8)`` / ``.to(torch.float8_e4m3fn)``), scales and
@@ -46,7 +50,7 @@ import triton.language as tl
 
 from diffquant.errors import DiffquantError
 
-__all__ = ["quantize_tokens_triton"]
+__all__ = ["quantize_tokens_triton", "quantize_values_triton"]
 
 _FORMATS = {"int8": (0, 127.0, torch.int8), "fp8_e4m3": (1, 448.0, torch.float8_e4m3fn)}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,6 +208,54 @@ def _quant_tokens_kernel(
             _store(c_base, s_base, first + r, d_offs, ok, _quantize(v, scale, FMT), scale, D)
 
 
+@triton.jit
+def _values_tile(X, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt, stride_xd, D: tl.constexpr,
+                 ROWS: tl.constexpr):  # fmt: skip
+    """This program's (batch, head, tile): b, its flat (batch, head) index, the tile's rows, their mask and
+    fp32 values."""
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // n_tiles
+    b = bh // n_heads
+    rows = (pid % n_tiles) * ROWS + tl.arange(0, ROWS)
+    ok = rows < T
+    x_base = X + b * stride_xb + (bh % n_heads) * stride_xh
+    v = _load(x_base, x_base, rows, tl.arange(0, D), ok, stride_xt, stride_xd, 0, False)
+    return b, bh, rows, ok, v
+
+
+@triton.jit
+def _values_absmax_kernel(X, AMAX, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt, stride_xd,
+                          D: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """V's per-(batch, channel) absmax over every head and position: each program max'es its tile's column
+    maxima into AMAX (fp32 bits as int32, zero-initialised: for values >= 0 the integer order is the float
+    order, and a max does not depend on the order the programs arrive in)."""
+    b, bh, rows, ok, v = _values_tile(
+        X, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt, stride_xd, D, ROWS
+    )
+    mag = tl.abs(v)
+    mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)
+    tl.atomic_max(AMAX + b * D + tl.arange(0, D), tl.max(mag, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _values_quant_kernel(X, AMAX, CODES, SCALE, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt,
+                         stride_xd, D: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """V's e4m3 codes at scale absmax / 448 per (batch, channel) (1 for an all-zero channel); the first
+    program of each batch writes the scales."""
+    b, bh, rows, ok, v = _values_tile(
+        X, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt, stride_xd, D, ROWS
+    )
+    d_offs = tl.arange(0, D)
+    amax = tl.load(AMAX + b * D + d_offs).to(tl.float32, bitcast=True)
+    scale = tl.div_rn(amax, 448.0)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    codes = _quantize(v, scale[None, :], 1)
+    c_ptrs = CODES + (bh * T + rows.to(tl.int64))[:, None] * D + d_offs[None, :]
+    tl.store(c_ptrs, codes.to(CODES.dtype.element_ty), mask=ok[:, None])
+    if tl.program_id(0) % (n_heads * n_tiles) == 0:  # the batch's first program
+        tl.store(SCALE + b * D + d_offs, scale)
+
+
 # ------------------------------------------------------------------------------------------ host side
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -288,3 +340,46 @@ def quantize_tokens_triton(
         num_warps=_NUM_WARPS,
     )
     return codes, scale, mean
+
+
+def quantize_values_triton(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V (B, h, S, dv) in fp8_e4m3 with one absmax scale per (batch, channel) over every head and position,
+    in two Triton kernels (an atomic max, then the codes) instead of ~45 torch kernels.
+
+    Returns (codes, scale): codes (B, h, S, dv) torch.float8_e4m3fn contiguous, scale (B, dv) fp32.
+    Bit-identical to :func:`diffquant.kernels.reference.quantize_values` with pv "fp8_e4m3" (codes after
+    the cast to float8_e4m3fn, the scale reshaped to (B, dv)): the absmax ignores non-finite values, an
+    all-zero channel gets scale 1, codes saturate at +-448 and keep NaN, as there.
+    """
+    if v.dim() != 4:
+        raise DiffquantError(
+            f"quantize_values_triton: expected (batch, heads, positions, channels), got {tuple(v.shape)}"
+        )
+    if v.dtype not in _DTYPES:
+        raise DiffquantError(
+            f"quantize_values_triton: dtype {v.dtype} unsupported (float32, bfloat16, float16)"
+        )
+    b, h, t, d = v.shape
+    if not (16 <= d <= 256 and d & (d - 1) == 0):
+        raise DiffquantError(
+            f"quantize_values_triton: value width {d} unsupported; expected a power of two in 16..256"
+        )
+    if v.device.type != "cuda" and not _interpreting():
+        raise DiffquantError(
+            "quantize_values_triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing the kernels)"
+        )
+    codes = torch.empty((b, h, t, d), dtype=torch.float8_e4m3fn, device=v.device)
+    scale = torch.ones((b, d), dtype=torch.float32, device=v.device)  # what no program writes: T = 0
+    if v.numel() == 0:
+        return codes, scale
+    amax = torch.zeros((b, d), dtype=torch.int32, device=v.device)  # fp32 bits of 0.0
+    rows = max(1, _TILE_ELEMENTS // d)
+    n_tiles = triton.cdiv(t, rows)
+    args = (h, n_tiles, t, *v.stride())
+    grid = (b * h * n_tiles,)
+    _values_absmax_kernel[grid](v, amax, *args, D=d, ROWS=rows, num_warps=_NUM_WARPS)
+    # e4m3 codes written as their bytes (see the module docstring)
+    _values_quant_kernel[grid](
+        v, amax, codes.view(torch.uint8), scale, *args, D=d, ROWS=rows, num_warps=_NUM_WARPS
+    )
+    return codes, scale
