@@ -96,7 +96,7 @@ def captured_launch(
     (the host code runs for real up to the launch: quantization, strides, constants)."""
     import torch
 
-    from diffquant.kernels.reference import CoreQuant, quantize_tokens
+    from diffquant.kernels.reference import CoreQuant, quantize_tokens, quantize_values
 
     shape = SHAPES[d]
     t, h, hkv = shape["T"], shape["H"], shape["Hkv"]
@@ -112,9 +112,19 @@ def captured_launch(
         tq = quantize_tokens(x, fmt, block, smooth=smooth)
         return tq.codes.to(torch.int8 if fmt == "int8" else torch.float8_e4m3fn), tq.scale, tq.mean
 
-    saved = td._diff_attn_fwd, td._check_inputs, td._interpreting, td.quantize_tokens_triton
+    def values_in_torch(v):  # likewise for V's fp8 codes
+        codes, scale = quantize_values(v, "fp8_e4m3")
+        return codes.to(torch.float8_e4m3fn), scale.reshape(v.shape[0], v.shape[-1])
+
+    saved = (
+        td._diff_attn_fwd,
+        td._check_inputs,
+        td._interpreting,
+        td.quantize_tokens_triton,
+        td.quantize_values_triton,
+    )
     td._diff_attn_fwd, td._check_inputs, td._interpreting = _Recorder(), lambda *a: None, lambda: False
-    td.quantize_tokens_triton = quantize_in_torch
+    td.quantize_tokens_triton, td.quantize_values_triton = quantize_in_torch, values_in_torch
     try:
         if kind == "v1":
             td.diff_v1_attention(
@@ -130,7 +140,13 @@ def captured_launch(
     except _Captured as got:
         return got.args_, got.kwargs_
     finally:
-        td._diff_attn_fwd, td._check_inputs, td._interpreting, td.quantize_tokens_triton = saved
+        (
+            td._diff_attn_fwd,
+            td._check_inputs,
+            td._interpreting,
+            td.quantize_tokens_triton,
+            td.quantize_values_triton,
+        ) = saved
     raise RuntimeError("the host code did not launch the kernel")
 
 

@@ -355,8 +355,11 @@ def _diff_attn_fwd(
     qs2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     qb1 = tl.zeros([BLOCK_M], dtype=tl.float32)
     qb2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    ls1 = tl.load(LS + qh1)  # 1.0 unless the logits are quantized
-    ls2 = tl.load(LS + qh2)
+    ls1 = tl.full([], 1.0, tl.float32)  # the logits' static scales, read only when they are quantized
+    ls2 = ls1
+    if LOGITS_QMAX > 0:
+        ls1 = tl.load(LS + qh1)
+        ls2 = tl.load(LS + qh2)
     if QK_MODE != 0:
         qs_base = QS + (b * n_q_heads).to(tl.int64) * T + offs_m
         qs1 = tl.load(qs_base + qh1 * T, mask=m_ok, other=0.0)
@@ -597,7 +600,8 @@ def _prepare(
 ) -> dict:
     """The kernel operands for ``quant``: codes and scales in torch (one place, shared with the reference)."""
     dev = q.device
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    # what a variant does not read (its constexpr branches skip the loads): no fill kernel for it
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
     ops = {"q": q, "k": k, "v": v, "qs": dummy, "ks": dummy, "qb": dummy, "vs": dummy, "ls": dummy}
     if quant.qk is not None:
         # one Triton kernel per tensor, bit-identical to reference.quantize_tokens (torch's ~20 small kernels
@@ -613,7 +617,6 @@ def _prepare(
         # two Triton kernels, bit-identical to reference.quantize_values (~45 torch kernels); the interpreter
         # loads and upcasts the fp8 codes fine
         ops["v"], ops["vs"] = quantize_values_triton(v)
-    ops["ls"] = torch.ones(q.shape[1], dtype=torch.float32, device=dev)
     if quant.logits_bits is not None:
         ops["ls"] = logits_scales(quant, q.shape[1], dev)
     ops["upcast"] = _interpreting()  # the interpreter runs CUDA tensors too, with the same dot limitations
