@@ -422,7 +422,7 @@ CLI_SIZES = {
         "eval_tokens": 512,
     },
 }
-EVAL_PLANS = ("attn-logits-int8", "attn-logits-int4", "w8a8", "qk-int8-pv-fp8")
+EVAL_PLANS = ("attn-logits-int8", "attn-logits-int4", "w8a8", "qk-int8-pv-fp8", "qk-int8-token-pv-fp8")
 # Real backends run in float32: optimum-quanto's layers fail under --dtype bfloat16 (found by this kit's
 # rehearsal: "expected m1 and m2 to have the same dtype"); bitsandbytes runs in either.
 BACKEND_PLANS = (("quanto-w8a8", "optimum.quanto"), ("bnb-int8", "bitsandbytes"))
@@ -479,7 +479,8 @@ def _sweep(folder: Path, metric: str = "bits_per_byte") -> dict[str, Any]:
 def stage_cli(ctx: Context, rec: Recorder) -> None:
     """`diffquant profile`, `quantize` and `eval` on CUDA in bfloat16 (the rehearsal: on CPU), on the zoo's
     DIFF V2 and a random mid-size DIFF V2, each command timed; one failing command does not stop the rest.
-    `qk-int8-pv-fp8` is the plan that dispatches to the Triton kernel on CUDA (its cells record the path)."""
+    `qk-int8-pv-fp8` and `qk-int8-token-pv-fp8` are the plans that dispatch to the Triton kernel on CUDA (their
+    cells record the path)."""
     cli = ctx.work / "cli"
     logs = ctx.work / "logs"
     sizes = CLI_SIZES[ctx.mode]
