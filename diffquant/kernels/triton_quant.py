@@ -261,28 +261,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _check_tensor(x: torch.Tensor, who: str, width: str, max_width: int) -> None:
+    """(B, h, T, width) in fp32 / bf16 / fp16, the width a power of two in 16..``max_width``, on CUDA unless
+    Triton interprets."""
+    if x.dim() != 4:
+        raise DiffquantError(f"{who}: expected (batch, heads, positions, channels), got {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise DiffquantError(f"{who}: dtype {x.dtype} unsupported (float32, bfloat16, float16)")
+    d = x.shape[-1]
+    if not (16 <= d <= max_width and d & (d - 1) == 0):
+        raise DiffquantError(f"{who}: {width} {d} unsupported; expected a power of two in 16..{max_width}")
+    if x.device.type != "cuda" and not _interpreting():
+        raise DiffquantError(
+            f"{who} needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing the kernels)"
+        )
+
+
 def _check(x: torch.Tensor, fmt: str, block: int) -> None:
     if fmt not in _FORMATS:
         raise DiffquantError(f"quantize_tokens_triton: fmt {fmt!r}; expected one of {', '.join(_FORMATS)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise DiffquantError(f"quantize_tokens_triton: block={block!r}; expected an integer >= 1")
-    if x.dim() != 4:
-        raise DiffquantError(
-            f"quantize_tokens_triton: expected (batch, heads, positions, channels), got {tuple(x.shape)}"
-        )
-    if x.dtype not in _DTYPES:
-        raise DiffquantError(
-            f"quantize_tokens_triton: dtype {x.dtype} unsupported (float32, bfloat16, float16)"
-        )
-    d = x.shape[-1]
-    if not (16 <= d <= 128 and d & (d - 1) == 0):
-        raise DiffquantError(
-            f"quantize_tokens_triton: head dim {d} unsupported; expected a power of two in 16..128"
-        )
-    if x.device.type != "cuda" and not _interpreting():
-        raise DiffquantError(
-            "quantize_tokens_triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing the kernels)"
-        )
+    _check_tensor(x, "quantize_tokens_triton", "head dim", 128)
 
 
 def quantize_tokens_triton(
@@ -351,23 +351,8 @@ def quantize_values_triton(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     the cast to float8_e4m3fn, the scale reshaped to (B, dv)): the absmax ignores non-finite values, an
     all-zero channel gets scale 1, codes saturate at +-448 and keep NaN, as there.
     """
-    if v.dim() != 4:
-        raise DiffquantError(
-            f"quantize_values_triton: expected (batch, heads, positions, channels), got {tuple(v.shape)}"
-        )
-    if v.dtype not in _DTYPES:
-        raise DiffquantError(
-            f"quantize_values_triton: dtype {v.dtype} unsupported (float32, bfloat16, float16)"
-        )
+    _check_tensor(v, "quantize_values_triton", "value width", 256)
     b, h, t, d = v.shape
-    if not (16 <= d <= 256 and d & (d - 1) == 0):
-        raise DiffquantError(
-            f"quantize_values_triton: value width {d} unsupported; expected a power of two in 16..256"
-        )
-    if v.device.type != "cuda" and not _interpreting():
-        raise DiffquantError(
-            "quantize_values_triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing the kernels)"
-        )
     codes = torch.empty((b, h, t, d), dtype=torch.float8_e4m3fn, device=v.device)
     scale = torch.ones((b, d), dtype=torch.float32, device=v.device)  # what no program writes: T = 0
     if v.numel() == 0:
