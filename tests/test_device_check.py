@@ -444,8 +444,9 @@ def _blocks_see(monkeypatch):
 @pytest.mark.slow
 def test_run_recipe_on_cuda(tmp_path, torch_paths, monkeypatch):
     """`diffquant run` of a recipe with ``device: cuda``, the GPU kit's study in small (analysis/gpu/kit_trio.py
-    ::study_recipe): Table 5 with sink rates, the attention-logit / W8A8 / W4A8 sweep on bpb and retrieval,
-    figures and the report give the CPU run's artifacts (figures byte for byte), every block on the device."""
+    ::study_recipe): Table 5 with sink rates, the attention-logit / W8A8 / W4A8 sweep on bpb and retrieval and
+    the report give the CPU run's artifacts, every block on the device. Figures are off: they are drawn from
+    these artifacts alone, no tensor of the run (two runs of 21 figures took 13 s of this test's 20)."""
     monkeypatch.setenv("DIFFQUANT_QUIET", "1")
     seen = _blocks_see(monkeypatch)
     kinds = ("baseline", "diff_v1", "diff_v2")
@@ -479,7 +480,7 @@ def test_run_recipe_on_cuda(tmp_path, torch_paths, monkeypatch):
                 ]
             },
             "sweep": {"plans": ["attn-logits-int4", "w8a8", "w4a8"]},
-            "plots": {"enabled": True},
+            "plots": {"enabled": False},
             "output": {"dir": str(out)},
         }
         (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
@@ -488,15 +489,12 @@ def test_run_recipe_on_cuda(tmp_path, torch_paths, monkeypatch):
             assert main(["run", str(tmp_path / "recipe.yaml")]) == 0
         assert seen == {"cuda" if cuda else "cpu"}
         state = _run_folder_state(out)
-        # what names the folder or the clock: the run's own paths, the figures' input stamps, the timings
-        state = {
-            k: v for k, v in state.items() if not k.startswith(("report.", "manifest", "figures/figures"))
-        }
+        # what names the folder: the run's own paths (the report and the manifest hold them)
+        state = {k: v for k, v in state.items() if not k.startswith(("report.", "manifest"))}
         states.append(state)
         assert json.loads((out / "manifest.json").read_text())["recipe"]["device"] == recipe["device"]
     cpu, cuda = states
     assert cuda == cpu and "table5.json" in cpu and "sweep/results.json" in cpu
-    assert sum(k.endswith(".png") for k in cpu) >= 10
 
 
 @pytest.mark.slow
