@@ -4069,8 +4069,8 @@ MUTANTS = [
     M(
         "per-token Q/K: the quantizer's per-row tile takes one absmax for the whole tile",
         "diffquant/kernels/triton_quant.py",
-        "        scale = tl.div_rn(_row_absmax(v), MAX_VALUE)\n",
-        "        scale = tl.div_rn(_absmax(v) + 0.0 * _row_absmax(v), MAX_VALUE)\n",
+        "        scale = _scale(_row_absmax(v), MAX_VALUE)\n",
+        "        scale = _scale(_absmax(v) + 0.0 * _row_absmax(v), MAX_VALUE)\n",
         ("tests/test_triton_quant.py::test_quantize_tokens_triton_matches_reference",),
     ),
     M(
@@ -4100,8 +4100,8 @@ MUTANTS = [
     M(
         "V in fp8: the absmax pass counts inf / NaN (their bits win the integer max)",
         "diffquant/kernels/triton_quant.py",
-        "    mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)\n    tl.atomic_max(",
-        "    tl.atomic_max(",
+        "    amax = tl.max(_finite_abs(v), axis=0)\n",
+        "    amax = tl.max(tl.abs(v), axis=0)\n",
         ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
     ),
     M(
@@ -4112,11 +4112,14 @@ MUTANTS = [
         ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
     ),
     M(
-        "V in fp8: an all-zero channel keeps scale 0 (its codes 0 / 0)",
+        "Q/K and V quantizers: an all-zero block / channel keeps scale 0 (its codes 0 / 0)",
         "diffquant/kernels/triton_quant.py",
-        "    scale = tl.div_rn(amax, 448.0)\n    scale = tl.where(scale > 0.0, scale, 1.0)\n",
-        "    scale = tl.div_rn(amax, 448.0)\n",
-        ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
+        "    return tl.where(scale > 0.0, scale, 1.0)\n",
+        "    return scale\n",
+        (
+            "tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",
+            "tests/test_triton_quant.py::test_quantize_tokens_triton_matches_reference",
+        ),
     ),
 ]
 

@@ -125,11 +125,23 @@ def _store(c_base, s_base, rows, d_offs, ok, codes, scale, D: tl.constexpr):
 
 
 @triton.jit
-def _row_absmax(v):
-    """Max |v| of each row of the tile, non-finite entries counted as 0 (NaN and inf both fail ``<= FLT_MAX``)."""
+def _finite_abs(v):
+    """|v| with non-finite entries as 0 (NaN and inf both fail ``<= FLT_MAX``): what every absmax here reads."""
     mag = tl.abs(v)
-    mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)
-    return tl.max(mag, axis=1)
+    return tl.where(mag <= 3.4028234663852886e38, mag, 0.0)
+
+
+@triton.jit
+def _scale(amax, MAX_VALUE: tl.constexpr):
+    """The absmax scale amax / MAX_VALUE as an IEEE fp32 division, and 1 where amax is 0 (nothing finite)."""
+    scale = tl.div_rn(amax, MAX_VALUE)
+    return tl.where(scale > 0.0, scale, 1.0)
+
+
+@triton.jit
+def _row_absmax(v):
+    """Max |v| of each row of the tile, non-finite entries counted as 0."""
+    return tl.max(_finite_abs(v), axis=1)
 
 
 @triton.jit
@@ -183,14 +195,12 @@ def _quant_tokens_kernel(
         first = blk * ROWS
         ok = first + r_offs < T
         v = _load(x_base, m_base, first + r_offs, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
-        scale = tl.div_rn(_row_absmax(v), MAX_VALUE)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = _scale(_row_absmax(v), MAX_VALUE)
         _store(c_base, s_base, first + r_offs, d_offs, ok, _quantize(v, scale[:, None], FMT), scale, D)
     elif SINGLE:  # the whole block in one register tile: load once
         ok = (r_offs < block) & (first + r_offs < T)
         v = _load(x_base, m_base, first + r_offs, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
-        scale = tl.div_rn(_absmax(v), MAX_VALUE)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = _scale(_absmax(v), MAX_VALUE)
         _store(c_base, s_base, first + r_offs, d_offs, ok, _quantize(v, scale, FMT), scale, D)
     else:  # a long block: absmax over its tiles, then a second pass that re-reads and quantizes them
         amax = tl.full([], 0.0, tl.float32)
@@ -199,8 +209,7 @@ def _quant_tokens_kernel(
             ok = (r < block) & (first + r < T)
             v = _load(x_base, m_base, first + r, d_offs, ok, stride_xt, stride_xd, stride_md, SMOOTH)
             amax = tl.maximum(amax, _absmax(v))
-        scale = tl.div_rn(amax, MAX_VALUE)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = _scale(amax, MAX_VALUE)
         for c in range(0, n_chunks):
             r = c * ROWS + r_offs
             ok = (r < block) & (first + r < T)
@@ -232,9 +241,8 @@ def _values_absmax_kernel(X, AMAX, n_heads, n_tiles, T, stride_xb, stride_xh, st
     b, bh, rows, ok, v = _values_tile(
         X, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt, stride_xd, D, ROWS
     )
-    mag = tl.abs(v)
-    mag = tl.where(mag <= 3.4028234663852886e38, mag, 0.0)
-    tl.atomic_max(AMAX + b * D + tl.arange(0, D), tl.max(mag, axis=0).to(tl.int32, bitcast=True))
+    amax = tl.max(_finite_abs(v), axis=0)
+    tl.atomic_max(AMAX + b * D + tl.arange(0, D), amax.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -246,9 +254,7 @@ def _values_quant_kernel(X, AMAX, CODES, SCALE, n_heads, n_tiles, T, stride_xb, 
         X, n_heads, n_tiles, T, stride_xb, stride_xh, stride_xt, stride_xd, D, ROWS
     )
     d_offs = tl.arange(0, D)
-    amax = tl.load(AMAX + b * D + d_offs).to(tl.float32, bitcast=True)
-    scale = tl.div_rn(amax, 448.0)
-    scale = tl.where(scale > 0.0, scale, 1.0)
+    scale = _scale(tl.load(AMAX + b * D + d_offs).to(tl.float32, bitcast=True), 448.0)
     codes = _quantize(v, scale[None, :], 1)
     c_ptrs = CODES + (bh * T + rows.to(tl.int64))[:, None] * D + d_offs[None, :]
     tl.store(c_ptrs, codes.to(CODES.dtype.element_ty), mask=ok[:, None])
@@ -307,11 +313,8 @@ def quantize_tokens_triton(
     if x.numel() == 0:
         return codes, scale, mean
     per_row = block == 1  # per-token scales: a program quantizes a tile of tokens, each with its own scale
-    rows = (
-        max(1, _TILE_ELEMENTS // d)
-        if per_row
-        else min(triton.next_power_of_2(block), max(1, _TILE_ELEMENTS // d))
-    )
+    tile = max(1, _TILE_ELEMENTS // d)  # rows of one register tile
+    rows = tile if per_row else min(triton.next_power_of_2(block), tile)
     n_chunks = 1 if per_row else triton.cdiv(block, rows)
     m = mean if mean is not None else scale  # a dummy pointer when not smoothing (never read)
     m_strides = (mean.stride(0), mean.stride(1), mean.stride(3)) if mean is not None else (0, 0, 0)
