@@ -116,15 +116,16 @@ def captured_launch(
         codes, scale = quantize_values(v, "fp8_e4m3")
         return codes.to(torch.float8_e4m3fn), scale.reshape(v.shape[0], v.shape[-1])
 
-    saved = (
-        td._diff_attn_fwd,
-        td._check_inputs,
-        td._interpreting,
-        td.quantize_tokens_triton,
-        td.quantize_values_triton,
-    )
-    td._diff_attn_fwd, td._check_inputs, td._interpreting = _Recorder(), lambda *a: None, lambda: False
-    td.quantize_tokens_triton, td.quantize_values_triton = quantize_in_torch, values_in_torch
+    stand_ins = {
+        "_diff_attn_fwd": _Recorder(),
+        "_check_inputs": lambda *a: None,
+        "_interpreting": lambda: False,
+        "quantize_tokens_triton": quantize_in_torch,
+        "quantize_values_triton": values_in_torch,
+    }
+    saved = {name: getattr(td, name) for name in stand_ins}
+    for name, value in stand_ins.items():
+        setattr(td, name, value)
     try:
         if kind == "v1":
             td.diff_v1_attention(
@@ -140,13 +141,8 @@ def captured_launch(
     except _Captured as got:
         return got.args_, got.kwargs_
     finally:
-        (
-            td._diff_attn_fwd,
-            td._check_inputs,
-            td._interpreting,
-            td.quantize_tokens_triton,
-            td.quantize_values_triton,
-        ) = saved
+        for name, value in saved.items():
+            setattr(td, name, value)
     raise RuntimeError("the host code did not launch the kernel")
 
 
