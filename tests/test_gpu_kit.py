@@ -315,6 +315,17 @@ def test_kernel_goals_read_the_issue_8_targets_at_4096_and_beyond():
     assert (
         kit_stages.kernel_goals([_row(40, "v2-int8qk-fp8pv-triton", 1.0, cosine=1.0)])["assessable"] is False
     )
+    # the bench's profile of a row travels with it (None where the row has none: fa3 rows, a smoke run)
+    rows[4].update(host_ms=0.3, kernel_ms=0.2, launches=6)
+    digest = {(r["variant"], r["dist"]): r for r in kit_stages.kernel_goals(rows)["rows"]}
+    assert {
+        k: digest[("v2-int8qk-fp8pv-triton", "normal")][k] for k in ("host_ms", "kernel_ms", "launches")
+    } == {
+        "host_ms": 0.3,
+        "kernel_ms": 0.2,
+        "launches": 6,
+    }
+    assert digest[("v2-int8qk-fp8pv-triton", "fa3")]["kernel_ms"] is None
 
 
 def test_gpu_test_outcomes_are_read_from_verbose_lines():

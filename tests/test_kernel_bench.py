@@ -139,16 +139,28 @@ def test_bench_smoke_sdpa_variants_goals_and_error_rows(smoke):
     g1, g2, g2tok, g2fp8, g3, g4 = goals
     for g, sdpa, bound in ((g1, "v2-sdpa-bf16", 2.5), (g3, "v1-sdpa-bf16", 3.0)):
         t = ms[g["variant"]]
-        assert g["measured"] == pytest.approx({"vs_baseline": t / base, "vs_sdpa": t / ms[sdpa]})
+        assert g["measured"] == pytest.approx(
+            {"vs_baseline": t / base, "vs_sdpa": t / ms[sdpa], "kernels_vs_baseline": None}
+        )
         assert g["status"] == _status([t / base <= bound, t < ms[sdpa]])
     for g, variant in ((g2, "v2-int8qk-fp8pv-triton"), (g2tok, "v2-int8tokqk-fp8pv-triton")):
         cos = [by[(d, variant)]["cosine"] for d in ("normal", "fa3")]
         assert g["measured"] == pytest.approx(
-            {"vs_baseline": ms[variant] / base, "cosine_normal": cos[0], "cosine_fa3": cos[1]}
+            {
+                "vs_baseline": ms[variant] / base,
+                "cosine_normal": cos[0],
+                "cosine_fa3": cos[1],
+                "kernels_vs_baseline": None,  # no device profile in a smoke run
+            }
         )
         assert g["status"] == _status([ms[variant] <= base] + [c >= 0.999 for c in cos])
     # the failed variant has no number at all: n/a, not a verdict
-    assert g2fp8["measured"] == {"vs_baseline": None, "cosine_normal": None, "cosine_fa3": None}
+    assert g2fp8["measured"] == {
+        "vs_baseline": None,
+        "cosine_normal": None,
+        "cosine_fa3": None,
+        "kernels_vs_baseline": None,
+    }
     assert g2fp8["status"] == "n/a"
     assert g4["status"] == "missed" and g4["measured"]["ran"] == 8 and g4["measured"]["expected"] == 10
     assert set(g4["measured"]["errors"]) == {"v2-fp8qk-fp8pv-triton (normal)", "v2-fp8qk-fp8pv-triton (fa3)"}
@@ -234,3 +246,116 @@ def test_accuracy_sums_in_float64():
     got = bench.accuracy(out, ref)
     assert abs(got["cosine"] - cosine) < 1e-12, (got["cosine"], cosine)
     assert got["rel_l1"] == pytest.approx(np.abs(o - r).sum() / np.abs(r).sum(), rel=1e-12)
+
+
+def _bench():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench
+
+    return bench
+
+
+def test_device_ops_counts_the_device_work_of_a_chrome_trace():
+    """A trace as torch.profiler writes one on a GPU (Kineto's categories, microseconds): the kernels, fills
+    and copies are the device's work; the host's runtime calls, CPU ops, the profiler's own span and instant
+    events are not. The span runs from the first one's start to the last one's end (gaps included)."""
+    bench = _bench()
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 900.0},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10.0, "dur": 5.0},
+            {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "ts": 0.0, "dur": 1000.0},
+            {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 100.0, "dur": 2.0},
+            {"ph": "X", "cat": "kernel", "name": "_quant_tokens_kernel", "ts": 110.0, "dur": 8.0},
+            {"ph": "X", "cat": "kernel", "name": "_diff_attn_fwd", "ts": 150.0, "dur": 90.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 250.0, "dur": 1.5},
+            {"ph": "i", "cat": "kernel", "name": "an instant", "ts": 999.0},
+            {"ph": "M", "name": "process_name"},
+        ]
+    }
+    assert bench.device_ops(trace) == {
+        "launches": 4,
+        "kernel_ms": pytest.approx((2.0 + 8.0 + 90.0 + 1.5) / 1e3),
+        "span_ms": pytest.approx((251.5 - 100.0) / 1e3),
+    }
+    assert bench.device_ops({"traceEvents": []}) == {"launches": 0, "kernel_ms": 0.0, "span_ms": 0.0}
+
+
+def test_where_time_goes_reads_a_real_torch_profiler_trace(monkeypatch):
+    """The profiler's own export read back (on the CPU: its CPU ops stand in for the kernels): one
+    ``torch.mm`` of 256 x 256 is one ``aten::mm`` (and its ``resolve_conj`` children), timed in
+    milliseconds within the wall time of the call."""
+    import torch
+
+    bench = _bench()
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    a = torch.randn(256, 256)
+    start = bench.time.perf_counter()
+    got = bench.where_time_goes(lambda: torch.mm(a, a), 3, cats=("cpu_op",))
+    wall_ms = (bench.time.perf_counter() - start) * 1e3
+    assert set(got) == {"host_ms", "launches", "kernel_ms", "span_ms"}
+    assert 1 <= got["launches"] <= 4  # aten::mm and up to three resolve_conj
+    assert 0 < got["span_ms"] < wall_ms and 0 < got["host_ms"] < wall_ms
+    # aten::mm of 256^3 multiply-adds takes microseconds to milliseconds here, not seconds or nanoseconds
+    assert 1e-3 < got["span_ms"] < 1e3
+
+
+def test_profile_rows_fills_the_timed_rows_and_survives_a_failure(monkeypatch):
+    bench = _bench()
+    calls = []
+
+    def fake(fn, reps):
+        calls.append(reps)
+        fn()
+        return {"host_ms": 0.01, "launches": 3, "kernel_ms": 0.2, "span_ms": 0.25}
+
+    def broken():
+        raise RuntimeError("CUPTI unavailable")
+
+    monkeypatch.setattr(bench, "where_time_goes", fake)
+    ok, bad = {"variant": "a", "ms": 1.0}, {"variant": "b", "ms": 2.0}
+    bench.profile_rows([(ok, lambda: None), (bad, broken)], 5)
+    assert ok == {
+        "variant": "a",
+        "ms": 1.0,
+        "host_ms": 0.01,
+        "launches": 3,
+        "kernel_ms": 0.2,
+        "span_ms": 0.25,
+    }
+    assert bad == {"variant": "b", "ms": 2.0, "profile_error": "RuntimeError: CUPTI unavailable"}
+    assert calls == [5, 5]
+
+
+def test_goals_report_device_time_alone_beside_the_verdict():
+    """With the GPU's profile in the rows, each speed goal also gives the variant's device time over the
+    baseline's; the verdict stays on the event times. Here the quantized kernel's device time is half the
+    baseline's while its event time is 3x (a host-bound call): goal 2 is missed, and the entry says why."""
+    bench = _bench()
+    shape = {"T": 4096, "H": 16, "Hkv": 16, "d": 64}
+
+    def row(variant, ms, kernel_ms, dist="normal", cosine=None):
+        r = {**shape, "dist": dist, "variant": variant, "ms": ms, "kernel_ms": kernel_ms}
+        return r if cosine is None else {**r, "cosine": cosine}
+
+    rows = [
+        row("baseline-sdpa-bf16", 0.1, 0.1),
+        row("v2-sdpa-bf16", 0.3, 0.28, cosine=0.99999),
+        row("v2-bf16-triton", 0.2, 0.19, cosine=0.99999),
+        row("v2-int8qk-fp8pv-triton", 0.3, 0.05, cosine=0.9995),
+        row("v2-int8qk-fp8pv-triton", 0.3, 0.05, dist="fa3", cosine=0.9993),
+        row("v1-sdpa-bf16", 0.5, 0.5, cosine=0.99999),
+        row("v1-bf16-triton", 0.4, 0.35, cosine=0.99999),
+    ]
+    goals = {(g["goal"], g["variant"]): g for g in bench.goals(rows)}
+    g2 = goals[(2, "v2-int8qk-fp8pv-triton")]
+    assert g2["status"] == "missed"
+    assert g2["measured"]["vs_baseline"] == pytest.approx(3.0)
+    assert g2["measured"]["kernels_vs_baseline"] == pytest.approx(0.5)
+    assert g2["text"].endswith("; device time alone 0.50x")
+    g1 = goals[(1, "v2-bf16-triton")]
+    assert g1["status"] == "met" and g1["measured"]["kernels_vs_baseline"] == pytest.approx(1.9)
+    assert goals[(3, "v1-bf16-triton")]["measured"]["kernels_vs_baseline"] == pytest.approx(3.5)
+    # a variant without a profile (the CPU smoke run, a failed profile): no ratio and no words for it
+    g2tok = goals[(2, "v2-int8tokqk-fp8pv-triton")]
+    assert g2tok["measured"]["kernels_vs_baseline"] is None and "device time" not in g2tok["text"]

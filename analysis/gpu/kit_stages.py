@@ -266,6 +266,10 @@ def kernel_goals(rows: list[dict]) -> dict[str, Any]:
                     "speedup_vs_bf16_v2": None if bf16 is None else bf16 / row["ms"],
                     "speedup_vs_baseline": None if base is None else base / row["ms"],
                     "cosine": row.get("cosine"),
+                    # where the time goes (bench.py's profile of the N(0,1) rows): host-bound or the kernels'
+                    "host_ms": row.get("host_ms"),
+                    "kernel_ms": row.get("kernel_ms"),
+                    "launches": row.get("launches"),
                 }
             )
     if not per_shape:

@@ -24,6 +24,12 @@ N(0,1) + N(0,100) * Bernoulli(0.001). The Triton kernels choose their own tiles 
 passed). A variant that raises (a kernel that does not build for a shape, out of memory) gets a row with
 "error" (the message) instead of ms / accuracy, and the run goes on.
 FLOPs count the two maps of a DIFF head (4 * B * heads * T^2 * d per map pair, causal halves it).
+On the GPU each row also says where its time goes: ``host_ms`` (the median wall time the host takes to issue
+one call, the device idle before it: Python, checks and launches; the device cannot start what the host has
+not issued) and, from a torch.profiler trace of one call, ``launches`` (kernels, copies and fills on the
+device), ``kernel_ms`` (their summed device time) and ``span_ms`` (first start to last end). A row whose ``ms``
+is near ``host_ms`` and well above ``kernel_ms`` is host-bound: its kernels would be faster than ``ms`` says
+inside a model or a CUDA graph, where the host runs ahead.
 
 Then the goals, per shape (T, H, Hkv, d), on the N(0,1) times (the time does not depend on the values), printed
 as a table and stored under "goals" (one entry per shape and goal: measured ratios, "met" / "missed" / "n/a"):
@@ -33,7 +39,9 @@ as a table and stored under "goals" (one entry per shape and goal: measured rati
   3  v1-bf16-triton <= 3 x baseline-sdpa-bf16, and faster than v1-sdpa-bf16
   4  every Triton variant ran (no "error" row) on both distributions
 A goal is "missed" when a measured part fails, otherwise "n/a" when a part has no number (its row is missing or
-an error), otherwise "met".
+an error), otherwise "met". The verdicts read ``ms`` (event time, the baseline timed alike); the speed goals
+also report the ratio of device time alone (``kernels_vs_baseline``, from ``kernel_ms``), which says whether a
+miss is the kernels' or the host's.
 Writes bench-DATE-DEVICE.json beside this script (or --out) and prints a table. Needs CUDA and Triton.
 --json FILE also writes the result to FILE after every shape (``"complete": false`` until the last), so a run
 cut short by a time limit (the GPU kit, analysis/gpu) keeps the shapes it finished; with --smoke too.
@@ -47,6 +55,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -111,6 +120,53 @@ def measure(fn, reps: int) -> tuple[torch.Tensor, float]:
     return out, timed(fn, reps)
 
 
+# the Chrome-trace categories (torch.profiler / Kineto) of work that runs on the device
+DEVICE_OPS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_ops(trace: dict, cats: tuple[str, ...] = DEVICE_OPS) -> dict:
+    """The device work in a Chrome trace of one call (torch.profiler's ``export_chrome_trace``; ``ts`` and
+    ``dur`` in microseconds): how many operations of the categories ``cats`` ran (``launches``), their
+    summed duration (``kernel_ms``) and the span from the first one's start to the last one's end
+    (``span_ms``); a span much longer than the sum means the device waited between them."""
+    ops = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in cats]
+    if not ops:
+        return {"launches": 0, "kernel_ms": 0.0, "span_ms": 0.0}
+    start = min(e["ts"] for e in ops)
+    end = max(e["ts"] + e["dur"] for e in ops)
+    return {
+        "launches": len(ops),
+        "kernel_ms": sum(e["dur"] for e in ops) / 1e3,
+        "span_ms": (end - start) / 1e3,
+    }
+
+
+def where_time_goes(fn, reps: int, cats: tuple[str, ...] = DEVICE_OPS) -> dict:
+    """``host_ms``: the median wall time of issuing one call with the device idle before it (on CUDA the call
+    returns once its work is queued, unless it synchronizes); then :func:`device_ops` of one call traced by
+    torch.profiler (CUDA activity on the GPU; on the CPU, for the tests, the CPU's ops with ``cats``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - start) * 1e3)
+    sync()
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        fn()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return {"host_ms": statistics.median(host), **device_ops(trace, cats)}
+
+
 def accuracy(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """Cosine, relative L1 and RMSE over every element, summed in float64: fp32 sums over millions of
     elements are off by ~1e-4 in the cosine (1.0002 measured on the CPU for a bf16 core), the size of the
@@ -138,7 +194,9 @@ def inputs(shape: dict, dist: str, kind: str, gen: torch.Generator) -> dict:
             "q": draw(b, 2 * h, t, d),
             "k": draw(b, 2 * hkv, t, d),
             "v": draw(b, hkv, t, 2 * d),
-            "lam": 0.35,
+            # the layer's lambda as the model holds it, a tensor on the device: a Python float would be
+            # copied to the device in every call, a host sync
+            "lam": torch.tensor(0.35, device=DEVICE),
             "lambda_init": 0.5,
         }
     return {
@@ -202,7 +260,7 @@ def diff_v1_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lam: float,
+    lam: float | torch.Tensor,
     lambda_init: float,
     gqa: bool,
     eps: float = 1e-5,
@@ -223,10 +281,19 @@ def diff_v1_sdpa(
 
 # ------------------------------------------------------------------------------------------------- the run
 def add_row(
-    rows: list[dict], head: dict, variant: str, fn, reps: int, flops: float, ref=None, **extra
+    rows: list[dict],
+    head: dict,
+    variant: str,
+    fn,
+    reps: int,
+    flops: float,
+    ref=None,
+    profile: list | None = None,
+    **extra,
 ) -> None:
     """Time ``fn`` (and its accuracy against ``ref``) into a row; a variant that raises gets a row with its
-    error message instead, and the run goes on."""
+    error message instead, and the run goes on. A timed row and its call are appended to ``profile`` (for
+    :func:`profile_rows`) when given."""
     try:
         out, ms = measure(fn, reps)
         acc = {} if ref is None else accuracy(out, ref)
@@ -238,6 +305,20 @@ def add_row(
             torch.cuda.empty_cache()
         return
     rows.append({**head, "variant": variant, "ms": ms, "tflops": flops / ms / 1e9, **extra, **acc})
+    if profile is not None:
+        profile.append((rows[-1], fn))
+
+
+def profile_rows(pending: list[tuple[dict, object]], reps: int) -> None:
+    """:func:`where_time_goes` into each timed row of ``pending`` ((row, call) pairs), after every row was
+    timed: the profiler can leave CUPTI attached after it stops (pytorch issue 144455: 10-20 % slower
+    launches), which would slow the timings that came after it. A row the profiler fails on keeps its
+    times and says why."""
+    for row, fn in pending:
+        try:
+            row.update(where_time_goes(fn, reps))
+        except Exception as e:
+            row["profile_error"] = f"{type(e).__name__}: {e}"[:300]
 
 
 def run(args: argparse.Namespace, on_shape=None) -> dict:
@@ -251,11 +332,13 @@ def run(args: argparse.Namespace, on_shape=None) -> dict:
     expand = "enable_gqa" if gqa else "repeat_interleave"
     variants = v2_variants()
     rows: list[dict] = []
+    pending: list[tuple[dict, object]] = []  # rows to profile once all are timed (the GPU, N(0,1) rows)
     for shape in shapes(args.quick, args.smoke):
         t, h, d = shape["T"], shape["H"], shape["d"]
         flops_pair = pair_flops(shape)
         for dist in DISTS:
             head = {**shape, "dist": dist}
+            prof = pending if DEVICE == "cuda" and dist == "normal" else None
             x = inputs(shape, dist, "v2", gen)
             q16, k16, v16 = (x[n].to(torch.bfloat16) for n in ("q", "k", "v"))
             lam = x["lam"]
@@ -265,30 +348,43 @@ def run(args: argparse.Namespace, on_shape=None) -> dict:
             rep = h // shape["Hkv"]
             kb, vb = k16.repeat_interleave(rep, 1), v16.repeat_interleave(rep, 1)
             sdpa = partial(F.scaled_dot_product_attention, qb, kb, vb, is_causal=True)
-            add_row(rows, head, BASELINE, sdpa, args.reps, flops_pair / 2)
+            add_row(rows, head, BASELINE, sdpa, args.reps, flops_pair / 2, profile=prof)
             if DEVICE == "cuda" and flash_available():
                 from diffquant.kernels.flash import diff_v2_flash
 
                 lam4 = lam.unsqueeze(-1)
                 call = partial(diff_v2_flash, q16, k16, v16, lam4)
-                add_row(rows, head, "v2-flash-bf16", call, args.reps, flops_pair, ref)
+                add_row(rows, head, "v2-flash-bf16", call, args.reps, flops_pair, ref, profile=prof)
             call = partial(diff_v2_sdpa, q16, k16, v16, lam, gqa)
-            add_row(rows, head, "v2-sdpa-bf16", call, args.reps, flops_pair, ref, kv_expand=expand)
+            add_row(
+                rows, head, "v2-sdpa-bf16", call, args.reps, flops_pair, ref, kv_expand=expand, profile=prof
+            )
             for name, quant in variants.items():
                 # no block_m / block_n: the kernel picks its tiles per shape (triton_diff.launch_config)
                 call = partial(diff_v2_attention, q16, k16, v16, lam, quant=quant)
-                add_row(rows, head, name, call, args.reps, flops_pair, ref)
+                add_row(rows, head, name, call, args.reps, flops_pair, ref, profile=prof)
             x1 = inputs(shape, dist, "v1", gen)
             q1, k1, v1 = (x1[n].to(torch.bfloat16) for n in ("q", "k", "v"))
             lam1, init1 = x1["lam"], x1["lambda_init"]
             ref1 = diff_v1_core(q1.float(), k1.float(), v1.float(), lam1, init1, None)
             call = partial(diff_v1_sdpa, q1, k1, v1, lam1, init1, gqa)
-            add_row(rows, head, "v1-sdpa-bf16", call, args.reps, 2 * flops_pair, ref1, kv_expand=expand)
+            add_row(
+                rows,
+                head,
+                "v1-sdpa-bf16",
+                call,
+                args.reps,
+                2 * flops_pair,
+                ref1,
+                kv_expand=expand,
+                profile=prof,
+            )
             call = partial(diff_v1_attention, q1, k1, v1, lam1, init1, None)
-            add_row(rows, head, "v1-bf16-triton", call, args.reps, 2 * flops_pair, ref1)
+            add_row(rows, head, "v1-bf16-triton", call, args.reps, 2 * flops_pair, ref1, profile=prof)
             print(f"done T={t} H={h} d={d} {dist}", file=sys.stderr, flush=True)
         if on_shape is not None:
             on_shape(_result(rows, complete=False, sdpa_gqa=gqa))
+    profile_rows(pending, min(args.reps, 5))
     return _result(rows, complete=True, sdpa_gqa=gqa)
 
 
@@ -323,25 +419,32 @@ def _shape_goals(shape: tuple, dists: dict[str, dict[str, dict]]) -> list[dict]:
     def get(variant: str, field: str, dist: str = "normal"):
         return dists.get(dist, {}).get(variant, {}).get(field)
 
-    def ratio(a: str, b: str) -> float | None:
-        ms_a, ms_b = get(a, "ms"), get(b, "ms")
-        return None if ms_a is None or ms_b is None else ms_a / ms_b
+    def ratio(a: str, b: str, field: str = "ms") -> float | None:
+        ms_a, ms_b = get(a, field), get(b, field)
+        return None if ms_a is None or not ms_b else ms_a / ms_b
+
+    def device_alone(variant: str) -> tuple[dict, str]:
+        """The device-time ratio to the baseline (not a verdict: it says whose the time is); "" on the CPU."""
+        vs = ratio(variant, BASELINE, "kernel_ms")
+        return {"kernels_vs_baseline": vs}, ("" if vs is None else f"; device time alone {vs:.2f}x")
 
     def speed(goal: int, variant: str, sdpa: str, bound: float) -> dict:  # goals 1 and 3
         vs_base, vs_sdpa = ratio(variant, BASELINE), ratio(variant, sdpa)
+        alone, note = device_alone(variant)
         return _entry(
             shape,
             goal,
             variant,
             f"ms <= {bound:g} x {BASELINE} and < {sdpa}",
-            {"vs_baseline": vs_base, "vs_sdpa": vs_sdpa},
+            {"vs_baseline": vs_base, "vs_sdpa": vs_sdpa, **alone},
             [_at_most(vs_base, bound), _at_most(vs_sdpa, 1.0, strict=True)],
-            f"{_num(vs_base, '.2f')}x baseline (<= {bound:g}), {_num(vs_sdpa, '.2f')}x {sdpa} (< 1)",
+            f"{_num(vs_base, '.2f')}x baseline (<= {bound:g}), {_num(vs_sdpa, '.2f')}x {sdpa} (< 1){note}",
         )
 
     out = [speed(1, "v2-bf16-triton", "v2-sdpa-bf16", GOAL_V2_VS_BASELINE)]
     for variant in QUANTIZED_V2:  # goal 2
         vs_base = ratio(variant, BASELINE)
+        alone, note = device_alone(variant)
         cos = {dist: get(variant, "cosine", dist) for dist in DISTS}
         out.append(
             _entry(
@@ -350,12 +453,12 @@ def _shape_goals(shape: tuple, dists: dict[str, dict[str, dict]]) -> list[dict]:
                 variant,
                 f"ms <= {GOAL_QUANT_VS_BASELINE:g} x {BASELINE}, cosine >= {GOAL_COSINE} on "
                 + " and ".join(DISTS),
-                {"vs_baseline": vs_base, **{f"cosine_{dist}": c for dist, c in cos.items()}},
+                {"vs_baseline": vs_base, **{f"cosine_{dist}": c for dist, c in cos.items()}, **alone},
                 [_at_most(vs_base, GOAL_QUANT_VS_BASELINE)]
                 + [None if c is None else c >= GOAL_COSINE for c in cos.values()],
                 f"{_num(vs_base, '.2f')}x baseline (<= {GOAL_QUANT_VS_BASELINE:g}), cosine "
                 + " / ".join(f"{_num(c, '.5f')} {dist}" for dist, c in cos.items())
-                + f" (>= {GOAL_COSINE})",
+                + f" (>= {GOAL_COSINE}){note}",
             )
         )
     out.append(speed(3, "v1-bf16-triton", "v1-sdpa-bf16", GOAL_V1_VS_BASELINE))
@@ -424,15 +527,17 @@ def _write_json(path: Path, result: dict) -> None:
 def print_tables(result: dict, smoke: bool = False) -> None:
     print(f"{result['device']}  torch {result['torch']}  flash-attn {result['flash_attn']}")
     print(
-        f"{'T':>6}{'H':>4}{'Hkv':>4}{'d':>5} {'dist':<7}{'variant':<26}{'ms':>9}{'TFLOP/s':>9}{'cosine':>10}{'relL1':>9}"
+        f"{'T':>6}{'H':>4}{'Hkv':>4}{'d':>5} {'dist':<7}{'variant':<26}{'ms':>9}{'TFLOP/s':>9}{'cosine':>10}"
+        f"{'relL1':>9}{'host ms':>9}{'dev ms':>9}{'ops':>5}"
     )
     for r in result["rows"]:
         shape = f"{r['T']:>6}{r['H']:>4}{r['Hkv']:>4}{r['d']:>5} {r['dist']:<7}{r['variant']:<26}"
         if "error" in r:
             print(f"{shape}  error: {r['error'][:100]}")
             continue
-        acc = f"{r['cosine']:>10.5f}{r['rel_l1']:>9.4f}" if "cosine" in r else ""
-        print(f"{shape}{r['ms']:>9.3f}{r['tflops']:>9.1f}{acc}")
+        acc = f"{r['cosine']:>10.5f}{r['rel_l1']:>9.4f}" if "cosine" in r else f"{'':>19}"
+        where = f"{r['host_ms']:>9.3f}{r['kernel_ms']:>9.3f}{r['launches']:>5}" if "host_ms" in r else ""
+        print(f"{shape}{r['ms']:>9.3f}{r['tflops']:>9.1f}{acc}{where}".rstrip())
     print()
     note = " (smoke: CPU interpreter times, the verdicts mean nothing)" if smoke else ""
     print(f"goals, on the normal inputs' times{note}")

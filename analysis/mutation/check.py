@@ -4121,6 +4121,37 @@ MUTANTS = [
             "tests/test_triton_quant.py::test_quantize_tokens_triton_matches_reference",
         ),
     ),
+    M(
+        "kernel bench profile: every traced event counted as device work (the host's runtime calls too)",
+        "analysis/kernels/bench.py",
+        'e.get("ph") == "X" and e.get("cat") in cats]',
+        'e.get("ph") == "X"]',
+        ("tests/test_kernel_bench.py::test_device_ops_counts_the_device_work_of_a_chrome_trace",),
+    ),
+    M(
+        "kernel bench profile: the trace's microseconds read as milliseconds",
+        "analysis/kernels/bench.py",
+        '"kernel_ms": sum(e["dur"] for e in ops) / 1e3,',
+        '"kernel_ms": sum(e["dur"] for e in ops),',
+        (
+            "tests/test_kernel_bench.py::test_device_ops_counts_the_device_work_of_a_chrome_trace",
+            "tests/test_kernel_bench.py::test_where_time_goes_reads_a_real_torch_profiler_trace",
+        ),
+    ),
+    M(
+        "kernel bench goals: the device-time ratio read from the event times",
+        "analysis/kernels/bench.py",
+        'vs = ratio(variant, BASELINE, "kernel_ms")',
+        'vs = ratio(variant, BASELINE, "ms")',
+        ("tests/test_kernel_bench.py::test_goals_report_device_time_alone_beside_the_verdict",),
+    ),
+    M(
+        "kernel bench profile: a failing profile loses the row's times",
+        "analysis/kernels/bench.py",
+        '            row["profile_error"] = f"{type(e).__name__}: {e}"[:300]\n',
+        '            row.clear()\n            row["profile_error"] = f"{type(e).__name__}: {e}"[:300]\n',
+        ("tests/test_kernel_bench.py::test_profile_rows_fills_the_timed_rows_and_survives_a_failure",),
+    ),
 ]
 
 
