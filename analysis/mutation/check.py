@@ -4152,6 +4152,13 @@ MUTANTS = [
         '            row.clear()\n            row["profile_error"] = f"{type(e).__name__}: {e}"[:300]\n',
         ("tests/test_kernel_bench.py::test_profile_rows_fills_the_timed_rows_and_survives_a_failure",),
     ),
+    M(
+        "V in fp8: only the first batch's scales written (the others left as torch.empty found them)",
+        "diffquant/kernels/triton_quant.py",
+        "    if tl.program_id(0) % (n_heads * n_tiles) == 0:  # the batch's first program\n",
+        "    if tl.program_id(0) == 0:  # the batch's first program\n",
+        ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
+    ),
 ]
 
 

@@ -357,9 +357,9 @@ def quantize_values_triton(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     _check_tensor(v, "quantize_values_triton", "value width", 256)
     b, h, t, d = v.shape
     codes = torch.empty((b, h, t, d), dtype=torch.float8_e4m3fn, device=v.device)
-    scale = torch.ones((b, d), dtype=torch.float32, device=v.device)  # what no program writes: T = 0
-    if v.numel() == 0:
-        return codes, scale
+    if v.numel() == 0:  # no program runs: the reference's scale of an empty V (no fill kernel otherwise)
+        return codes, torch.ones((b, d), dtype=torch.float32, device=v.device)
+    scale = torch.empty((b, d), dtype=torch.float32, device=v.device)  # each batch's first program writes it
     amax = torch.zeros((b, d), dtype=torch.int32, device=v.device)  # fp32 bits of 0.0
     rows = max(1, _TILE_ELEMENTS // d)
     n_tiles = triton.cdiv(t, rows)
