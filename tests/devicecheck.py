@@ -28,6 +28,14 @@ same device", on a CPU every tensor is on the CPU. Inside :func:`fake_cuda`:
 * the native C passes (``diffquant/kernels/native.py``, CPU pointers through ctypes) refuse FakeCuda tensors:
   a caller that does not test the device first fails here, as it would crash on a GPU.
 
+Host syncs: inside :func:`host_syncs` every operation that would make the host wait for the GPU is recorded
+(a scalar read: ``.item()``, ``float(x)``, ``bool(x)``, ``.tolist()``, ``torch.equal``; an output sized by
+the data: ``nonzero``, ``masked_select``, ``x[mask]``, ``unique``; a copy between the host and the device that
+is not asynchronous: any device-to-host copy without ``non_blocking``, and a host-to-device copy unless it is
+``non_blocking`` from pinned memory, ``torch.tensor(data, device="cuda")`` included, as
+``torch.cuda.set_sync_debug_mode`` counts them). ``pin_memory()`` of a host tensor gives a copy the check
+remembers as pinned (a CPU build has no pinned memory).
+
 What it cannot see: CUDA numerics (TF32, the fp8 tensor cores' accumulation, atomics' summation order,
 SDPA's CUDA kernels: a "cuda" tensor on a CPU build takes SDPA's math kernel, so a CPU reference must too),
 compiled Triton or flash-attn kernels, streams and asynchrony (a missing ``synchronize``), memory (sizes,
@@ -44,6 +52,7 @@ import contextlib
 import copy
 import functools
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,6 +79,73 @@ _INDEXING = {
     torch.ops.aten._unsafe_index.Tensor,
     torch.ops.aten._unsafe_index_put.default,
 }
+
+
+# Ops whose result the host must wait for: a scalar read, or an output whose size depends on the values.
+_SYNC_OPS = {
+    torch.ops.aten._local_scalar_dense.default: "a scalar read (.item() / float / int / bool)",
+    torch.ops.aten.is_nonzero.default: "bool(tensor)",
+    torch.ops.aten.equal.default: "torch.equal",
+    torch.ops.aten.nonzero.default: "nonzero",
+    torch.ops.aten.masked_select.default: "masked_select",
+    torch.ops.aten._unique2.default: "unique",
+    torch.ops.aten.unique_dim.default: "unique",
+    torch.ops.aten.unique_consecutive.default: "unique_consecutive",
+    torch.ops.aten.repeat_interleave.Tensor: "repeat_interleave by a tensor",
+}
+_syncs: list[str] | None = None  # the recording of host_syncs(), when one is active
+# host tensors made by pin_memory() inside fake_cuda, by id (a WeakSet would compare tensors with ==)
+_PINNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    return _PINNED.get(id(t)) is t
+
+
+def _sync(what: str) -> None:
+    if _syncs is not None:
+        _syncs.append(what)
+
+
+def _host_copy(what: str, host: torch.Tensor, non_blocking: bool) -> None:
+    """Record a copy between ``host`` and the device unless it is asynchronous: non_blocking, and for a
+    host-to-device copy from pinned memory (a pageable source is staged by the host, as torch does)."""
+    if not (non_blocking and (what == "device-to-host" or _pinned(host))):
+        _sync(f"{what} copy{'' if non_blocking else ' (blocking)'} of {tuple(host.shape)}")
+
+
+@contextlib.contextmanager
+def host_syncs() -> Iterator[list[str]]:
+    """Inside :func:`fake_cuda`: a list that collects every host sync the block makes (see the module
+    docstring), one description per operation."""
+    global _syncs
+    saved, _syncs = _syncs, []
+    try:
+        yield _syncs
+    finally:
+        _syncs = saved
+
+
+def _note_sync(func: Any, args: tuple, kwargs: dict) -> None:
+    """Record ``func`` (reaching FakeCuda's dispatch) when it would make the host wait for the device."""
+    if func in _SYNC_OPS:
+        _sync(_SYNC_OPS[func])
+    elif func in _INDEXING and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in tree_flatten(args[1:2])[0]
+    ):
+        _sync("a boolean-mask index (its size is the count of True)")
+    elif func is torch.ops.aten.copy_.default:
+        dst, src = args[0], args[1]
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        if isinstance(dst, FakeCuda) and isinstance(src, torch.Tensor) and not isinstance(src, FakeCuda):
+            _host_copy("host-to-device", src, non_blocking)
+        elif isinstance(src, FakeCuda) and not isinstance(dst, FakeCuda):
+            _host_copy("device-to-host", dst, non_blocking)
+    elif func is torch.ops.aten._to_copy.default and isinstance(args[0], FakeCuda):
+        device = kwargs.get("device")
+        if device is not None and not _is_cuda_device(device):
+            _host_copy("device-to-host", args[0], bool(kwargs.get("non_blocking", False)))
 
 
 def tree_flatten(obj: Any) -> tuple[list[Any], None]:
@@ -166,6 +242,8 @@ class FakeCuda(torch.Tensor):
         kwargs = dict(kwargs or {})
         _check_devices(func, args, kwargs)
         _check_grad(func, args, kwargs)
+        if _syncs is not None:
+            _note_sync(func, args, kwargs)
         to_cpu = "device" in kwargs and kwargs["device"] is not None and not _is_cuda_device(kwargs["device"])
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = CPU
@@ -267,6 +345,11 @@ def _deepcopy(x: FakeCuda, memo: dict) -> FakeCuda:
     return new
 
 
+def _tolist(x: FakeCuda) -> list:
+    _sync(".tolist()")
+    return x.elem.tolist()
+
+
 def _format(x: FakeCuda, spec: str) -> str:
     return format(x.item(), spec) if x.dim() == 0 else format(repr(x), spec)
 
@@ -282,7 +365,7 @@ _METHODS: dict[Any, Any] = {
     torch.Tensor.nonzero: _nonzero,
     torch.nonzero: _nonzero,
     torch.Tensor.new_tensor: _new_tensor,
-    torch.Tensor.tolist: lambda x: x.elem.tolist(),
+    torch.Tensor.tolist: lambda x: _tolist(x),
     torch.Tensor.numpy: _numpy,
     torch.Tensor.__array__: _numpy,
     torch.Tensor.__invert__: lambda x: torch.ops.aten.bitwise_not.default(x),
@@ -311,6 +394,10 @@ def _set_data(x: torch.Tensor, value: Any) -> None:
         _DATA.__set__(x, value)
 
 
+# Factories that copy host data to the device when given device="cuda" (the others allocate there).
+_DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
 class _Mode(TorchFunctionMode):
     """Turns CUDA placements into FakeCuda tensors and routes :data:`_METHODS` (see the module docstring)."""
 
@@ -322,10 +409,18 @@ class _Mode(TorchFunctionMode):
             return _set_data(*args)
         if func in _METHODS and args and isinstance(args[0], FakeCuda):
             return _METHODS[func](*args, **kwargs)
+        if func is torch.Tensor.pin_memory and not isinstance(args[0], FakeCuda):
+            pinned = args[0].clone()  # a CPU build has no pinned memory: a copy remembered as pinned
+            _PINNED[id(pinned)] = pinned
+            return pinned
+        if func is torch.Tensor.is_pinned and not isinstance(args[0], FakeCuda):
+            return _pinned(args[0])
         if _is_cuda_device(kwargs.get("device")):
             generator = kwargs.get("generator")
             if generator is not None and generator.device.type != "cuda":
                 raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
+            if func in _DATA_FACTORIES and args and not isinstance(args[0], FakeCuda):
+                _sync(f"{func.__name__}(data, device=cuda): a host-to-device copy (blocking)")
             kwargs["device"] = CPU
             out = func(*args, **kwargs)
             return tree_map(lambda t: fake(t) if type(t) is torch.Tensor else t, out)
@@ -407,6 +502,7 @@ def _to(func: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(x, FakeCuda):
         same = dtype == x.dtype and not copy
         return x if same else x.to(dtype=dtype, copy=copy, memory_format=memory_format)
+    _host_copy("host-to-device", x, non_blocking)
     moved = x.to(dtype=dtype, copy=True, non_blocking=non_blocking, memory_format=memory_format)
     return FakeCuda(moved.detach())
 

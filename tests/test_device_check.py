@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ALL_KINDS, tiny_model
-from devicecheck import FakeCuda, fake_cuda, real
+from devicecheck import FakeCuda, fake_cuda, host_syncs, real
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffquant.cli import main
@@ -551,6 +551,107 @@ def test_train_on_cuda(tmp_path, monkeypatch, kind):
     log = (out / "log.csv").read_text().splitlines()
     assert card["steps"] == 4 and math.isfinite(card["val_bpb"]) and len(log) == 5  # header + 4 steps
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]
+
+
+# ------------------------------------------------------------------------------------------ host syncs
+def test_the_sync_check_sees_what_makes_the_host_wait():
+    """What CUDA makes the host wait for (torch.cuda.set_sync_debug_mode's list) is recorded; what it queues
+    is not."""
+    with fake_cuda():
+        x = torch.arange(6.0, device="cuda")
+        host = torch.arange(6.0)
+        waits = [
+            lambda: x[2].item(),
+            lambda: float(x.sum()),
+            lambda: bool(x[1] > 0),
+            lambda: x.tolist(),
+            lambda: x.nonzero(),
+            lambda: x[x > 2],
+            lambda: torch.equal(x, x),
+            lambda: x.cpu(),
+            lambda: host.to("cuda"),  # pageable and blocking
+            lambda: host.to("cuda", non_blocking=True),  # pageable: the host stages it
+            lambda: torch.tensor([1.0, 2.0], device="cuda"),
+            lambda: x.clone().copy_(host),
+        ]
+        for wait in waits:
+            with host_syncs() as syncs:
+                wait()
+            assert len(syncs) == 1, (syncs, wait)
+        pinned = host.pin_memory()
+        assert pinned.is_pinned() and not host.is_pinned()
+        queued = [
+            lambda: x * torch.tensor(2.0),  # a CPU scalar is a kernel argument
+            lambda: torch.zeros(3, device="cuda"),
+            lambda: x.to("cuda"),
+            lambda: pinned.to("cuda", non_blocking=True),
+            lambda: x.to("cpu", non_blocking=True),
+            lambda: torch.where(x > 2, x, 0.0),
+            lambda: x.masked_fill(x > 2, 0.0),
+        ]
+        with host_syncs() as syncs:
+            for op in queued:
+                op()
+        assert syncs == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_forward_of_every_kind_makes_no_host_sync(dtype):
+    """A forward pass only queues work: a wait inside it (a scalar read, a blocking copy) would stall the
+    GPU in every layer of every step."""
+    ids = _windows(2, 24)
+    with fake_cuda():
+        for kind in ALL_KINDS:
+            model = tiny_model(kind).eval().to("cuda", dtype)
+            x = ids.to("cuda")
+            with torch.no_grad(), host_syncs() as syncs:
+                model(x)
+            assert syncs == [], (kind, syncs)
+
+
+def test_a_training_step_makes_no_host_sync_and_a_log_row_one():
+    """The trainer's step (batch transfer, bf16 autocast forward, loss, clipping, fused AdamW) only queues
+    work, so the host builds the next batch while the GPU runs this one: a blocking copy of the batch or a
+    ``float(grad_norm)`` per step made every step wait. A log row reads its scalars (loss, gradient norm,
+    DIFF V2's lambda mean and spread per layer and head) in one transfer. Backward is a stand-in that sets
+    every gradient to ones (a CPU build cannot record autograd on CUDA tensors); the clipping and AdamW
+    run for real on them."""
+    from diffquant.train import trainer
+
+    model = tiny_model("diff_v2").train()
+    ids = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(0))
+    with fake_cuda():
+        model.to("cuda")
+        device = torch.device("cuda")
+        optimizer = trainer.adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        handles = trainer._watch_lambda(model)
+        before = [real(p).clone() for p in model.parameters()]
+
+        def backward(self, *args, **kwargs):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "backward", backward)
+            with host_syncs() as syncs:
+                for _ in range(2):
+                    batch = trainer.batch_to(ids, device)
+                    autocast = trainer.forward_precision("auto", device)
+                    loss, grad_norm = trainer.train_step(model, model, optimizer, autocast, batch, 0, 1.0)
+        assert syncs == []
+        assert loss.is_cuda and grad_norm.is_cuda and optimizer.defaults["fused"]
+        assert all(not torch.equal(b, real(p)) for b, p in zip(before, model.parameters(), strict=True))
+        with host_syncs() as syncs:
+            row = trainer.host_scalars(
+                {"loss": loss, "grad_norm": grad_norm, **trainer._lambda_columns(model)}
+            )
+        for h in handles:
+            h.remove()
+    heads, layers = model.config.n_heads, model.config.n_layers
+    assert syncs == [".tolist()"] and len(row) == 2 + 2 * heads * layers
+    # every parameter's gradient is ones: the norm before clipping is sqrt(number of parameters)
+    count = sum(p.numel() for p in model.parameters())
+    assert row["grad_norm"] == pytest.approx(math.sqrt(count), rel=1e-6)
 
 
 def test_devicecheck_leaves_torch_as_it_was():

@@ -440,3 +440,24 @@ def test_precision_bf16_runs_the_forward_in_bf16_and_keeps_fp32_weights(tmp_path
         str(tmp_path / "bf16" / "checkpoints" / "step-0000002" / "model" / "model.safetensors")
     )
     assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def test_host_scalars_are_the_floats_of_each_tensor_in_order():
+    """The log row's one transfer gives what ``float`` of each tensor gives (bf16, fp16, fp32 and fp64 values,
+    widened exactly), Python numbers pass through, and the columns keep their order."""
+    from diffquant.train.trainer import host_scalars
+
+    g = torch.Generator().manual_seed(0)
+    values = {
+        "loss": torch.randn((), generator=g),
+        "lr": 3e-4,
+        "bf16": torch.randn(1, generator=g).bfloat16(),
+        "fp16": torch.randn((), generator=g).half(),
+        "fp64": torch.tensor(1 / 3, dtype=torch.float64),
+        "tiny": torch.tensor(1e-40),  # an fp32 subnormal
+    }
+    read = host_scalars(values)
+    assert list(read) == list(values)
+    for name, value in values.items():
+        expected = float(value)
+        assert read[name] == expected and type(read[name]) is float, name

@@ -199,6 +199,29 @@ def test_log_rows_report_tokens_per_second_and_mfu(tmp_path, monkeypatch):
     assert len(steps) == 4 and all(f"mfu {float(rows[0]['mfu']):.1%}" in m for m in steps), steps
 
 
+def test_tokens_per_second_counts_the_wait_for_the_device(tmp_path, monkeypatch):
+    """The step only queues work on a GPU: the one wait per log row (reading its scalars) is where the
+    device finishes the steps queued since the last row, so the clock is read after it. Here the wait takes
+    half a fake second: each row's interval is its steps plus that half second (read before the wait, the
+    half second fell into the logging time left out, and tokens/s overstated the device's speed)."""
+    now = _fake_clock(monkeypatch)
+    read = trainer_mod.host_scalars
+
+    def wait_then_read(values):
+        now[0] += 0.5
+        return read(values)
+
+    monkeypatch.setattr(trainer_mod, "host_scalars", wait_then_read)
+    cfg = _cfg(tmp_path)
+    rows = _rows(train(cfg, log=lambda m: None))
+    steps = [int(r["step"]) for r in rows]
+    assert steps == [2, 3, 4, 6]
+    for row, before in zip(rows, [0, *steps], strict=False):
+        n = int(row["step"]) - before
+        expected = n * cfg.batch_size * cfg.seq_len / (n + 0.5)
+        assert float(row["tokens_per_second"]) == pytest.approx(expected, rel=1e-12), row["step"]
+
+
 def test_mfu_is_empty_without_a_peak(tmp_path):
     """On a CPU (no peak) the column is there and empty, and the progress line shows no mfu."""
     printed = []

@@ -238,11 +238,10 @@ def probe(
     T x T maps per head in memory). ``warmup_s`` is the warm-up steps' seconds: with compilation, mostly the
     compile. ``record`` gets the results so far after each kind (a stage cut at its budget keeps them)."""
     import torch
-    import torch.nn.functional as F
 
     from diffquant.models import DecoderLM
     from diffquant.train import flops
-    from diffquant.train.trainer import adamw, forward_precision, training_forward
+    from diffquant.train.trainer import adamw, batch_to, forward_precision, train_step, training_forward
 
     if compile_model is None:
         compile_model = settings["torch_compile"]
@@ -269,18 +268,9 @@ def probe(
         forward = training_forward(model, compile_model)
 
         def step(i: int, model=model, forward=forward, opt=opt, autocast=autocast) -> None:
-            ids = data.batch(i, bsz).to(device)
-            with autocast:
-                logits = forward(ids[:, :-1])
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]),
-                ids[:, 1:].reshape(-1),
-                ignore_index=data.tok.pad_id,
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # the trainer syncs here too
-            opt.step()
+            # the trainer's own step and batch transfer (no wait for the device inside either)
+            ids = batch_to(data.batch(i, bsz), torch.device(device))
+            train_step(model, forward, opt, autocast, ids, data.tok.pad_id, 1.0)
 
         begin = time.perf_counter()
         for i in range(settings["probe_warmup"]):

@@ -4159,6 +4159,52 @@ MUTANTS = [
         "    if tl.program_id(0) == 0:  # the batch's first program\n",
         ("tests/test_triton_quant.py::test_quantize_values_triton_matches_reference",),
     ),
+    M(
+        "trainer: the batch copied to the GPU from pageable memory, blocking (the host waits every step)",
+        "diffquant/train/trainer.py",
+        "        return ids.pin_memory().to(device, non_blocking=True)\n",
+        "        return ids.to(device)\n",
+        ("tests/test_device_check.py::test_a_training_step_makes_no_host_sync_and_a_log_row_one",),
+    ),
+    M(
+        "trainer: the gradient norm read on the host every step (float(clip_grad_norm_))",
+        "diffquant/train/trainer.py",
+        "    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
+        "    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))\n",
+        ("tests/test_device_check.py::test_a_training_step_makes_no_host_sync_and_a_log_row_one",),
+    ),
+    M(
+        "trainer: a log row's scalars read one by one (a wait for the device per column)",
+        "diffquant/train/trainer.py",
+        "        read = torch.stack([values[n].detach().reshape(()).double() for n in names]).tolist()\n",
+        "        read = [float(values[n]) for n in names]\n",
+        ("tests/test_device_check.py::test_a_training_step_makes_no_host_sync_and_a_log_row_one",),
+    ),
+    M(
+        "trainer: the log's clock read before the wait for the device (its drain counted as logging time)",
+        "diffquant/train/trainer.py",
+        """            read = host_scalars({"loss": loss, "grad_norm": grad_norm, **_lambda_columns(model)})
+            now = _clock()
+""",
+        """            now = _clock()
+            read = host_scalars({"loss": loss, "grad_norm": grad_norm, **_lambda_columns(model)})
+""",
+        ("tests/test_train_speed.py::test_tokens_per_second_counts_the_wait_for_the_device",),
+    ),
+    M(
+        "device check: a blocking host-to-device copy_ not counted as a host sync",
+        "tests/devicecheck.py",
+        '            _host_copy("host-to-device", src, non_blocking)\n',
+        "            pass\n",
+        ("tests/test_device_check.py::test_the_sync_check_sees_what_makes_the_host_wait",),
+    ),
+    M(
+        "device check: pinned memory not told apart (every non_blocking copy from the host counted)",
+        "tests/devicecheck.py",
+        "    return _PINNED.get(id(t)) is t\n",
+        "    return False\n",
+        ("tests/test_device_check.py::test_the_sync_check_sees_what_makes_the_host_wait",),
+    ),
 ]
 
 

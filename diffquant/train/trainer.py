@@ -248,24 +248,66 @@ def training_forward(model: torch.nn.Module, compile_model: bool):
     return torch.compile(model) if compile_model else model
 
 
-def _lambda_columns(model) -> dict[str, float]:
+def batch_to(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch built on the host, on ``device``. To CUDA from pinned memory without blocking: a copy from
+    pageable memory makes the host wait for every kernel queued before it, so the GPU would idle while the
+    host builds the next batch (the pinned buffer is held until the copy is done: torch's host allocator)."""
+    if device.type == "cuda":
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
+
+
+def train_step(model, forward, optimizer, autocast, ids: torch.Tensor, pad: int, grad_clip: float):
+    """One optimizer step on ``ids`` (B, T + 1): the loss on fp32 logits of the next tokens (``pad`` ignored),
+    backward, gradients clipped to ``grad_clip``, the optimizer's step. Returns (loss, grad_norm) as tensors
+    on the device, the norm before clipping: reading one (``float``) makes the host wait for the step, so
+    the loop reads them only when it logs. ``forward`` is the model or its compiled wrapper."""
+    with autocast:
+        logits = forward(ids[:, :-1])
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), ignore_index=pad
+    )
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.detach(), grad_norm
+
+
+def host_scalars(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Each one-element tensor of ``values`` as a Python float, read in one transfer per device (each
+    ``float(tensor)`` of a CUDA tensor is a wait for the device: a DIFF V2 log row has 4 per layer and head).
+    The values are those ``float`` gives: each tensor is widened to float64 exactly before the transfer."""
+    out = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        read = torch.stack([values[n].detach().reshape(()).double() for n in names]).tolist()
+        out.update(zip(names, read, strict=True))
+    return {name: out[name] for name in values}
+
+
+def _lambda_columns(model) -> dict[str, torch.Tensor]:
     """DIFF V1: lambda per layer; DIFF V2: lambda mean and spread (std) per layer and head, last batch; the
-    rivals' learned numbers: sink logits per layer and head, gate mean and spread per layer (last batch)."""
+    rivals' learned numbers: sink logits per layer and head, gate mean and spread per layer (last batch).
+    One-element tensors where the model holds them (:func:`host_scalars` reads them together)."""
     out = {}
     for i, attn in enumerate(model.attention_modules()):
         if attn.kind == "diff_v1":
-            out[f"lambda_L{i}"] = float(attn.lambda_value().detach())
+            out[f"lambda_L{i}"] = attn.lambda_value().detach()
         elif attn.kind == "diff_v2" and getattr(attn, "_last_lambda", None) is not None:
             lam = attn._last_lambda  # (B, T, H)
             for h in range(lam.shape[-1]):
-                out[f"lambda_L{i}_H{h}_mean"] = float(lam[..., h].mean())
-                out[f"lambda_L{i}_H{h}_std"] = float(lam[..., h].std())
+                out[f"lambda_L{i}_H{h}_mean"] = lam[..., h].mean()
+                out[f"lambda_L{i}_H{h}_std"] = lam[..., h].std()
         elif attn.kind == "sink" and attn.sinks is not None:
-            for h, value in enumerate(attn.sinks.detach().tolist()):
-                out[f"sink_L{i}_H{h}"] = float(value)
+            for h, value in enumerate(attn.sinks.detach()):
+                out[f"sink_L{i}_H{h}"] = value
         elif attn.kind == "gated" and getattr(attn, "_last_gate", None) is not None:
-            out[f"gate_L{i}_mean"] = float(attn._last_gate.mean())
-            out[f"gate_L{i}_std"] = float(attn._last_gate.std())
+            out[f"gate_L{i}_mean"] = attn._last_gate.mean()
+            out[f"gate_L{i}_std"] = attn._last_gate.std()
     return out
 
 
@@ -534,34 +576,30 @@ def train(
     # minutes); on a terminal a bar, the log lines printed above it.
     steps = progress(range(start_step, end), desc="train", unit="step", announce=True)
     for step in steps:
-        ids = data.batch(step, cfg.batch_size).to(device)
+        ids = batch_to(data.batch(step, cfg.batch_size), device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        with autocast:
-            logits = forward(ids[:, :-1])
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), ignore_index=pad
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        optimizer.step()
+        loss, grad_norm = train_step(model, forward, optimizer, autocast, ids, pad, cfg.grad_clip)
         done = step + 1
         evaluate = done % cfg.eval_every == 0 or done == cfg.steps
         if done % cfg.log_every == 0 or done == end or evaluate:
+            # the one wait for the device between logs: the clock is read after it, so the steps counted
+            # are the steps the device has finished
+            read = host_scalars({"loss": loss, "grad_norm": grad_norm, **_lambda_columns(model)})
             now = _clock()
             steps_done = done - (rows[-1]["step"] if rows else start_step)
             tokens_per_second = steps_done * cfg.batch_size * cfg.seq_len / max(1e-9, now - tick - paused)
             mfu = utilisation(flops_per_token, tokens_per_second, peak)
+            loss_value = read.pop("loss")
             row = {
                 "step": done,
-                "loss": float(loss.detach()),
-                "bits_per_token": float(loss.detach()) / math.log(2),
+                "loss": loss_value,
+                "bits_per_token": loss_value / math.log(2),
                 "lr": lr_at(step, cfg),
-                "grad_norm": grad_norm,
+                "grad_norm": read.pop("grad_norm"),
                 "tokens_per_second": tokens_per_second,
                 "val_bpb": "",
-                **_lambda_columns(model),
+                **read,
                 "mfu": "" if mfu is None else mfu,  # last: a log from before the column still lines up
             }
             tick, paused = now, 0.0
@@ -572,7 +610,7 @@ def train(
             _append_log(log_path, row)
             with outside_bars(sys.stdout):
                 log(
-                    f"step {done}/{cfg.steps} loss {row['loss']:.4f} grad {grad_norm:.3f} lr {row['lr']:.2e} "
+                    f"step {done}/{cfg.steps} loss {row['loss']:.4f} grad {row['grad_norm']:.3f} lr {row['lr']:.2e} "
                     f"{row['tokens_per_second']:.0f} tok/s"
                     + (f" mfu {mfu:.1%}" if mfu is not None else "")
                     + (f" val bpb {row['val_bpb']:.4f}" if row["val_bpb"] != "" else "")
