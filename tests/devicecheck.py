@@ -419,7 +419,10 @@ class _Mode(TorchFunctionMode):
             generator = kwargs.get("generator")
             if generator is not None and generator.device.type != "cuda":
                 raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
-            if func in _DATA_FACTORIES and args and not isinstance(args[0], FakeCuda):
+            if func in _DATA_FACTORIES and args and isinstance(args[0], FakeCuda):
+                del kwargs["device"]  # data already on the device stays there (as_tensor: no copy at all)
+                return func(*args, **kwargs)
+            if func in _DATA_FACTORIES and args:
                 _sync(f"{func.__name__}(data, device=cuda): a host-to-device copy (blocking)")
             kwargs["device"] = CPU
             out = func(*args, **kwargs)

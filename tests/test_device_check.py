@@ -609,6 +609,35 @@ def test_a_forward_of_every_kind_makes_no_host_sync(dtype):
             assert syncs == [], (kind, syncs)
 
 
+@pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
+def test_the_fused_kernel_makes_no_host_sync(kind):
+    """The Triton kernel's path (int8 Q/K with K smoothing, fp8 P*V, static int8 logits: every operand it
+    prepares) only queues work once its per-layer setup is built; the first call checks the layer's logit
+    scales on the host (one read per layer), later ones reuse that check."""
+    from diffquant.kernels.dispatch import path_summary
+    from diffquant.quant import QuantPlan, apply_plan, calibrate
+    from diffquant.quant.presets import preset_data
+
+    logits = {"format": "int8", "granularity": "head", "calibration": "absmax"}
+    rules = [*preset_data("qk-int8-pv-fp8")["rules"], {"sites": "kind:logits", "scheme": logits}]
+    model = tiny_model(kind, head_dim=16)
+    apply_plan(model, QuantPlan.from_dict({"rules": rules}))
+    calibrate(model, _windows(2, 32, seed=5))
+    ids = _windows(2, 32)
+    with torch.no_grad(), fake_cuda():
+        model.to("cuda")
+        x = ids.to("cuda")
+        with host_syncs() as first:
+            model(x)
+        with host_syncs() as later:
+            model(x)
+        ran = path_summary(model)
+        model.to("cpu")
+    layers = model.config.n_layers
+    assert ran == {"triton": layers}
+    assert first == ["a scalar read (.item() / float / int / bool)"] * layers and later == []
+
+
 def test_a_training_step_makes_no_host_sync_and_a_log_row_one():
     """The trainer's step (batch transfer, bf16 autocast forward, loss, clipping, fused AdamW) only queues
     work, so the host builds the next batch while the GPU runs this one: a blocking copy of the batch or a

@@ -82,6 +82,36 @@ def test_kernel_takes_only_what_it_implements():
     assert (kernel_core(m.layers[0].attn).qk, kernel_core(m.layers[0].attn).block) == ("fp8_e4m3", 1)
 
 
+def test_the_logits_scales_are_read_once_and_again_when_they_change():
+    """The kernel's CoreQuant for static logit scales is built once per layer (building it reads the scales
+    on the host to check them, a wait for a GPU in every forward): the same object while the scale tensors
+    stay as they are, a new one with the new values when a scale is changed in place or replaced, and the
+    kernel's output then equals a model that never cached."""
+    import copy
+
+    model = _model("diff_v2")
+    apply_plan(model, QuantPlan.from_dict(STATIC_LOGITS))
+    calibrate(model, _ids(32, 2, seed=5))
+    attn = model.layers[0].attn
+    core = kernel_core(attn)
+    assert kernel_core(attn) is core and core.logits_bits == 8
+    model.set_kernel("triton")
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids)
+        attn.logits1.quantizer.scale.mul_(2.0)  # in place: same tensor, new values
+        after = model(ids)
+        fresh = copy.deepcopy(model)
+        for a in fresh.attention_modules():
+            a.__dict__.pop("_kernel_core_cache", None)
+        assert torch.equal(after, fresh(ids)) and not torch.equal(after, before)
+    changed = kernel_core(attn)
+    assert changed is not core
+    assert torch.equal(changed.logits_scale[0::2], attn.logits1.quantizer.scale.reshape(-1))
+    attn.logits2.quantizer.scale = attn.logits2.quantizer.scale * 0.5  # replaced
+    assert torch.equal(kernel_core(attn).logits_scale[1::2], attn.logits2.quantizer.scale.reshape(-1))
+
+
 def test_odd_head_dims_fall_back():
     model = DecoderLM(
         matched_config(

@@ -4205,6 +4205,30 @@ MUTANTS = [
         "    return False\n",
         ("tests/test_device_check.py::test_the_sync_check_sees_what_makes_the_host_wait",),
     ),
+    M(
+        "dispatch: the cached logits CoreQuant kept when a scale changes in place (its version ignored)",
+        "diffquant/kernels/dispatch.py",
+        "    state = [(s.device, s.data_ptr(), s._version) for s in (s1, s2)]\n",
+        "    state = [(s.device, s.data_ptr()) for s in (s1, s2)]\n",
+        ("tests/test_dispatch.py::test_the_logits_scales_are_read_once_and_again_when_they_change",),
+    ),
+    M(
+        "dispatch: the logits CoreQuant built afresh every forward (its scale check a host sync per layer)",
+        "diffquant/kernels/dispatch.py",
+        "        if was_fixed == fixed and was_s1 is s1 and was_s2 is s2 and was_state == state:\n",
+        "        if False:\n",
+        (
+            "tests/test_device_check.py::test_the_fused_kernel_makes_no_host_sync",
+            "tests/test_dispatch.py::test_the_logits_scales_are_read_once_and_again_when_they_change",
+        ),
+    ),
+    M(
+        "triton_diff: the kv-head index built on the host and copied to the GPU (a blocking copy per layer)",
+        "diffquant/kernels/triton_diff.py",
+        "    kv_head = kv_heads_v2(nq, k.shape[1], q.device)\n",
+        "    kv_head = kv_heads_v2(nq, k.shape[1]).to(q.device)\n",
+        ("tests/test_device_check.py::test_the_fused_kernel_makes_no_host_sync",),
+    ),
 ]
 
 

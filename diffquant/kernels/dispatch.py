@@ -73,9 +73,26 @@ def kernel_core(attn) -> CoreQuant | None:
         s1, s2 = attn.logits1.quantizer.scale, attn.logits2.quantizer.scale
         if s1 is None or s2 is None:
             return None
-        scales = torch.stack([s1.reshape(-1), s2.reshape(-1)], dim=1).reshape(-1)  # interleaved 2i, 2i+1
-        fields.update(logits_bits=l1.element.bits, logits_scale=scales)
+        fields["logits_bits"] = l1.element.bits
+        return _with_logits_scales(attn, fields, s1, s2)
     return CoreQuant(**fields)
+
+
+def _with_logits_scales(attn, fields: dict[str, Any], s1: torch.Tensor, s2: torch.Tensor) -> CoreQuant:
+    """CoreQuant(**fields) with the two maps' static logit scales interleaved (2i, 2i + 1), built once per
+    layer while those scale tensors stay the same objects, storage and version: CoreQuant checks that the
+    scales are positive, which reads them on the host, a wait for the GPU that every forward would pay."""
+    fixed = tuple(sorted(fields.items()))
+    state = [(s.device, s.data_ptr(), s._version) for s in (s1, s2)]
+    cached = attn.__dict__.get("_kernel_core_cache")
+    if cached is not None:
+        was_fixed, (was_s1, was_s2), was_state, core = cached
+        if was_fixed == fixed and was_s1 is s1 and was_s2 is s2 and was_state == state:
+            return core
+    scales = torch.stack([s1.reshape(-1), s2.reshape(-1)], dim=1).reshape(-1)
+    core = CoreQuant(**fields, logits_scale=scales)
+    attn.__dict__["_kernel_core_cache"] = (fixed, (s1, s2), state, core)
+    return core
 
 
 def flash_ready(attn, x: torch.Tensor) -> bool:

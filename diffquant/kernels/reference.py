@@ -220,18 +220,20 @@ def logits_scales(quant: CoreQuant, n_q_heads: int, device: torch.device) -> tor
 
 
 # ------------------------------------------------------------------------------------------ head maps
-def kv_heads_v2(n_q_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """DIFF V2: query head j reads kv head j // (2H / Hkv); both heads of a pair share one kv head."""
+def kv_heads_v2(n_q_heads: int, n_kv_heads: int, device: torch.device | None = None) -> torch.Tensor:
+    """DIFF V2: query head j reads kv head j // (2H / Hkv); both heads of a pair share one kv head. Made on
+    ``device`` (an index built on the host and copied would make the host wait for the GPU)."""
     _check_groups(n_q_heads // 2, n_kv_heads, "diff_v2")
-    return torch.arange(n_q_heads) // (n_q_heads // n_kv_heads)
+    return torch.arange(n_q_heads, device=device) // (n_q_heads // n_kv_heads)
 
 
-def kv_heads_v1(n_q_heads: int, n_k_heads: int) -> torch.Tensor:
-    """DIFF V1: component c of pair i (q head 2i + c) reads K component 2j + c of kv pair j = i // (H / Hkv)."""
+def kv_heads_v1(n_q_heads: int, n_k_heads: int, device: torch.device | None = None) -> torch.Tensor:
+    """DIFF V1: component c of pair i (q head 2i + c) reads K component 2j + c of kv pair j = i // (H / Hkv);
+    made on ``device``."""
     heads, kv_pairs = n_q_heads // 2, n_k_heads // 2
     _check_groups(heads, kv_pairs, "diff_v1")
-    j = torch.arange(n_q_heads) // 2 // (heads // kv_pairs)
-    return 2 * j + torch.arange(n_q_heads) % 2
+    j = torch.arange(n_q_heads, device=device) // 2 // (heads // kv_pairs)
+    return 2 * j + torch.arange(n_q_heads, device=device) % 2
 
 
 def kv_heads_baseline(n_heads: int, n_kv_heads: int) -> torch.Tensor:

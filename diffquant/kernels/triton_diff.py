@@ -610,7 +610,7 @@ def _prepare(
         ops["k"], ops["ks"], k_mean = quantize_tokens_triton(k, quant.qk, quant.block, smooth=True)
         if quant.logits_bits is not None:
             # the smoothing shift q . mean(K) / sqrt(d) of each row: softmax ignores it, logit rounding does not
-            mean = k_mean.index_select(1, kv_head.to(dev))  # (B, nq, 1, d)
+            mean = k_mean.index_select(1, kv_head)  # (B, nq, 1, d); kv_head is on the device
             q_dequant = ops["q"].float() * ops["qs"][..., None]
             ops["qb"] = ((q_dequant * mean).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
     if quant.pv == "fp8_e4m3":
@@ -738,7 +738,7 @@ def diff_v2_attention(
         num_stages=num_stages,
     )
     heads = nq // 2
-    kv_head = kv_heads_v2(nq, k.shape[1])
+    kv_head = kv_heads_v2(nq, k.shape[1], q.device)
     lam = lam.to(device=q.device)
     if tuple(lam.shape) != (bsz, heads, t):
         raise DiffquantError(
@@ -799,7 +799,7 @@ def diff_v1_attention(
         num_stages=num_stages,
     )  # fmt: skip
     heads = nq // 2
-    kv_head = kv_heads_v1(nq, nk)
+    kv_head = kv_heads_v1(nq, nk, q.device)
     lam_t = torch.as_tensor(lam, dtype=torch.float32, device=q.device).reshape(-1)
     if lam_t.numel() != 1:
         raise DiffquantError(
