@@ -597,16 +597,27 @@ def test_the_sync_check_sees_what_makes_the_host_wait():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_forward_of_every_kind_makes_no_host_sync(dtype):
-    """A forward pass only queues work: a wait inside it (a scalar read, a blocking copy) would stall the
-    GPU in every layer of every step."""
+    """A forward pass and a decode step with the KV cache (plain, and int4 in groups of 8) only queue work:
+    a wait inside them (a scalar read, a blocking copy) would stall the GPU in every layer of every step."""
+    from diffquant.quant import apply_plan, preset
+
     ids = _windows(2, 24)
-    with fake_cuda():
-        for kind in ALL_KINDS:
-            model = tiny_model(kind).eval().to("cuda", dtype)
+    models = [(kind, tiny_model(kind)) for kind in ALL_KINDS]
+    quantized_cache = tiny_model("diff_v2")
+    apply_plan(quantized_cache, preset("kv4-g8"))
+    models.append(("diff_v2 kv4-g8", quantized_cache))
+    models.append(("baseline, scaled embedding", tiny_model("baseline", embed_scale=8.0)))  # Gemma's
+    with fake_cuda(), torch.no_grad():
+        for name, model in models:
+            model.eval().to("cuda", dtype)
             x = ids.to("cuda")
-            with torch.no_grad(), host_syncs() as syncs:
+            cache = model.new_cache()
+            with host_syncs() as syncs:
                 model(x)
-            assert syncs == [], (kind, syncs)
+                model(x[:, :-2], cache)
+                model(x[:, -2:-1], cache)
+                model(x[:, -1:], cache)
+            assert syncs == [], (name, syncs)
 
 
 @pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])

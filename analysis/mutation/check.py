@@ -4229,6 +4229,13 @@ MUTANTS = [
         "    kv_head = kv_heads_v2(nq, k.shape[1]).to(q.device)\n",
         ("tests/test_device_check.py::test_the_fused_kernel_makes_no_host_sync",),
     ),
+    M(
+        "scaled embedding: the scale made as a device tensor in every forward (a blocking copy)",
+        "diffquant/models/transformer.py",
+        "        return out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)\n",
+        "        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)\n",
+        ("tests/test_device_check.py::test_a_forward_of_every_kind_makes_no_host_sync",),
+    ),
 ]
 
 

@@ -105,7 +105,9 @@ class ScaledEmbedding(nn.Embedding):
         out = super().forward(input_ids)
         if self.scale == 1.0:
             return out
-        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)
+        # a 0-dim host tensor: CUDA takes it as a kernel argument (a device tensor built here per call would be
+        # a blocking host-to-device copy, a wait for the GPU in every forward)
+        return out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.scale == 1.0 else f", scale={self.scale}")
