@@ -22,7 +22,7 @@ pytestmark = [
 ]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-CALIB = ["--seq-len", "256", "--calib-tokens", "1024", "--eval-tokens", "512"]
+CALIB = ["--seq-len", "256", "--calib-tokens", "512", "--eval-tokens", "256"]
 
 
 @pytest.fixture(scope="module")
