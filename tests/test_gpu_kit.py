@@ -482,6 +482,10 @@ def test_train_compile_stage_probes_every_kind_eager_then_compiled(tmp_path, mon
         assert n["speedup"][kind] == pytest.approx(ratio, abs=1e-3)
     lines = kit._compile_lines(n)
     assert lines[0].startswith(f"train_compile, {n['size']}") and len(lines) == 2 + len(kinds)
+    # no CUDA, no sync count: its column says "-"; on a GPU the probe's count stands there
+    assert all(line.endswith("  -") for line in lines[2:]), lines
+    n["eager"]["baseline"]["host_syncs_per_step"] = 3
+    assert any(line.strip().startswith("baseline") and " 3 " in line for line in kit._compile_lines(n))
     assert f"compiled / eager tokens/s: baseline {n['speedup']['baseline']:.2f}x" in kit._note(
         "train_compile", n
     )
@@ -506,3 +510,33 @@ def test_autocast_gap_trains_the_recipe_of_the_cpu_experiment():
         assert recipe == old
         seen.add((run["kind"], run["precision"]))
     assert seen == {(k, p) for k in kit_autocast.KINDS for p in kit_autocast.PRECISIONS}
+
+
+def test_step_syncs_records_what_cuda_warns_of_and_restores_the_mode(monkeypatch):
+    """The probe's count of a training step's host syncs on a GPU (torch.cuda.set_sync_debug_mode("warn"):
+    a warning per synchronizing call): each warning the step raises is one entry naming its line, and the
+    mode goes back to "default" even when the step fails. CUDA's switch is a stand-in here (no GPU)."""
+    import warnings
+
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def step(i):
+        assert modes[-1] == "warn"
+        for _ in range(i):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    got = kit_trio.step_syncs(step, 2)
+    assert len(got) == 2 and all(g.startswith("test_gpu_kit.py:") for g in got)
+    assert all(g.endswith(": called a synchronizing CUDA operation") for g in got)
+    assert modes == ["warn", "default"]
+
+    def broken(i):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        kit_trio.step_syncs(broken, 0)
+    assert modes[-2:] == ["warn", "default"]

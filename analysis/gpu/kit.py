@@ -353,21 +353,23 @@ def _note(name: str, n: dict[str, Any]) -> str:
 
 
 def _compile_lines(n: dict[str, Any]) -> list[str]:
-    """train_compile's table: per kind, eager and compiled tokens/s, model FLOPs utilisation, warm-up s."""
+    """train_compile's table: per kind, eager and compiled tokens/s, model FLOPs utilisation, warm-up s, and
+    the host syncs of one step (CUDA only)."""
     eager, compiled = n.get("eager", {}), n.get("compiled", {})
     if not eager:
         return []
 
     def cell(row: dict[str, Any] | None) -> str:
         if not row:
-            return f"{'-':>24}"
+            return f"{'-':>28}"
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
-        return f"{row['tokens_per_s']:>10,.0f} {mfu:>6} {row['warmup_s']:>6.1f}"
+        syncs = row.get("host_syncs_per_step", "-")
+        return f"{row['tokens_per_s']:>10,.0f} {mfu:>6} {row['warmup_s']:>6.1f} {syncs:>3}"
 
-    lines = [f"train_compile, {n.get('size')} (tokens/s, mfu, warm-up s):"]
-    lines.append(f"  {'kind':<18}{'eager':>24}{'compiled':>24}")
+    lines = [f"train_compile, {n.get('size')} (tokens/s, mfu, warm-up s, host syncs a step):"]
+    lines.append(f"  {'kind':<18}{'eager':>28}{'compiled':>28}")
     for kind, row in eager.items():
-        lines.append(f"  {kind:<18}{cell(row):>24}{cell(compiled.get(kind)):>24}")
+        lines.append(f"  {kind:<18}{cell(row):>28}{cell(compiled.get(kind)):>28}")
     return lines
 
 

@@ -295,12 +295,34 @@ def probe(
             "compiled": compile_model,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         }
+        if device == "cuda":  # what the CPU device check cannot see: syncs inside CUDA's own ops, backward's
+            syncs = step_syncs(step, 2000)
+            out[kind].update(host_syncs_per_step=len(syncs), host_syncs=sorted(set(syncs))[:8])
         del model, forward, opt
         if device == "cuda":
             torch.cuda.empty_cache()
         if record is not None:
             record(out)
     return out
+
+
+def step_syncs(step: Callable[[int], None], i: int) -> list[str]:
+    """The host syncs of ``step(i)`` on CUDA as ``torch.cuda.set_sync_debug_mode("warn")`` reports them (a
+    warning per synchronizing call: a scalar read, a blocking copy, a data-sized output), each as "file:line:
+    message" of the Python line that made it; the mode is restored whatever happens."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(i)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}: {w.message}" for w in caught]
 
 
 def probe_data(settings: dict[str, Any]):

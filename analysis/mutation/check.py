@@ -4236,6 +4236,19 @@ MUTANTS = [
         "        return out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(out.dtype)\n",
         ("tests/test_device_check.py::test_a_forward_of_every_kind_makes_no_host_sync",),
     ),
+    M(
+        'GPU kit: the sync-debug mode left on "warn" after a step that fails',
+        "analysis/gpu/kit_trio.py",
+        """        try:
+            step(i)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+""",
+        """        step(i)
+        torch.cuda.set_sync_debug_mode("default")
+""",
+        ("tests/test_gpu_kit.py::test_step_syncs_records_what_cuda_warns_of_and_restores_the_mode",),
+    ),
 ]
 
 
