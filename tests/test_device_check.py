@@ -694,6 +694,27 @@ def test_a_training_step_makes_no_host_sync_and_a_log_row_one():
     assert row["grad_norm"] == pytest.approx(math.sqrt(count), rel=1e-6)
 
 
+def test_a_checkpoint_pause_starts_once_the_queued_steps_are_done(tmp_path):
+    """Saving a checkpoint between log rows waits for the GPU's queued steps: the pause left out of tokens/s
+    must start after that wait (a device synchronize before its clock read), or the steps' own time would
+    count as pause."""
+    from test_train import _cfg
+
+    from diffquant.train import trainer
+
+    events = []
+    save, clock = trainer._save_state, trainer._clock
+    cfg = _cfg(tmp_path, "cuda", device="cuda", steps=3, log_every=100, eval_every=100, checkpoint_every=2)
+    with fake_cuda(), pytest.MonkeyPatch.context() as patch:  # undone before fake_cuda restores torch.cuda
+        patch.setattr(torch.Tensor, "backward", lambda self, *args, **kwargs: None)
+        patch.setattr(torch.cuda, "synchronize", lambda *args: events.append("synchronize"))
+        patch.setattr(trainer, "_clock", lambda: events.append("clock") or clock())
+        patch.setattr(trainer, "_save_state", lambda *args: events.append("save") or save(*args))
+        trainer.train(cfg, log=lambda message: None)
+    at = events.index("save")
+    assert events[at - 2 : at] == ["synchronize", "clock"], events
+
+
 def test_devicecheck_leaves_torch_as_it_was():
     before = (torch.cuda.is_available, torch.cuda._lazy_init, native.pass1, stats.native.pass1)
     available = torch.cuda.is_available()

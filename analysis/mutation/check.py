@@ -4249,6 +4249,13 @@ MUTANTS = [
 """,
         ("tests/test_gpu_kit.py::test_step_syncs_records_what_cuda_warns_of_and_restores_the_mode",),
     ),
+    M(
+        "trainer: a checkpoint's pause starts before the queued steps finish (their time counted as pause)",
+        "diffquant/train/trainer.py",
+        "                torch.cuda.synchronize(device)\n",
+        "                pass\n",
+        ("tests/test_device_check.py::test_a_checkpoint_pause_starts_once_the_queued_steps_are_done",),
+    ),
 ]
 
 

@@ -617,6 +617,9 @@ def train(
                 )
             paused += _clock() - now
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            if device.type == "cuda":
+                # the queued steps finish first: saving waits for them, and they are training, not pause
+                torch.cuda.synchronize(device)
             begin = _clock()
             _save_state(out / "checkpoints" / f"step-{done:07d}", model, optimizer, done, cfg)
             saved = done
