@@ -276,7 +276,7 @@ def train_step(model, forward, optimizer, autocast, ids: torch.Tensor, pad: int,
 
 def host_scalars(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
     """Each one-element tensor of ``values`` as a Python float, read in one transfer per device (each
-    ``float(tensor)`` of a CUDA tensor is a wait for the device: a DIFF V2 log row has 4 per layer and head).
+    ``float(tensor)`` of a CUDA tensor is a wait for the device: a DIFF V2 log row has 2 per layer and head).
     The values are those ``float`` gives: each tensor is widened to float64 exactly before the transfer."""
     out = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
     by_device: dict[torch.device, list[str]] = {}
