@@ -192,6 +192,31 @@ def test_profile_on_cuda_equals_the_cpu_profile(kind, torch_paths):
     assert cuda == cpu
 
 
+def test_a_profile_locates_its_entries_with_one_read_of_the_device(torch_paths, monkeypatch):
+    """Each site's located entries (top-k, massive activations) come to the host in one transfer per update:
+    their values and flat indices together, the coordinates unravelled and the token ids read on the host
+    (the profiler copies each batch's ids there once). That was three reads per site and update on CUDA,
+    plus a blocking copy of two index lists; the profile itself equals the CPU's (test above)."""
+    reads = []
+    entries = stats.SiteStats._entries
+
+    def counted(self, idx, *args, **kwargs):
+        with host_syncs() as syncs:
+            out = entries(self, idx, *args, **kwargs)
+        reads.append((idx.numel(), len(syncs), any(e["loc"].get("token") is not None for e in out)))
+        return out
+
+    monkeypatch.setattr(stats.SiteStats, "_entries", counted)
+    model = tiny_model("diff_v2")
+    with fake_cuda():
+        model.to("cuda")
+        profile_model(model, _windows(4, 16).to("cuda"), batch_size=2, topk=5)
+        model.to("cpu")
+    located = [r for r in reads if r[0]]
+    assert located and any(tokens for _, _, tokens in located)
+    assert all(n == 1 for _, n, _ in located), located
+
+
 # ------------------------------------------------------------------------------------------ kernels
 @pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
 def test_triton_kernel_runs_on_cuda_for_a_plan_it_implements(kind):

@@ -1055,3 +1055,16 @@ def test_native_pass_without_a_compiler_leaves_the_torch_path(monkeypatch, tmp_p
     got = _stats_of("layers.0.resid", "resid", x).to_dict()
     monkeypatch.setattr(stats_mod, "NATIVE", False)
     assert json.dumps(got) == json.dumps(_stats_of("layers.0.resid", "resid", x).to_dict())
+
+
+def test_unravel_on_the_host_is_torch_unravel_index():
+    """The located entries' coordinates are unravelled on the host (one transfer from a GPU): torch's own
+    unravel_index's, for 1- to 4-dim shapes with ones among the sizes."""
+    from diffquant.profile.stats import _unravel
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (3, 5), (1, 4, 6), (2, 1, 3, 9), (5, 7, 1, 1)]:
+        n = math.prod(shape)
+        idx = torch.randint(0, n, (20,), generator=g)
+        want = torch.stack(torch.unravel_index(idx, shape), 1).tolist()
+        assert [_unravel(int(i), shape) for i in idx] == want, shape

@@ -4256,6 +4256,27 @@ MUTANTS = [
         "                pass\n",
         ("tests/test_device_check.py::test_a_checkpoint_pause_starts_once_the_queued_steps_are_done",),
     ),
+    M(
+        "profiler: the batch's token ids kept on the device (each site's entries read them there)",
+        "diffquant/profile/profiler.py",
+        "        input_ids = input_ids.cpu()\n",
+        "",
+        ("tests/test_device_check.py::test_a_profile_locates_its_entries_with_one_read_of_the_device",),
+    ),
+    M(
+        "profile stats: the entries' values and indices read in two transfers",
+        "diffquant/profile/stats.py",
+        "        both = torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)]).tolist()\n",
+        "        both = flat[idx].to(torch.float64).tolist() + idx.to(torch.float64).tolist()\n",
+        ("tests/test_device_check.py::test_a_profile_locates_its_entries_with_one_read_of_the_device",),
+    ),
+    M(
+        "profile stats: host unravel with the coordinates in reverse order",
+        "diffquant/profile/stats.py",
+        "    return coords[::-1]\n",
+        "    return coords\n",
+        ("tests/test_stats.py::test_unravel_on_the_host_is_torch_unravel_index",),
+    ),
 ]
 
 

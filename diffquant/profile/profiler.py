@@ -178,6 +178,8 @@ class Profiler:
         # True: the hooks stay attached but record nothing (a streamed run's calibration passes).
         self.paused = False
         self._pending_bytes = 0  # bytes of large maps whose statistics ran since the last heap trim
+        # the batch's token ids on the host, copied once per batch: each site's located entries read their
+        # tokens from it (read on the GPU, that was three waits for the device per site and batch)
         self._tokens: torch.Tensor | None = None
         self._pos_offset = 0
         self._last_batch = 0
@@ -235,7 +237,7 @@ class Profiler:
         tokens and ``sample_offset`` as the global index of row 0, as in a forward after
         :meth:`start_samples_at`; ``count`` adds the batch to the tokens and samples seen (once per batch,
         not once per layer)."""
-        self._tokens = input_ids
+        self._tokens = input_ids.cpu()
         self._pos_offset = 0
         self.sample_offset, self._next_offset = sample_offset, None
         self._last_batch = input_ids.shape[0]
@@ -254,6 +256,7 @@ class Profiler:
         cache = args[1] if len(args) > 1 else kwargs.get("cache")
         self._pos_offset = cache.length if cache is not None else 0
         previous = self._tokens
+        input_ids = input_ids.cpu()
         if self._pos_offset and previous is not None and previous.shape[1] == self._pos_offset:
             input_ids = torch.cat([previous, input_ids], dim=1)  # token ids by absolute position
         self._tokens = input_ids

@@ -380,6 +380,15 @@ def _histogram_bar(dense: torch.Tensor, k: int) -> tuple[float | None, int]:
 
 
 # ------------------------------------------------------------------------------------- top-k entries
+def _unravel(i: int, shape: tuple[int, ...]) -> list[int]:
+    """The coordinates of flat (row-major) index ``i`` in ``shape``, on the host (torch.unravel_index's)."""
+    coords = []
+    for size in reversed(shape):
+        i, c = divmod(i, size)
+        coords.append(c)
+    return coords[::-1]
+
+
 def _first_true(mask: torch.Tensor, need: int) -> torch.Tensor:
     """Flat indices of the first ``need`` True entries of 1-D ``mask``, scanning in chunks so that a tensor full
     of ties (e.g. all zeros) does not materialise millions of indices."""
@@ -1046,8 +1055,12 @@ class SiteStats:
         """Entries {abs, value, loc} for flat indices ``idx`` of one update tensor."""
         if idx.numel() == 0:
             return []
-        values = flat[idx].to(torch.float64).tolist()
-        coords = torch.stack(torch.unravel_index(idx, shape), 1).tolist() if layout else [[] for _ in values]
+        # values and flat indices in one transfer (on a GPU each transfer is a wait for the device); indices
+        # below 2^53 are exact in float64
+        n = idx.numel()
+        both = torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)]).tolist()
+        values = both[:n]
+        coords = [_unravel(int(i), shape) for i in both[n:]] if layout else [[] for _ in values]
         layer = layer_of(self.site)
         bdim = layout.index("batch") if "batch" in layout else None
         pdim = layout.index("pos") if "pos" in layout else None
