@@ -217,6 +217,23 @@ def test_a_profile_locates_its_entries_with_one_read_of_the_device(torch_paths, 
     assert all(n == 1 for _, n, _ in located), located
 
 
+def test_row_moments_combine_with_one_read_of_the_device():
+    """The per-update moments of a site's rows come to the host as one transfer (their count with the four
+    sums): the CPU's numbers, and zeros for no rows."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 32, generator=g) * torch.logspace(-2, 3, 6)[:, None]
+    ok = torch.rand(6, 32, generator=g) > 0.3
+    cpu = stats._combine_rows(*stats._row_moments_block(rows, ok))
+    empty = torch.zeros(0, dtype=torch.float64)
+    with fake_cuda():
+        parts = stats._row_moments_block(rows.to("cuda"), ok.to("cuda"))
+        with host_syncs() as syncs:
+            cuda = stats._combine_rows(*parts)
+        nothing = stats._combine_rows(*(empty.to("cuda") for _ in range(5)))
+    assert cuda == cpu and cpu[0] == int(ok.sum()) and len(syncs) == 1
+    assert nothing == (0, 0.0, 0.0, 0.0, 0.0)
+
+
 # ------------------------------------------------------------------------------------------ kernels
 @pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
 def test_triton_kernel_runs_on_cuda_for_a_plan_it_implements(kind):

@@ -4277,6 +4277,13 @@ MUTANTS = [
         "    return coords\n",
         ("tests/test_stats.py::test_unravel_on_the_host_is_torch_unravel_index",),
     ),
+    M(
+        "profile stats: the rows' count read apart from their sums (two waits for the device)",
+        "diffquant/profile/stats.py",
+        "    total = n.sum()\n",
+        "    total = torch.tensor(float(n.sum()), dtype=torch.float64, device=n.device)\n",
+        ("tests/test_device_check.py::test_row_moments_combine_with_one_read_of_the_device",),
+    ),
 ]
 
 

@@ -347,22 +347,24 @@ def _row_sums64(rows: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
 
 def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> MomentSums:
     """Central moments of the union of rows from per-row (n, sum, M2, M3, M4): shift each row's sums from
-    its mean to the overall mean (delta = row mean - mean; Sum (e + delta)^k with Sum e = 0), in float64."""
-    total = float(n.sum())
-    if total == 0:
-        return 0, 0.0, 0.0, 0.0, 0.0
-    mean = s.sum() / total
+    its mean to the overall mean (delta = row mean - mean; Sum (e + delta)^k with Sum e = 0), in float64.
+    The count comes back with the sums, in one transfer (on a GPU each is a wait for the device)."""
+    total = n.sum()
+    mean = s.sum() / total.clamp_min(1.0)  # what the count's own division gives for any count > 0
     delta = torch.where(n > 0, s / n.clamp_min(1.0), mean) - mean
     d2 = delta * delta
     out = torch.stack(
         [
+            total,
             mean,
             (m2 + n * d2).sum(),
             (m3 + 3.0 * delta * m2 + n * d2 * delta).sum(),
             (m4 + 4.0 * delta * m3 + 6.0 * d2 * m2 + n * d2 * d2).sum(),
         ]
     ).tolist()
-    return int(total), *out
+    if out[0] == 0:
+        return 0, 0.0, 0.0, 0.0, 0.0
+    return int(out[0]), *out[1:]
 
 
 def _histogram_bar(dense: torch.Tensor, k: int) -> tuple[float | None, int]:
