@@ -323,7 +323,7 @@ def _note(name: str, n: dict[str, Any]) -> str:
             f"{v}: " + ", ".join(f"{g} {'yes' if ok else 'NO'}" for g, ok in m.items())
             for v, m in goals["met"].items()
         )
-        return f"{n.get('rows')} rows; {met}"
+        return f"{n.get('rows')} rows; {met}" + _where_time_goes(goals["rows"])
     if name == "kernels_tune":
         return f"{n.get('rows', 0)} configurations timed; best for {len(n.get('best', {}))} variants"
     if name == "train_compile":
@@ -350,6 +350,19 @@ def _note(name: str, n: dict[str, Any]) -> str:
             else ""
         )
     return ""
+
+
+def _where_time_goes(rows: list[dict[str, Any]]) -> str:
+    """The quantized cores' time split (the bench's profile, N(0,1) rows): event ms, device ms, host ms to
+    issue a call. In the digest because the device call's output tail may be all that comes back, and it
+    answers goal 2's "host-bound or the kernels?" on its own."""
+    parts = [
+        f"{r['variant'].removesuffix('-triton')} T={r['T']} d={r['d']}: {r['ms']:.3f} ms, device "
+        f"{r['kernel_ms']:.3f}, host {r['host_ms']:.3f}"
+        for r in rows
+        if r["dist"] == "normal" and r.get("kernel_ms") is not None and r.get("host_ms") is not None
+    ]
+    return "; where the time goes: " + "; ".join(parts[:6]) if parts else ""
 
 
 def _compile_lines(n: dict[str, Any]) -> list[str]:
