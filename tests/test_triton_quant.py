@@ -328,3 +328,43 @@ def test_compiled_kernel_divides_in_ieee_fp32():
     assert set(got) == {"int8", "fp8_e4m3", "int8-per-row", "_values_quant_kernel"}
     for fmt, ptx in got.items():
         assert ptx["div_rn"] > 0 and ptx["div_other"] == 0 and ptx["rne_constant"], (fmt, ptx)
+
+
+def test_the_quantizers_launch_only_their_kernels_a_mean_and_a_fill(monkeypatch):
+    """The torch work around the Triton kernels, on a bf16 K and V: K's smoothing mean is one reduction that
+    reads K as float32 (no float32 copy of K first: a cast kernel and a tensor-sized write on a GPU), and V's
+    only fill is the absmax it accumulates into (its scale is written by the kernel). With the Q quantizer's
+    launch and the attention kernel, a quantized call is 7 device operations, 5 of them Triton kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    launched = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(self.name)
+
+    for name in ("_quant_tokens_kernel", "_values_absmax_kernel", "_values_quant_kernel"):
+        monkeypatch.setattr(tq, name, Stub(name))
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) not in ("aten.view.dtype", "aten.detach.default"):  # views: no device work
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with Record() as k_ops:
+        tq.quantize_tokens_triton(x, "int8", 16, smooth=True)
+    with Record() as v_ops:
+        tq.quantize_values_triton(x)
+    allocate = "aten.empty.memory_format"
+    assert k_ops.ops == ["aten.mean.dim", allocate, allocate]
+    assert v_ops.ops == [allocate, allocate, "aten.zeros.default"]
+    assert launched == ["_quant_tokens_kernel", "_values_absmax_kernel", "_values_quant_kernel"]

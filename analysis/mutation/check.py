@@ -4284,6 +4284,13 @@ MUTANTS = [
         "    total = torch.tensor(float(n.sum()), dtype=torch.float64, device=n.device)\n",
         ("tests/test_device_check.py::test_row_moments_combine_with_one_read_of_the_device",),
     ),
+    M(
+        "Q/K quantizer: K cast to a float32 copy before its smoothing mean (a cast kernel and a K-sized write)",
+        "diffquant/kernels/triton_quant.py",
+        "    mean = x.mean(dim=2, keepdim=True, dtype=torch.float32) if smooth else None\n",
+        "    mean = x.float().mean(dim=2, keepdim=True) if smooth else None\n",
+        ("tests/test_triton_quant.py::test_the_quantizers_launch_only_their_kernels_a_mean_and_a_fill",),
+    ),
 ]
 
 

@@ -147,7 +147,7 @@ def quantize_tokens(x: torch.Tensor, fmt: str, block: int, smooth: bool = False)
     xf = x.float()
     mean = None
     if smooth:
-        mean = xf.mean(dim=2, keepdim=True)
+        mean = x.mean(dim=2, keepdim=True, dtype=torch.float32)  # the model's and the Triton quantizer's
         xf = xf - mean
     b, h, t, d = xf.shape
     pad = (-t) % block

@@ -7,8 +7,8 @@ with :func:`diffquant.kernels.reference.quantize_tokens` in torch that is some 1
 tensor (cast, mean, subtract, pad, abs, isfinite, where, amax, divide, where, divide, the format's rounding,
 slices, expand, the cast to int8 / fp8), which on an H200 at T = 4096 costs more than the whole attention (torch
 SDPA takes 0.12 ms there). :func:`quantize_tokens_triton` does it in one kernel pass per tensor, plus torch's own
-``x.float().mean(dim=2, keepdim=True)`` for K's smoothing (one reduction; for bf16 / fp16 inputs ``x.float()``
-is a cast kernel too, kept so that the mean is the reference's mean bit for bit). V for fp8 P*V
+``x.mean(dim=2, keepdim=True, dtype=torch.float32)`` for K's smoothing (one reduction, no float32 copy of a bf16
+K; the reference and the model's FakeQuant take the same mean, so it is theirs bit for bit). V for fp8 P*V
 (:func:`quantize_values_triton`: one absmax per batch and channel over every head and position, then the codes)
 takes two kernels, the first an atomic max across programs, where ``reference.quantize_values`` takes ~45 torch
 kernels (counted: most of them on the small scale tensor, each a launch).
@@ -298,7 +298,7 @@ def quantize_tokens_triton(
 
     Returns (codes, scale, mean): codes (B, h, T, d) contiguous, torch.int8 for "int8" and
     torch.float8_e4m3fn for "fp8_e4m3"; scale (B, h, T) fp32 contiguous, the per-token copy of each block's
-    scale; mean (B, h, 1, d) fp32 (``x.float().mean(dim=2, keepdim=True)``, subtracted before quantizing) when
+    scale; mean (B, h, 1, d) fp32 (``x.mean(dim=2, keepdim=True, dtype=torch.float32)``, subtracted) when
     ``smooth``, else None. Bit-identical to :func:`diffquant.kernels.reference.quantize_tokens` (codes after
     the cast to the code dtype). ``x`` may be float32 / bfloat16 / float16 with any strides (read in place).
     ``block`` 1 (per-token scales) quantizes a tile of tokens per program, one absmax per row: the attention
@@ -307,7 +307,8 @@ def quantize_tokens_triton(
     _check(x, fmt, block)
     mode, max_value, code_dtype = _FORMATS[fmt]
     b, h, t, d = x.shape
-    mean = x.float().mean(dim=2, keepdim=True) if smooth else None
+    # one reduction reading x as float32 (x.float() first would add a cast kernel and a float32 copy of K)
+    mean = x.mean(dim=2, keepdim=True, dtype=torch.float32) if smooth else None
     codes = torch.empty((b, h, t, d), dtype=code_dtype, device=x.device)
     scale = torch.empty((b, h, t), dtype=torch.float32, device=x.device)
     if x.numel() == 0:

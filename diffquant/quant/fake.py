@@ -143,7 +143,8 @@ class FakeQuant(nn.Module):
         if self.scheme.smooth:
             if "pos" not in layout:
                 raise DiffquantError(f"{self.site}: smooth needs a position dim (layout {layout})")
-            mean = x.detach().float().mean(dim=layout.index("pos"), keepdim=True)
+            # a float32 mean of x read as float32 (no float32 copy of x: the Triton Q/K quantizer's mean too)
+            mean = x.detach().mean(dim=layout.index("pos"), keepdim=True, dtype=torch.float32)
             return (self._quantize(x.float() - mean, layout, valid) + mean).to(x.dtype)
         return self._quantize(x, layout, valid).to(x.dtype)
 
