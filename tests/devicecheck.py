@@ -365,7 +365,7 @@ _METHODS: dict[Any, Any] = {
     torch.Tensor.nonzero: _nonzero,
     torch.nonzero: _nonzero,
     torch.Tensor.new_tensor: _new_tensor,
-    torch.Tensor.tolist: lambda x: _tolist(x),
+    torch.Tensor.tolist: _tolist,
     torch.Tensor.numpy: _numpy,
     torch.Tensor.__array__: _numpy,
     torch.Tensor.__invert__: lambda x: torch.ops.aten.bitwise_not.default(x),
@@ -419,10 +419,10 @@ class _Mode(TorchFunctionMode):
             generator = kwargs.get("generator")
             if generator is not None and generator.device.type != "cuda":
                 raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
-            if func in _DATA_FACTORIES and args and isinstance(args[0], FakeCuda):
-                del kwargs["device"]  # data already on the device stays there (as_tensor: no copy at all)
-                return func(*args, **kwargs)
             if func in _DATA_FACTORIES and args:
+                if isinstance(args[0], FakeCuda):
+                    del kwargs["device"]  # data already on the device stays there (as_tensor: no copy at all)
+                    return func(*args, **kwargs)
                 _sync(f"{func.__name__}(data, device=cuda): a host-to-device copy (blocking)")
             kwargs["device"] = CPU
             out = func(*args, **kwargs)
