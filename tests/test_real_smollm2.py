@@ -63,9 +63,12 @@ def test_profile_finds_the_massive_activation(smollm2):
     assert row["top1_at"]["pos"] == 0
 
 
-def test_lmeval_adapter_equals_hflm(smollm2, tmp_path):
+def test_lmeval_adapter_equals_hflm(smollm2, smollm2_transformers, tmp_path):
     """The lm-eval adapter on the real model equals lm-eval's own HFLM (transformers' GGUF loader) on
-    local LAMBADA-format passages cut from WikiText-2 and on WikiText-2 articles (rolling windows)."""
+    local LAMBADA-format passages cut from WikiText-2 and on WikiText-2 articles (rolling windows). HFLM
+    wraps the session's transformers model (the one the perplexity and logits tests compare with) and loads
+    its tokenizer from the GGUF file itself, as ``HFLM(pretrained=DIR, gguf_file=FILE)`` would: loading the
+    model again would dequantize the GGUF a second time (~10 s)."""
     pytest.importorskip("lm_eval")
     pytest.importorskip("transformers")
     import json
@@ -85,7 +88,9 @@ def test_lmeval_adapter_equals_hflm(smollm2, tmp_path):
     files = {"lambada_local": lambada, "wikitext_local": pages}
     kw = dict(data_files=files, limit=2, bootstrap_iters=0)
     ours = run_lmeval(model, list(files), batch_size=2, **kw)
-    reference = HFLM(pretrained=str(path.parent), gguf_file=path.name, batch_size=2, device="cpu")
+    _, model_hf = smollm2_transformers
+    reference = HFLM(pretrained=model_hf, gguf_file=path.name, batch_size=2, device="cpu")
+    assert reference.tokenizer.name_or_path == str(path.parent)  # the GGUF's own tokenizer
     theirs = run_lmeval(reference, list(files), **kw)
     print(f"\nSmolLM2 lm-eval: ours {ours}\n  HFLM {theirs}")
     for task, metrics in theirs.items():
