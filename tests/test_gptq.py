@@ -302,3 +302,52 @@ def test_errors():
     assert "\n" not in str(e.value)
     with pytest.raises(DiffquantError, match="Hessian"):
         gptq_codes(W, H[None], WeightGrid(4, 8, True))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_shared_inverse_factor_gives_the_same_codes(act_order):
+    """Linears that read one input share a Hessian, so GPTQ factors it once (:func:`inverse_factor`): the
+    codes from the factor are those from the Hessian, bit for bit, for each weight quantized with it (dead
+    inputs included); a factor made with other settings is refused in one line."""
+    from diffquant.quant.gptq import inverse_factor
+
+    W, X, H = linear(600, 12, 48)
+    H = scrambled_diagonal(H)
+    H[:, 7] = H[7, :] = 0.0  # a dead input
+    grid = WeightGrid(4, 16, False)
+    factor = inverse_factor(H, act_order=act_order, damp=0.02)
+    for w in (W, W.flip(0) * 1.5):  # two weights, one factor
+        a = gptq_codes(w, factor, grid, act_order=act_order, damp=0.02)
+        b = gptq_codes(w, H, grid, act_order=act_order, damp=0.02)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+        assert torch.equal(a.dequantize()[:, 7], torch.zeros(12, dtype=D))
+    with pytest.raises(DiffquantError, match="inverse factor made with act_order") as e:
+        gptq_codes(W, factor, grid, act_order=act_order, damp=0.01)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DiffquantError, match=r"Hessian of shape \(48, 48\), expected \(40, 40\)"):
+        gptq_codes(W[:, :40], factor, WeightGrid(4, 8, False), act_order=act_order, damp=0.02)
+
+
+def test_linears_sharing_a_hessian_share_one_factorisation(monkeypatch):
+    """A layer's q, k and v read one tensor, gate and up another: GPTQ factors 4 Hessians per layer (q/k/v,
+    o, gate/up, down), not one per Linear (7)."""
+    from conftest import tiny_model
+
+    from diffquant.quant import QuantPlan, apply_plan, calibrate
+    from diffquant.quant import gptq as module
+
+    made = []
+    original = module.inverse_factor
+    monkeypatch.setattr(module, "inverse_factor", lambda h, **kw: made.append(h.shape) or original(h, **kw))
+    model = tiny_model("baseline")
+    apply_plan(model, QuantPlan.from_dict({"weights": {"method": "gptq", "format": "int4", "group": 16}}))
+    ids = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(0))
+    calibrate(model, ids, batch_size=2)
+    d, ffn = model.config.d_model, model.config.ffn_dim
+    per_layer = [
+        (d, d),
+        (d, d),
+        (d, d),
+        (ffn, ffn),
+    ]  # q/k/v, o (its input: heads x head dim = d), gate/up, down
+    assert made == per_layer * model.config.n_layers

@@ -63,9 +63,55 @@ class Hessian:
         self.tokens = total
 
 
+@dataclass(frozen=True)
+class InverseFactor:
+    """What GPTQ takes from a Hessian, whatever weight it then quantizes: the dead inputs (diag H = 0), the
+    column order (act-order's descending diag H, else the identity) and the upper Cholesky factor U of the
+    damped, permuted H^-1 (steps 1-3 of the module docstring). Linears that read one input (q, k and v;
+    gate and up) share a Hessian, so :class:`GptqCollector` computes this once per Hessian: two Cholesky
+    factorisations and an inverse of an [in, in] matrix per Linear otherwise."""
+
+    dead: torch.Tensor
+    perm: torch.Tensor
+    upper: torch.Tensor
+    act_order: bool
+    damp: float
+
+
+def inverse_factor(
+    hessian: torch.Tensor,
+    *,
+    act_order: bool = False,
+    damp: float = 0.01,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+    what: str = "weight",
+) -> InverseFactor:
+    """:class:`InverseFactor` of ``hessian`` [in, in], in ``dtype`` on ``device`` (None: the Hessian's)."""
+    if hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
+        raise DiffquantError(f"{what}: Hessian of shape {tuple(hessian.shape)}, expected a square matrix")
+    n = hessian.shape[0]
+    H = hessian.detach().to(device=device or hessian.device, dtype=dtype).clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    perm = torch.arange(n, device=H.device)
+    if act_order:
+        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        H = H[perm][:, perm]
+    H += damp * torch.mean(torch.diagonal(H)) * torch.eye(n, dtype=dtype, device=H.device)
+    try:
+        L = torch.linalg.cholesky(H)
+        U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    except torch.linalg.LinAlgError:
+        raise DiffquantError(
+            f"{what}: the damped Hessian is not positive definite (damp {damp}); raise damp"
+        ) from None
+    return InverseFactor(dead, perm, U, act_order, damp)
+
+
 def gptq_codes(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | InverseFactor,
     grid: WeightGrid,
     *,
     act_order: bool = False,
@@ -74,38 +120,40 @@ def gptq_codes(
     dtype: torch.dtype = torch.float64,
     what: str = "weight",
 ) -> GroupCodes:
-    """GPTQ codes of ``weight`` [out, in] for the Hessian ``hessian`` [in, in] (see the module docstring)."""
+    """GPTQ codes of ``weight`` [out, in] for the Hessian ``hessian`` [in, in] (see the module docstring), or
+    for its :func:`inverse_factor` (made with the same ``act_order`` and ``damp``)."""
     grid.check(tuple(weight.shape), what)
     out, n = weight.shape
-    if tuple(hessian.shape) != (n, n):
-        raise DiffquantError(f"{what}: Hessian of shape {tuple(hessian.shape)}, expected ({n}, {n})")
+    shape = tuple(hessian.upper.shape if isinstance(hessian, InverseFactor) else hessian.shape)
+    if shape != (n, n):
+        raise DiffquantError(f"{what}: Hessian of shape {shape}, expected ({n}, {n})")
     if block < 1:
         raise DiffquantError(f"{what}: block must be >= 1, got {block}")
     W = weight.detach().to(dtype).clone()
-    H = hessian.detach().to(device=W.device, dtype=dtype).clone()
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    if isinstance(hessian, InverseFactor):
+        if (hessian.act_order, hessian.damp) != (act_order, damp):
+            raise DiffquantError(
+                f"{what}: inverse factor made with act_order {hessian.act_order}, damp {hessian.damp}; "
+                f"expected act_order {act_order}, damp {damp}"
+            )
+        factor = hessian
+    else:
+        factor = inverse_factor(
+            hessian, act_order=act_order, damp=damp, dtype=dtype, device=W.device, what=what
+        )
+    dead, perm, U = factor.dead, factor.perm, factor.upper.to(device=W.device, dtype=dtype)
+    W[:, dead.to(W.device)] = 0.0
     size = grid.size(n)
     groups = grid.groups(n)
     scale = torch.empty(out, groups, dtype=dtype, device=W.device)
     zero = torch.empty(out, groups, dtype=dtype, device=W.device)
-    perm = torch.arange(n, device=W.device)
+    perm = perm.to(W.device)
     if act_order:
         # static groups: every group's parameters from the (dead-zeroed) weights before any update
         for g in range(groups):
             s, z = grid.params(W[:, g * size : (g + 1) * size])
             scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
-        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    H += damp * torch.mean(torch.diagonal(H)) * torch.eye(n, dtype=dtype, device=W.device)
-    try:
-        L = torch.linalg.cholesky(H)
-        U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
-    except torch.linalg.LinAlgError:
-        raise DiffquantError(
-            f"{what}: the damped Hessian is not positive definite (damp {damp}); raise damp"
-        ) from None
+        W = W[:, perm]
     # The loop runs on W^T [in, out], so that each column of W is a contiguous row (a third of the time of
     # strided columns on a CPU); scale / zero as [groups, out] rows likewise.
     WT = W.T.contiguous()
@@ -179,14 +227,25 @@ class GptqCollector:
     def finish(self, stats: WeightStats) -> None:
         held = sum(h.matrix.numel() * h.matrix.element_size() for h in self.hessians.values())
         stats.hessian_bytes = max(stats.hessian_bytes, held)
+        factors: dict[tuple, InverseFactor] = {}
         for i, (linear, q) in enumerate(self.pairs):
-            hessian = self.hessians.get(self.alias.get(i, i))
+            owner = self.alias.get(i, i)
+            hessian = self.hessians.get(owner)
             if hessian is None:
                 raise DiffquantError(f"{q.site}: calibration never reached this Linear (no Hessian)")
             spec = q.spec
+            key = (owner, spec.act_order, spec.damp, linear.weight.device)
+            if key not in factors:  # once per shared Hessian (q, k, v; gate, up)
+                factors[key] = inverse_factor(
+                    hessian.matrix,
+                    act_order=spec.act_order,
+                    damp=spec.damp,
+                    device=linear.weight.device,
+                    what=q.site,
+                )
             codes = gptq_codes(
                 linear.weight,
-                hessian.matrix,
+                factors[key],
                 spec.grid,
                 act_order=spec.act_order,
                 damp=spec.damp,
