@@ -199,6 +199,39 @@ def smollm2_transformers():
     return path, reference.eval()
 
 
+# `diffquant quantize` of SmolLM2 in the real tests: calibration on 2 x 256 tokens of the default calibration
+# text (WikiText-2 validation), the error report on 256 held-out tokens (small, to keep the suite short).
+SMOLLM2_QUANTIZE_ARGS = ["--seq-len", "256", "--calib-tokens", "512", "--eval-tokens", "256"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized(tmp_path_factory):
+    """``quantize(plan, name=None) -> folder``: SmolLM2 quantized by ``diffquant quantize --plan PLAN`` with
+    :data:`SMOLLM2_QUANTIZE_ARGS`, once per plan and session (``plan`` a preset name, or a plan file's text
+    with ``name`` its folder's name). GPTQ's 210 Linears take ~30 s on two cores: the export tests
+    (test_export_real) and GPTQ's own check (test_weights) read the same folder instead of each paying it."""
+    from diffquant.cli import main
+    from diffquant.io import fetch
+
+    try:
+        path = fetch.fetch_smollm2(quiet=True)
+    except fetch.FetchUnavailable as err:
+        pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched (no network?): {err}")
+    base = tmp_path_factory.mktemp("smollm2-quantized")
+
+    def quantize(plan: str, name: str | None = None):
+        out = base / (name or plan)
+        if not out.exists():
+            if name is not None:
+                (base / f"{name}.yaml").write_text(plan)
+                plan = str(base / f"{name}.yaml")
+            argv = ["quantize", f"gguf:{path}", "--plan", plan, "--out", str(out), *SMOLLM2_QUANTIZE_ARGS]
+            assert main(argv) == 0
+        return out
+
+    return quantize
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """One ``diffquant demo`` per test session (two minutes on two cores), shared by the tests that read its

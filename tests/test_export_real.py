@@ -22,7 +22,6 @@ pytestmark = [
 ]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-CALIB = ["--seq-len", "256", "--calib-tokens", "512", "--eval-tokens", "256"]
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +44,11 @@ def smollm2(tmp_path_factory):
 AWQ_PLAN = "name: w4a16-awq-g128-fast\nweights: {method: awq, format: int4, group: 128, alpha_grid: 4}\n"
 
 
-def _quantize(smollm2, preset: str) -> str:
-    """SmolLM2 quantized by ``diffquant quantize --plan PRESET`` (once per module; ``awq``: AWQ_PLAN)."""
-    spec, tmp, _ = smollm2
-    out = tmp / preset
-    if not out.exists():
-        plan = preset
-        if preset == "awq":
-            plan = str(tmp / "awq.yaml")
-            (tmp / "awq.yaml").write_text(AWQ_PLAN)
-        assert main(["quantize", spec, "--plan", plan, "--out", str(out), *CALIB]) == 0
-    return str(out)
+def _quantize(smollm2_quantized, preset: str) -> str:
+    """SmolLM2 quantized by ``diffquant quantize --plan PRESET`` (once per session; ``awq``: AWQ_PLAN)."""
+    if preset == "awq":
+        return str(smollm2_quantized(AWQ_PLAN, "awq"))
+    return str(smollm2_quantized(preset))
 
 
 def _max_diff(theirs: torch.Tensor, ours: torch.Tensor) -> float:
@@ -70,9 +63,9 @@ def _ours(folder: str, ids) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("preset, sym", [("w4a16-rtn-g128", True), ("w4a16-gptq-g128", True), ("awq", False)])
-def test_compressed_tensors_export_of_smollm2_in_transformers(smollm2, preset, sym):
+def test_compressed_tensors_export_of_smollm2_in_transformers(smollm2, smollm2_quantized, preset, sym):
     _, tmp, ids = smollm2
-    folder = _quantize(smollm2, preset)
+    folder = _quantize(smollm2_quantized, preset)
     out = tmp / f"{preset}-ct"
     assert main(["export", folder, "--to", "compressed-tensors", str(out), "--force"]) == 0
     kwargs = {}
@@ -85,9 +78,9 @@ def test_compressed_tensors_export_of_smollm2_in_transformers(smollm2, preset, s
 
 
 @pytest.mark.parametrize("preset", ["w4a16-gptq-g128", "awq"])  # symmetric, asymmetric
-def test_gptq_export_of_smollm2_read_from_the_format_description(smollm2, preset):
+def test_gptq_export_of_smollm2_read_from_the_format_description(smollm2, smollm2_quantized, preset):
     _, tmp, ids = smollm2
-    folder = _quantize(smollm2, preset)
+    folder = _quantize(smollm2_quantized, preset)
     out = tmp / f"{preset}-gptq"
     assert main(["export", folder, "--to", "gptq", str(out), "--scale-dtype", "float32", "--force"]) == 0
     with torch.no_grad():
@@ -95,11 +88,11 @@ def test_gptq_export_of_smollm2_read_from_the_format_description(smollm2, preset
     assert _max_diff(theirs, _ours(folder, ids)) < 1e-3
 
 
-def test_export_sizes_against_bf16(smollm2):
+def test_export_sizes_against_bf16(smollm2, smollm2_quantized):
     """int4 in groups of 128 (written at 64): the packed decoder Linears take 4.25 / 16 of their bf16 bytes
     with 16-bit scales, and the folder (whose tied 49,152 x 576 embedding stays bf16) about 0.41 of bf16's."""
     spec, tmp, _ = smollm2
-    folder = _quantize(smollm2, "w4a16-rtn-g128")
+    folder = _quantize(smollm2_quantized, "w4a16-rtn-g128")
     bf16 = tmp / "bf16"
     assert main(["export", spec, "--to", "hf", str(bf16), "--dtype", "bfloat16", "--force"]) == 0
     folders = {"bf16": bf16}

@@ -328,23 +328,25 @@ def test_checkpoint_stores_codes_and_reloads_bit_for_bit(tmp_path, method):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_gptq_beats_rtn_on_every_linear_of_smollm2():
-    """SmolLM2-135M (30 layers, 210 Linears; width 576 = 4 x 128 + 64: partial last groups), w4a16 g128
-    asymmetric, calibrated on 2 x 256 tokens of WikiText-2 validation (small, to keep the suite short: GPTQ
-    must still win on every Linear)."""
-    from diffquant.data import token_windows
-    from diffquant.io import fetch
+def test_gptq_beats_rtn_on_every_linear_of_smollm2(smollm2_quantized):
+    """SmolLM2-135M (30 layers, 210 Linears; width 576 = 4 x 128 + 64: partial last groups) quantized by
+    ``diffquant quantize --plan w4a16-gptq-g128`` (symmetric int4, groups of 128), calibrated on 2 x 256
+    tokens of WikiText-2 validation (small, to keep the suite short: GPTQ must still win on every Linear).
+    The folder the export tests read (one GPTQ run per session); its saved model keeps the float weights
+    beside the codes, so the layer objective is measured from what was written and loaded back."""
+    from diffquant.data import model_tokenizer
+    from diffquant.io.quantize import split_windows
 
-    try:
-        path = fetch.fetch_smollm2(quiet=True)
-    except fetch.FetchUnavailable as err:
-        pytest.skip(f"SmolLM2 GGUF is not cached and could not be fetched (no network?): {err}")
-    model = load_model(f"gguf:{path}")
+    folder = smollm2_quantized("w4a16-gptq-g128")
+    model = load_model(str(folder))
+    meta = json.loads((folder / "quant_plan.json").read_text())["meta"]["calibration"]
+    assert (meta["source"], meta["tokens"], meta["seq_len"]) == ("wikitext2:validation", 512, 256)
+    tok = model_tokenizer(model, str(folder))
+    windows = split_windows(meta["source"], 512, 256, 256, tok, "cpu").calib  # the run's own windows
+    assert tuple(windows.shape) == (2, 256)
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Linear)}
-    windows = token_windows("wikitext2:validation", 512, 256, model.tokenizer)
-    apply_plan(model, _plan({"method": "gptq", "format": "int4", "group": 128, "sym": False}))
-    calibrate(model, windows, batch_size=4)
-    grid = WeightGrid(4, 128, False)
-    rtn = lambda w: _grid_rtn(w, 4, 128, False)  # noqa: E731
+    grid = WeightGrid(4, 128, True)
+    assert model.layers[0].attn.q_proj.weight_quantizer.grid == grid
+    rtn = lambda w: _grid_rtn(w, 4, 128, True)  # noqa: E731
     checked = _check_gptq_layers(model, floats, windows, grid, rtn, exact=False)
     assert checked == 30 * 7
