@@ -809,3 +809,43 @@ def test_sink_pads_its_head_to_a_multiple_of_8_on_cuda(monkeypatch):
             # (a "cuda" tensor on a CPU build takes SDPA's math kernel, the CPU run its flash kernel)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(cuda.float(), cpu.float(), rtol=tol, atol=tol)
+
+
+def test_the_error_report_moves_each_sites_sums_once():
+    """``quantize``'s error report (every site of a W8A8 DIFF V2 against the float model, and the logits): each
+    site's six float64 sums reach the host in one transfer per batch, besides the finite check (unmasked
+    sites) or the two masked selections (attention maps, which have a valid mask); seven scalar reads per
+    site and batch before. The report is the CPU's (counts exactly; the metrics up to SDPA's kernel: a "cuda"
+    tensor on a CPU build takes its math kernel, the CPU run its flash kernel)."""
+    from diffquant.io.quantize import quantized_copy
+    from diffquant.quant import apply_plan, calibrate, preset
+    from diffquant.quant.report import ErrorStats, compare_models
+
+    reference = tiny_model("diff_v2")
+    reference.tokenizer = None
+    quantized = quantized_copy(reference, preset("w8a8"))
+    apply_plan(quantized, preset("w8a8"))
+    calibrate(quantized, _windows(2, 24, seed=3))
+    ids = _windows(4, 24)
+    want = compare_models(reference, quantized, ids, batch_size=2)
+    updates = []
+    update = ErrorStats.update
+    with torch.no_grad(), fake_cuda(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ErrorStats, "update", lambda self, *a: updates.append(a[2:]) or update(self, *a))
+        reference.to("cuda")
+        quantized.to("cuda")
+        x = ids.to("cuda")
+        with host_syncs() as syncs:
+            got = compare_models(reference, quantized, x, batch_size=2)
+        reference.to("cpu")
+        quantized.to("cpu")
+    masked = sum(1 for a in updates if a and a[0] is not None)
+    assert len(updates) > 2 * 20 and masked > 0
+    assert syncs.count(".tolist()") == len(updates)
+    assert len(syncs) == len(updates) + (len(updates) - masked) + 2 * masked, syncs
+    assert got.keys() == want.keys()
+    for site, row in want.items():
+        assert {k: v for k, v in got[site].items() if type(v) is not float} == {
+            k: v for k, v in row.items() if type(v) is not float
+        }, site
+        assert got[site] == pytest.approx(row, rel=1e-5), site

@@ -43,25 +43,39 @@ class ErrorStats:
         ``buf.mul_(r)`` is the float64 product ``q * r``), and each sum reduces a 1-D float64 tensor as long
         as the compared values: the same sums as forming every float64 temporary at once, with one
         float64 copy of a batch's logits alive instead of eight (the float32 operand of a mixed op is
-        converted a chunk at a time: :func:`_chunked`)."""
+        converted a chunk at a time: :func:`_chunked`). On a GPU the six sums (and the non-finite count)
+        stay on the device and reach the host in one transfer: one wait per site and batch, not seven."""
         ref, quant = ref.detach(), quant.detach()
         finite = torch.isfinite(ref) & torch.isfinite(quant)
+        bad = None
         if valid is None and bool(finite.all()):
             r, q = ref.reshape(-1), quant.reshape(-1)  # every value compared: no selection to copy
         else:
             considered = torch.ones_like(finite) if valid is None else valid.expand_as(finite)
-            self.nonfinite += int((considered & ~finite).sum())
+            bad = (considered & ~finite).sum()
             ok = considered & finite
             r, q = ref[ok], quant[ok]
         del finite
         buf = torch.empty(r.shape, dtype=torch.float64, device=r.device)
+        sums = [
+            buf.copy_(r).mul_(buf).sum(),
+            buf.copy_(r).abs_().sum(),
+            buf.copy_(q).mul_(buf).sum(),
+            _chunked(buf.copy_(r), "mul_", q).sum(),
+            _chunked(buf.copy_(q), "sub_", r).abs_().sum(),  # |q - r|
+            buf.mul_(buf).sum(),  # |e| * |e|: e * e exactly
+        ]
+        if bad is not None:
+            sums.append(bad.to(torch.float64))  # a count below 2^53: exact in float64
+        ref2, abs_ref, q2, dot, abs_err, err2, *count = torch.stack(sums).tolist()
         self.n += r.numel()
-        self.ref2 += float(buf.copy_(r).mul_(buf).sum())
-        self.abs_ref += float(buf.copy_(r).abs_().sum())
-        self.q2 += float(buf.copy_(q).mul_(buf).sum())
-        self.dot += float(_chunked(buf.copy_(r), "mul_", q).sum())
-        self.abs_err += float(_chunked(buf.copy_(q), "sub_", r).abs_().sum())  # |q - r|
-        self.err2 += float(buf.mul_(buf).sum())  # |e| * |e|: e * e exactly
+        self.ref2 += ref2
+        self.abs_ref += abs_ref
+        self.q2 += q2
+        self.dot += dot
+        self.abs_err += abs_err
+        self.err2 += err2
+        self.nonfinite += int(count[0]) if count else 0
 
     def summary(self) -> dict[str, float | int | bool | None]:
         """JSON-ready metrics: numbers or null, never NaN / inf literals.
