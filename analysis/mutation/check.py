@@ -4291,6 +4291,61 @@ MUTANTS = [
         "    mean = x.float().mean(dim=2, keepdim=True) if smooth else None\n",
         ("tests/test_triton_quant.py::test_the_quantizers_launch_only_their_kernels_a_mean_and_a_fill",),
     ),
+    M(
+        "GPTQ: the inverse factor computed for every Linear (q, k, v; gate, up factor their shared Hessian again)",
+        "diffquant/quant/gptq.py",
+        "            key = (owner, spec.act_order, spec.damp, linear.weight.device)\n",
+        "            key = (i, spec.act_order, spec.damp, linear.weight.device)\n",
+        ("tests/test_gptq.py::test_linears_sharing_a_hessian_share_one_factorisation",),
+    ),
+    M(
+        "GPTQ: one inverse factor for every Linear of a stage (the first Hessian's)",
+        "diffquant/quant/gptq.py",
+        "            key = (owner, spec.act_order, spec.damp, linear.weight.device)\n",
+        "            key = (spec.act_order, spec.damp, linear.weight.device)\n",
+        (
+            "tests/test_gptq.py::test_linears_sharing_a_hessian_share_one_factorisation",
+            "tests/test_weights.py::test_gptq_is_sequential_and_beats_rtn_on_every_linear",
+        ),
+    ),
+    M(
+        "GPTQ: a factor made with other act_order / damp settings accepted",
+        "diffquant/quant/gptq.py",
+        "        if (hessian.act_order, hessian.damp) != (act_order, damp):\n",
+        "        if False:\n",
+        ("tests/test_gptq.py::test_a_shared_inverse_factor_gives_the_same_codes",),
+    ),
+    M(
+        "GPTQ: dead inputs' weight columns left as they are (not zeroed)",
+        "diffquant/quant/gptq.py",
+        "    W[:, dead.to(W.device)] = 0.0\n",
+        "",
+        (
+            "tests/test_gptq.py::test_dead_columns",
+            "tests/test_gptq.py::test_a_shared_inverse_factor_gives_the_same_codes",
+        ),
+    ),
+    M(
+        "error report: a site's sums read one by one (seven waits for the device per site and batch)",
+        "diffquant/quant/report.py",
+        "        ref2, abs_ref, q2, dot, abs_err, err2, *count = torch.stack(sums).tolist()\n",
+        "        ref2, abs_ref, q2, dot, abs_err, err2, *count = [float(t) for t in sums]\n",
+        ("tests/test_device_check.py::test_the_error_report_moves_each_sites_sums_once",),
+    ),
+    M(
+        "error report: the non-finite count dropped",
+        "diffquant/quant/report.py",
+        "        self.nonfinite += int(count[0]) if count else 0\n",
+        "",
+        ("tests/test_quant.py",),
+    ),
+    M(
+        "perplexity: BOS before every window by default (not once per stream)",
+        "diffquant/eval/perplexity.py",
+        '    bos: str = "stream",\n',
+        '    bos: str = "window",\n',
+        ("tests/test_real_gemma3.py::test_wikitext2_perplexity_equals_transformers",),
+    ),
 ]
 
 
