@@ -849,3 +849,42 @@ def test_the_error_report_moves_each_sites_sums_once():
             k: v for k, v in row.items() if type(v) is not float
         }, site
         assert got[site] == pytest.approx(row, rel=1e-5), site
+
+
+def _update_syncs(monkeypatch, bundled: bool) -> list[tuple[str, bool, list[str]]]:
+    """(kind, masked, host syncs) of every SiteStats.update of a DIFF V2 profile on CUDA (torch paths)."""
+    monkeypatch.setattr(stats, "BUNDLED", bundled)
+    seen = []
+    update = stats.SiteStats.update
+
+    def counted(self, x, valid=None, *args, **kwargs):
+        with host_syncs() as syncs:
+            update(self, x, valid, *args, **kwargs)
+        seen.append((self.kind, valid is not None, [s for s in syncs if not s.startswith("host-to-device")]))
+
+    monkeypatch.setattr(stats.SiteStats, "update", counted)
+    model = tiny_model("diff_v2")
+    with fake_cuda():
+        model.to("cuda")
+        profile_model(model, _windows(4, 24).to("cuda"), batch_size=2, topk=5)
+        model.to("cpu")
+    monkeypatch.setattr(stats.SiteStats, "update", update)
+    return seen
+
+
+def test_a_profile_update_reads_its_small_results_in_one_transfer(torch_paths, monkeypatch):
+    """On CUDA each site's update computes its small results (extremes, moments, token kurtosis, histogram,
+    abs-max and squares per channel) on the device and reads them in one transfer; then the top-k search's
+    data-sized selections and one read of the located entries. Counted here on a DIFF V2 profile (the
+    gathered attention maps too, which also read their mask's visible positions): about ten waits per site
+    and update before, one read at a time. The profile is the CPU's (test_profile_on_cuda_equals_the_cpu_profile)."""
+    bundled = _update_syncs(monkeypatch, True)
+    for kind, masked, syncs in bundled:
+        assert sum(s.startswith("device-to-host") for s in syncs) == 1, (kind, syncs)
+        reads = [s for s in syncs if not s.startswith("device-to-host") and s != "nonzero"]
+        assert reads.count(".tolist()") == len(reads) <= (3 if masked else 2), (kind, syncs)
+    one_by_one = _update_syncs(monkeypatch, False)
+    assert len(one_by_one) == len(bundled) > 60 and any(masked for _, masked, _ in bundled)
+    before = sum(len(s) for *_, s in one_by_one)
+    after = sum(len(s) for *_, s in bundled)
+    assert after < 0.6 * before, (before, after)

@@ -1068,3 +1068,49 @@ def test_unravel_on_the_host_is_torch_unravel_index():
         idx = torch.randint(0, n, (20,), generator=g)
         want = torch.stack(torch.unravel_index(idx, shape), 1).tolist()
         assert [_unravel(int(i), shape) for i in idx] == want, shape
+
+
+# ------------------------------------------------------------------ small results in one transfer (GPU)
+def _bundled_cases():
+    """Unmasked updates for the one-transfer path, with the cases that make it decide after its read:
+    magnitudes beyond float32's squaring range (squares again in float64), constant and tiny-variance rows
+    (float32 moments redone in float64), a NaN (the general path takes over), float64 rows in several
+    blocks (no rows to redo), and the gathered causal map."""
+    g = torch.Generator().manual_seed(31)
+    huge = torch.randn(2, 9, 24, generator=g)
+    huge[1, 4, 7] = 2.0**62
+    flat_rows = torch.randn(2, 9, 24, generator=g)
+    flat_rows[0, 3] = 3.0  # a constant row: M2 == 0
+    flat_rows[1, 5] = 1e6 + torch.arange(24) * 1e-12  # variance below float32's reach
+    nan = torch.randn(2, 9, 24, generator=g)
+    nan[0, 2, 5] = math.nan
+    cases = {name: CASES[name]() for name in sorted(CASES)}
+    return {
+        **{name: (c[0], c[1], c[2], c[3], c[4]) for name, c in cases.items() if c[3] is None},
+        "huge": ("layers.1.resid", "resid", huge, None, tokens_for(2, 9, seed=1)),
+        "flat_rows": ("layers.1.mlp.act", "mlp_act", flat_rows, None, tokens_for(2, 9, seed=2)),
+        "nan": ("layers.1.resid", "resid", nan, None, None),
+        "f64_blocks": ("layers.0.q", "q", heavy((2, 4, 30, 16), seed=5).double(), None, None),
+        "map": ("layers.2.attn.logits1", "logits", *_finite_map()),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bundled_cases()))
+def test_one_transfer_path_is_the_general_torch_path(case, monkeypatch):
+    """The torch path's update that reads its small results in one transfer (stats.BUNDLED, what a GPU runs)
+    gives the state of the path that reads each where it is needed, bit for bit, in every case that makes it
+    decide after its read; it declines only a non-finite value (the shared cases that hold one, "nan")."""
+    monkeypatch.setattr(stats_mod, "NATIVE", False)
+    monkeypatch.setattr(stats_mod, "_BLOCK", 64)  # rows in several blocks
+    site, kind, x, valid, tokens = _bundled_cases()[case]
+    ran = []
+    read = stats_mod._read_small
+    monkeypatch.setattr(stats_mod, "_read_small", lambda *a: ran.append(r := read(*a)) or r)
+    one = _stats_of(site, kind, x, valid=valid, tokens=tokens, topk=7, massive_cap=3)
+    finite = bool(torch.isfinite(x if valid is None else torch.where(valid, x, 0)).all())
+    assert len(ran) == 1 and (ran[0] is None) == (not finite)
+    monkeypatch.setattr(stats_mod, "BUNDLED", False)
+    each = _stats_of(site, kind, x, valid=valid, tokens=tokens, topk=7, massive_cap=3)
+    assert_state_equal(one.to_dict(), each.to_dict(), rel=0.0)
+    if case == "huge":
+        assert one.summary()["max"] == 2.0**62 and one.to_dict()["channel_sumsq"] is not None

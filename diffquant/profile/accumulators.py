@@ -252,14 +252,21 @@ class TokenKurtosis(Accumulator):
         A token is skipped when a channel is non-finite / masked (n < width) or all its channels are equal
         (M2 == 0: exact, a constant row is centred at its exact value).
         """
+        self.add_sums(*self.row_sums(n, m2, m4, width).tolist(), n.numel())
+
+    @staticmethod
+    def row_sums(n: torch.Tensor, m2: torch.Tensor, m4: torch.Tensor, width: int) -> torch.Tensor:
+        """[sum of the kept tokens' kurtosis, kept tokens] (float64) of :meth:`add_rows`' rows, on their
+        device: the profile moves them to the host with its other small results (one wait on a GPU)."""
         keep = (n == width) & (m2 > 0)
         kurt = m4 * width / (m2 * m2)  # (m4 / c) / (m2 / c)^2
-        total, kept = torch.stack(
-            [torch.where(keep, kurt, 0.0).sum(), keep.sum(dtype=torch.float64)]
-        ).tolist()
+        return torch.stack([torch.where(keep, kurt, 0.0).sum(), keep.sum(dtype=torch.float64)])
+
+    def add_sums(self, total: float, kept: float, rows: int) -> None:
+        """Add :meth:`row_sums`' two numbers for ``rows`` tokens."""
         self.sum += total
         self.tokens += int(kept)
-        self.skipped += n.numel() - int(kept)
+        self.skipped += rows - int(kept)
 
     def skip(self, tokens: int) -> None:
         """Tokens that have no valid finite channel at all."""

@@ -181,6 +181,9 @@ FAST = True
 # DIFFQUANT_PROFILE_FUSED=0 selects the plain path.
 FUSED = os.environ.get("DIFFQUANT_PROFILE_FUSED", "1") != "0"
 _SUM_BLOCK = 1 << 18  # elements per block of the fused float64 row sums (a 2 MiB float64 copy, cache-sized)
+# The torch path's unmasked updates read their small results from the device in one transfer
+# (SiteStats._update_bundled): the same statistics, bit for bit; tests turn it off to compare.
+BUNDLED = True
 # The native pass (diffquant/kernels/native.py: two C traversals instead of the torch passes) for unmasked
 # finite float32 chunks, part of the fused path; DIFFQUANT_NATIVE=0 (or no C compiler) keeps torch.
 NATIVE = native.ENABLED
@@ -201,8 +204,22 @@ def _fine_codes(vals: torch.Tensor) -> torch.Tensor:
 
 
 def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
-    """(dense signed bin counts (2 * SLOTS, int64), #|x| >= 6, #|x| >= 100) of the entries of 1-D ``flat``
-    where ``ok`` (None: all; the counted entries must be finite).
+    """(dense signed bin counts (2 * SLOTS, int64, on the host), #|x| >= 6, #|x| >= 100) of the entries of 1-D
+    ``flat`` where ``ok`` (None: all; the counted entries must be finite): :func:`_histogram_on_device`, then
+    the bins and both counts to the host at once."""
+    dense, counts = _histogram_on_device(flat, ok)
+    if (
+        dense.device.type != "cpu"
+    ):  # the bins go to the host (the accumulator's state) with the counts, at once
+        both = torch.cat([dense, counts]).cpu()
+        dense, counts = both[:-2], both[-2:]
+    ge6, ge100 = counts.tolist()
+    return dense, ge6, ge100
+
+
+def _histogram_on_device(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense signed bin counts (2 * SLOTS, int64), [#|x| >= 6, #|x| >= 100] (int64)) of the entries of 1-D
+    ``flat`` where ``ok``, on ``flat``'s device.
 
     Per block, one bincount over the fine bit codes (exact: each fine interval lies in one bin, 6 and 100 are
     fine-interval edges; excluded entries go to a dump code); then the fixed table folds the 2^18 fine counts
@@ -222,14 +239,7 @@ def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tenso
         0, _fold_on(fine.device), fine
     )
     fine = fine.view(2, _MAG_CODES)
-    counts = torch.stack([fine[:, _CODE_6:].sum(), fine[:, _CODE_100:].sum()])
-    if (
-        dense.device.type != "cpu"
-    ):  # the bins go to the host (the accumulator's state) with the counts, at once
-        both = torch.cat([dense, counts]).cpu()
-        dense, counts = both[:-2], both[-2:]
-    ge6, ge100 = counts.tolist()
-    return dense, ge6, ge100
+    return dense, torch.stack([fine[:, _CODE_6:].sum(), fine[:, _CODE_100:].sum()])
 
 
 def _masked_extremes(flat: torch.Tensor, ok: torch.Tensor) -> tuple[float, float, int]:
@@ -265,14 +275,20 @@ def _row_moments(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Ten
     """:func:`_row_moments_block` over blocks of about 4 x _BLOCK elements (whole rows), so that the float32 /
     float64 temporaries stay bounded (memory flat in the tokens seen) while each op is large enough that its
     dispatch cost does not dominate (measured: 2^18-element blocks took 2-3x longer than 2^22)."""
+    return _in_row_blocks(_row_moments_block, rows, ok)
+
+
+def _in_row_blocks(block: Callable[..., tuple[torch.Tensor, ...]], rows: torch.Tensor, ok) -> tuple:
+    """``block(rows, ok)`` over blocks of about 4 x _BLOCK elements (whole rows), its per-row outputs
+    concatenated (:func:`_row_moments`; an output that is None stays None)."""
     step = max(1, 4 * _BLOCK // max(rows.shape[1], 1))
     if rows.shape[0] <= step:
-        return _row_moments_block(rows, ok)
+        return block(rows, ok)
     parts = [
-        _row_moments_block(rows[i : i + step], None if ok is None else ok[i : i + step])
+        block(rows[i : i + step], None if ok is None else ok[i : i + step])
         for i in range(0, rows.shape[0], step)
     ]
-    return tuple(torch.cat(cols) for cols in zip(*parts, strict=True))
+    return tuple(None if cols[0] is None else torch.cat(cols) for cols in zip(*parts, strict=True))
 
 
 def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -286,6 +302,19 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
     Rows whose float32 sums are not finite or whose mean square deviation is below 2^-50 (underflow), or zero,
     are redone in float64 (constant rows then give M2 == 0 exactly).
     """
+    n, s, m2, m3, m4, again = _row_moments_parts(rows, ok)
+    if again is not None:
+        idx = again.nonzero().squeeze(1)
+        if idx.numel():
+            sub = _row_moments_block(rows[idx].to(torch.float64), None if ok is None else ok[idx])
+            for dst, src in zip((m2, m3, m4), sub[2:], strict=True):
+                dst[idx] = src
+    return n, s, m2, m3, m4
+
+
+def _row_moments_parts(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[Any, ...]:
+    """:func:`_row_moments_block` before its float64 redo: (n, sum, M2, M3, M4, the rows to redo as a bool
+    mask, or None for float64 rows), every one on ``rows``' device (no wait for it)."""
     width = rows.shape[1]
     if ok is None:
         n = torch.full((rows.shape[0],), float(width), dtype=torch.float64, device=rows.device)
@@ -306,15 +335,11 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
     m2 = s2 - n * delta**2
     m3 = s3 - 3.0 * delta * s2 + 2.0 * n * delta**3
     m4 = s4 - 4.0 * delta * s3 + 6.0 * delta**2 * s2 - 3.0 * n * delta**4
+    again = None
     if rows.dtype != torch.float64:
-        redo = ~torch.isfinite(s4) | (s2 <= _TINY_S2 * n) | (m2 <= 0)
-        redo &= n > 0
-        idx = redo.nonzero().squeeze(1)
-        if idx.numel():
-            sub = _row_moments_block(rows[idx].to(torch.float64), None if ok is None else ok[idx])
-            for dst, src in zip((m2, m3, m4), sub[2:], strict=True):
-                dst[idx] = src
-    return n, s, m2, m3, m4
+        again = ~torch.isfinite(s4) | (s2 <= _TINY_S2 * n) | (m2 <= 0)
+        again &= n > 0
+    return n, s, m2, m3, m4, again
 
 
 def _row_blocks(n_rows: int, width: int) -> list[tuple[int, int]]:
@@ -349,11 +374,23 @@ def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> MomentSums:
     """Central moments of the union of rows from per-row (n, sum, M2, M3, M4): shift each row's sums from
     its mean to the overall mean (delta = row mean - mean; Sum (e + delta)^k with Sum e = 0), in float64.
     The count comes back with the sums, in one transfer (on a GPU each is a wait for the device)."""
+    return _moment_sums(_combine_rows_on_device(n, s, m2, m3, m4).tolist())
+
+
+def _moment_sums(out: list[float]) -> MomentSums:
+    """:data:`MomentSums` from :func:`_combine_rows_on_device`'s five numbers."""
+    if out[0] == 0:
+        return 0, 0.0, 0.0, 0.0, 0.0
+    return int(out[0]), *out[1:]
+
+
+def _combine_rows_on_device(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> torch.Tensor:
+    """[count, mean, M2, M3, M4] (float64) of the union of rows, on their device (:func:`_combine_rows`)."""
     total = n.sum()
     mean = s.sum() / total.clamp_min(1.0)  # what the count's own division gives for any count > 0
     delta = torch.where(n > 0, s / n.clamp_min(1.0), mean) - mean
     d2 = delta * delta
-    out = torch.stack(
+    return torch.stack(
         [
             total,
             mean,
@@ -361,10 +398,65 @@ def _combine_rows(n: torch.Tensor, s: torch.Tensor, m2, m3, m4) -> MomentSums:
             (m3 + 3.0 * delta * m2 + n * d2 * delta).sum(),
             (m4 + 4.0 * delta * m3 + 6.0 * d2 * m2 + n * d2 * d2).sum(),
         ]
-    ).tolist()
-    if out[0] == 0:
-        return 0, 0.0, 0.0, 0.0, 0.0
-    return int(out[0]), *out[1:]
+    )
+
+
+class _Small(NamedTuple):
+    """An unmasked update's small results, on the host (:func:`_read_small`)."""
+
+    lo: float
+    hi: float
+    sums: MomentSums
+    kurtosis: Any  # KurtosisSums; the rows' (n, M2, M4, width) after a float64 redo; None: not token rows
+    dense: torch.Tensor  # the histogram's dense slot counts (int64)
+    ge6: int
+    ge100: int
+    absmax: torch.Tensor | None  # float64, flattened
+    sumsq: torch.Tensor | None  # float64, flattened
+
+
+def _read_small(
+    rows: torch.Tensor, absmax: torch.Tensor | None, sumsq: torch.Tensor | None, per_token: bool
+) -> _Small | None:
+    """The small results of an unmasked update of the 2-D contiguous ``rows`` (every entry counted): extremes,
+    the rows' combined moments and (``per_token``) token kurtosis, the histogram and its two counts, and the
+    given per-channel ``absmax`` / ``sumsq`` (device tensors the caller computed), all computed on the device
+    first and then moved in one transfer: on a GPU each read is a wait for the device, and the statistics
+    one at a time waited about ten times per site and update. The same arithmetic as reading each one where
+    the general path does. None when a value is not finite (the general path counts and locates it). Rows
+    whose float32 moments need float64 (:func:`_row_moments_block`) are redone after the transfer, which
+    reads again (rare: constant or tiny-variance rows)."""
+    flat = rows.reshape(-1)
+    width = rows.shape[1]
+    n_r, s_r, m2_r, m3_r, m4_r, again = _in_row_blocks(_row_moments_parts, rows, None)
+    dense, counts = _histogram_on_device(flat, None)
+    zeros = flat.new_zeros(2, dtype=torch.float64)
+    parts = [
+        torch.stack(list(torch.aminmax(flat))).to(torch.float64),
+        _combine_rows_on_device(n_r, s_r, m2_r, m3_r, m4_r),
+        TokenKurtosis.row_sums(n_r, m2_r, m4_r, width) if per_token else zeros,
+        (again.sum() if again is not None else zeros[0]).to(torch.float64).reshape(1),
+        counts.to(torch.float64),  # counts below 2^53: exact in float64
+        dense.to(torch.float64),
+        *(t.to(torch.float64).reshape(-1) for t in (absmax, sumsq) if t is not None),
+    ]
+    host = torch.cat(parts).cpu()  # the one transfer
+    lo, hi, n, mean, m2, m3, m4, k_total, k_kept, n_again, ge6, ge100 = host[:12].tolist()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    sums = _moment_sums([n, mean, m2, m3, m4])
+    kurtosis: Any = KurtosisSums(k_total, k_kept, rows.shape[0]) if per_token else None
+    if n_again:  # what _row_moments gives: the flagged rows in float64
+        n_r, s_r, m2_r, m3_r, m4_r = _row_moments(rows, None)
+        sums = _combine_rows(n_r, s_r, m2_r, m3_r, m4_r)
+        kurtosis = (n_r, m2_r, m4_r, width) if per_token else None
+    at = 12 + 2 * SLOTS
+    dense_host = host[12:at].to(torch.int64)
+    cut = []
+    for t in (absmax, sumsq):
+        cut.append(None if t is None else host[at : at + t.numel()])
+        at += 0 if t is None else t.numel()
+    return _Small(lo, hi, sums, kurtosis, dense_host, int(ge6), int(ge100), *cut)
 
 
 def _histogram_bar(dense: torch.Tensor, k: int) -> tuple[float | None, int]:
@@ -460,11 +552,21 @@ def _feed_nonfinite(acc: NonFinite, c: tuple[list[int], dict[str, Any]]) -> None
     acc.note(first)
 
 
+class KurtosisSums(NamedTuple):
+    """A token-kurtosis contribution already summed (:meth:`TokenKurtosis.row_sums`, read on the host)."""
+
+    total: float
+    kept: float
+    rows: int
+
+
 def _feed_token_kurtosis(
-    acc: TokenKurtosis, c: int | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    acc: TokenKurtosis, c: int | KurtosisSums | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 ) -> None:
     if isinstance(c, int):
         acc.skip(c)
+    elif isinstance(c, KurtosisSums):
+        acc.add_sums(*c)
     else:
         acc.add_rows(*c)
 
@@ -501,7 +603,8 @@ _TABLE: dict[str, _Slot] = {
     "moments": _Slot("_moments_acc", Moments, (), _feed_moments),
     # ([#NaN, #+Inf, #-Inf], the update's first non-finite entry {value, loc})
     "nonfinite": _Slot("_nonfinite", NonFinite, (), _feed_nonfinite),
-    # per-row (n, M2, M4, width) of token rows (channel layouts), or the number of tokens skipped whole
+    # per-row (n, M2, M4, width) of token rows (channel layouts), their KurtosisSums, or the number of tokens
+    # skipped whole
     "token_kurtosis": _Slot("_tk", TokenKurtosis, (), _feed_token_kurtosis),
     # the update's own top-k entries
     "top": _Slot("_top_acc", TopK, ("topk",), TopK.add),
@@ -690,6 +793,10 @@ class SiteStats:
             where = (flat, shape, layout, None, tokens, sample_offset, pos_offset)
             if self._update_native(x.view(-1, shape[-1]), layout, _native_keep(layout, shape), where):
                 return
+        if valid is None and BUNDLED and flat.numel():
+            where = (flat, shape, layout, None, tokens, sample_offset, pos_offset)
+            if self._update_bundled(x, layout, where):
+                return
         vflat = None
         if valid is not None:
             vflat = valid.to(device=x.device, dtype=torch.bool).expand(shape).reshape(-1)
@@ -759,6 +866,50 @@ class SiteStats:
             squares=squares,
         )
 
+    def _update_bundled(self, x: torch.Tensor, layout: Layout, where: tuple) -> bool:
+        """The torch path of an unmasked update, its small results read from the device in one transfer
+        (:func:`_read_small`: the general path below waits once per statistic). The same arithmetic as that
+        path, so the same bits. Returns False (nothing done) when a value is not finite: the general path
+        counts and locates it. The located entries (top-k, massive) follow, as on every path: a data-sized
+        selection, then one read of the entries."""
+        flat, shape = where[0], where[1]
+        width = shape[-1] if shape else 1
+        per_token = bool(layout) and layout[-1] == "channel"
+        af_flat = flat.abs()
+        squares = per_token and x.numel() > 0
+        small = _read_small(
+            flat.view(-1, width),
+            self._absmax_on_device(af_flat.view(shape), layout) if layout else None,
+            self._sumsq_on_device(x, layout, wide=False) if squares else None,
+            per_token,
+        )
+        if small is None:
+            return False
+        absmax = None
+        if layout:
+            absmax = (small.absmax, tuple(shape[i] for i, d in enumerate(layout) if d in ("head", "channel")))
+        squares_c = None
+        if squares:
+            amax = max(abs(small.lo), abs(small.hi))
+            if x.dtype == torch.float32 and not _SQUARE_LO <= amax < _SQUARE_HI:
+                squares_c = self._squares_of(x, None, layout, amax)  # float64 squares after all (reads again)
+            else:
+                squares_c = (small.sumsq, self._squares_count(x, layout).reshape(-1))
+        top, massive = self._largest(af_flat, flat.numel(), small.dense, small.ge100, where)
+        self._feed(
+            "torch",
+            absmax=absmax,
+            moments=(flat.numel(), small.lo, small.hi, small.sums),
+            nonfinite=None,
+            token_kurtosis=small.kurtosis,
+            top=top,
+            hist=small.dense,
+            thresholds=small.ge6,
+            massive=massive,
+            squares=squares_c,
+        )
+        return True
+
     def _largest(
         self,
         aflat: torch.Tensor,
@@ -823,9 +974,6 @@ class SiteStats:
         if vals.dtype != torch.float64:
             small_float = vals.is_floating_point() and vals.element_size() <= 4
             vals = vals.to(torch.float32 if small_float else torch.float64)
-        lo, hi = torch.stack(list(torch.aminmax(vals))).to(torch.float64).tolist()
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            return False
         n_ok = vals.numel()
         lead = tuple(x.shape[:-2])
         qpos = query_positions(valid).tolist() if "key" in layout else None
@@ -834,13 +982,35 @@ class SiteStats:
         def to_flat(ci: torch.Tensor) -> torch.Tensor:  # gathered flat index -> the chunk's flat index
             return torch.div(ci, width, rounding_mode="floor") * (t * s) + visible[ci % width]
 
+        reduce = [i for i, d in enumerate(layout[:-2]) if d != "head"] + [len(lead)]
+        keep = tuple(n for n, d in zip(lead, layout, strict=False) if d == "head")
+        if BUNDLED and not self._native_ready(vals, layout):  # the small results in one transfer
+            af = vals.abs()
+            small = _read_small(vals, af.view(*lead, width).amax(dim=reduce) if reduce else af, None, False)
+            if small is None:
+                return False
+            top, massive = self._largest(af.view(-1), n_ok, small.dense, small.ge100, where, to_flat)
+            self._feed(
+                "map",
+                absmax=(small.absmax, keep),
+                moments=(n_ok, small.lo, small.hi, small.sums),
+                nonfinite=None,  # every visible entry is finite (else the general path runs)
+                token_kurtosis=None,  # a map's last dim is a key, not a channel
+                top=top,
+                hist=small.dense,
+                thresholds=small.ge6,
+                massive=massive,
+                squares=None,  # likewise
+            )
+            return True
+        lo, hi = torch.stack(list(torch.aminmax(vals))).to(torch.float64).tolist()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return False
         if self._native_ready(vals, layout):
             keep = _native_keep(layout[:-2] + ("key",), (*lead, width))
             if self._update_native(vals, layout, keep, where, to_flat):
                 return True
         af = vals.abs()
-        reduce = [i for i, d in enumerate(layout[:-2]) if d != "head"] + [len(lead)]
-        keep = tuple(n for n, d in zip(lead, layout, strict=False) if d == "head")
         amax = af.view(*lead, width).amax(dim=reduce) if reduce else af
         dense, ge6, ge100 = _histogram(vals.view(-1), None)
         top, massive = self._largest(af.view(-1), n_ok, dense, ge100, where, to_flat)
@@ -1009,13 +1179,18 @@ class SiteStats:
         (excluded entries count as 0), flattened, with its shape; None for a layout with no dims."""
         if not layout:
             return None
-        reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
         keep = tuple(af.shape[i] for i, d in enumerate(layout) if d in ("head", "channel"))
         if af.numel() == 0:
             amax = torch.zeros(keep, dtype=torch.float64)
         else:
-            amax = (af.amax(dim=reduce) if reduce else af).clamp_min(0.0).to("cpu", torch.float64)
+            amax = SiteStats._absmax_on_device(af, layout).to("cpu", torch.float64)
         return amax.reshape(-1), keep
+
+    @staticmethod
+    def _absmax_on_device(af: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """:meth:`_absmax_of`'s maxima (non-empty ``af``, a layout with dims), in ``af``'s dtype and device."""
+        reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
+        return (af.amax(dim=reduce) if reduce else af).clamp_min(0.0)
 
     @staticmethod
     def _squares_of(
@@ -1029,19 +1204,32 @@ class SiteStats:
         if ok is not None:  # masked only here: other layouts pay no copy
             x = torch.where(ok.view(x.shape), x, 0.0)
         reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
-        keep = [n for n, d in zip(x.shape, layout, strict=True) if d in ("head", "channel")]
-        # squares in x's dtype (float32: each rounded by at most 2^-24 relative), summed in float64: a fifth of
-        # the time of squaring in float64 (0.95 vs 4.6 ms on 8 x 256 x 576), and the RMS within 1e-7 relative
-        if x.dtype == torch.float32 and not _SQUARE_LO <= amax < _SQUARE_HI:
-            x = x.to(torch.float64)  # float32 squares would overflow, or all underflow: square in float64
-        sq = x * x
-        sumsq = sq.sum(dim=reduce, dtype=torch.float64) if reduce else sq.to(torch.float64)
+        # float32 squares would overflow, or all underflow: square in float64
+        sumsq = SiteStats._sumsq_on_device(x, layout, wide=not _SQUARE_LO <= amax < _SQUARE_HI)
         if ok is None:
-            n = torch.full(keep, float(x.numel() // max(math.prod(keep), 1)), dtype=torch.float64)
+            n = SiteStats._squares_count(x, layout)
         else:
             okv = ok.view(x.shape).to(torch.float64)
             n = okv.sum(dim=reduce) if reduce else okv
         return sumsq.to("cpu").reshape(-1), n.to("cpu").reshape(-1)
+
+    @staticmethod
+    def _sumsq_on_device(x: torch.Tensor, layout: Layout, wide: bool) -> torch.Tensor:
+        """Per-channel float64 sums of squares of ``x`` on its device (:meth:`_squares_of`); ``wide``: square a
+        float32 ``x`` in float64."""
+        reduce = [i for i, d in enumerate(layout) if d not in ("head", "channel")]
+        # squares in x's dtype (float32: each rounded by at most 2^-24 relative), summed in float64: a fifth of
+        # the time of squaring in float64 (0.95 vs 4.6 ms on 8 x 256 x 576), and the RMS within 1e-7 relative
+        if x.dtype == torch.float32 and wide:
+            x = x.to(torch.float64)
+        sq = x * x
+        return sq.sum(dim=reduce, dtype=torch.float64) if reduce else sq.to(torch.float64)
+
+    @staticmethod
+    def _squares_count(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The count per channel of an unmasked ``x`` (every entry counts), on the host."""
+        keep = [n for n, d in zip(x.shape, layout, strict=True) if d in ("head", "channel")]
+        return torch.full(keep, float(x.numel() // max(math.prod(keep), 1)), dtype=torch.float64)
 
     def _entries(
         self,
