@@ -4339,6 +4339,50 @@ MUTANTS = [
         '    bos: str = "window",\n',
         ("tests/test_real_gemma3.py::test_wikitext2_perplexity_equals_transformers",),
     ),
+    M(
+        "profile stats: the one-transfer path off (every small result read where it is needed)",
+        "diffquant/profile/stats.py",
+        "BUNDLED = True\n",
+        "BUNDLED = False\n",
+        ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
+    ),
+    M(
+        "profile stats: float32 rows that need float64 moments not redone after the one transfer",
+        "diffquant/profile/stats.py",
+        "    if n_again:  # what _row_moments gives: the flagged rows in float64\n",
+        "    if False:\n",
+        ("tests/test_stats.py::test_one_transfer_path_is_the_general_torch_path",),
+    ),
+    M(
+        "profile stats: a non-finite value kept on the one-transfer path",
+        "diffquant/profile/stats.py",
+        """    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+""",
+        "",
+        ("tests/test_stats.py::test_one_transfer_path_is_the_general_torch_path",),
+    ),
+    M(
+        "profile stats: the one-transfer path squares float32 magnitudes beyond 2^60 in float32",
+        "diffquant/profile/stats.py",
+        "            if x.dtype == torch.float32 and not _SQUARE_LO <= amax < _SQUARE_HI:\n",
+        "            if False:\n",
+        ("tests/test_stats.py::test_one_transfer_path_is_the_general_torch_path",),
+    ),
+    M(
+        "profile stats: token kurtosis counts a site's entries, not its tokens, on the one-transfer path",
+        "diffquant/profile/stats.py",
+        "    kurtosis: Any = KurtosisSums(k_total, k_kept, rows.shape[0]) if per_token else None\n",
+        "    kurtosis: Any = KurtosisSums(k_total, k_kept, rows.numel()) if per_token else None\n",
+        ("tests/test_stats.py::test_one_transfer_path_is_the_general_torch_path",),
+    ),
+    M(
+        "profile stats: the histogram read one slot off in the one transfer",
+        "diffquant/profile/stats.py",
+        "    dense_host = host[12:at].to(torch.int64)\n",
+        "    dense_host = host[11 : at - 1].to(torch.int64)\n",
+        ("tests/test_stats.py::test_one_transfer_path_is_the_general_torch_path",),
+    ),
 ]
 
 
