@@ -4340,10 +4340,17 @@ MUTANTS = [
         ("tests/test_real_gemma3.py::test_wikitext2_perplexity_equals_transformers",),
     ),
     M(
-        "profile stats: the one-transfer path off (every small result read where it is needed)",
+        "profile stats: unmasked updates off the one-transfer path (every small result read where needed)",
         "diffquant/profile/stats.py",
-        "BUNDLED = True\n",
-        "BUNDLED = False\n",
+        "        if valid is None and BUNDLED and flat.numel():\n",
+        "        if False:\n",
+        ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
+    ),
+    M(
+        "profile stats: gathered maps off the one-transfer path",
+        "diffquant/profile/stats.py",
+        "        if BUNDLED and not self._native_ready(vals, layout):  # the small results in one transfer\n",
+        "        if False:\n",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
     ),
     M(
