@@ -192,6 +192,15 @@ def test_profile_on_cuda_equals_the_cpu_profile(kind, torch_paths):
     assert cuda == cpu
 
 
+def _profile_diff_v2_on_cuda(t: int) -> None:
+    """A DIFF V2 profile (4 windows of ``t`` tokens, batches of 2, top 5) with the model on the stand-in CUDA."""
+    model = tiny_model("diff_v2")
+    with fake_cuda():
+        model.to("cuda")
+        profile_model(model, _windows(4, t).to("cuda"), batch_size=2, topk=5)
+        model.to("cpu")
+
+
 def test_a_profile_locates_its_entries_with_one_read_of_the_device(torch_paths, monkeypatch):
     """Each site's located entries (top-k, massive activations) come to the host in one transfer per update:
     their values and flat indices together, the coordinates unravelled and the token ids read on the host
@@ -207,11 +216,7 @@ def test_a_profile_locates_its_entries_with_one_read_of_the_device(torch_paths, 
         return out
 
     monkeypatch.setattr(stats.SiteStats, "_entries", counted)
-    model = tiny_model("diff_v2")
-    with fake_cuda():
-        model.to("cuda")
-        profile_model(model, _windows(4, 16).to("cuda"), batch_size=2, topk=5)
-        model.to("cpu")
+    _profile_diff_v2_on_cuda(16)
     located = [r for r in reads if r[0]]
     assert located and any(tokens for _, _, tokens in located)
     assert all(n == 1 for _, n, _ in located), located
@@ -863,11 +868,7 @@ def _update_syncs(monkeypatch, bundled: bool) -> list[tuple[str, bool, list[str]
         seen.append((self.kind, valid is not None, [s for s in syncs if not s.startswith("host-to-device")]))
 
     monkeypatch.setattr(stats.SiteStats, "update", counted)
-    model = tiny_model("diff_v2")
-    with fake_cuda():
-        model.to("cuda")
-        profile_model(model, _windows(4, 24).to("cuda"), batch_size=2, topk=5)
-        model.to("cpu")
+    _profile_diff_v2_on_cuda(24)
     monkeypatch.setattr(stats.SiteStats, "update", update)
     return seen
 
