@@ -520,6 +520,12 @@ def _select(
     return torch.cat([gt, eq])
 
 
+def _kept_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
+    """The sizes of ``shape``'s head / channel dims: what the per-channel statistics (abs-max, sums of
+    squares) keep of an update tensor."""
+    return tuple(n for n, d in zip(shape, layout, strict=False) if d in ("head", "channel"))
+
+
 def _native_keep(
     layout: Layout, shape: tuple[int, ...]
 ) -> tuple[tuple[int, int, int, int], tuple[int, ...]] | None:
@@ -534,7 +540,7 @@ def _native_keep(
     percol = int(layout[-1] in ("head", "channel"))
     groups = shape[kept[0]] if kept else 1
     inner = math.prod(shape[kept[0] + 1 : -1]) if kept else 1
-    keep_shape = tuple(shape[i] for i, d in enumerate(layout) if d in ("head", "channel"))
+    keep_shape = _kept_shape(shape, layout)
     n_keep = groups * (shape[-1] if percol else 1)
     return (max(inner, 1), groups, percol, n_keep), keep_shape
 
@@ -789,13 +795,13 @@ class SiteStats:
         shape = tuple(x.shape)
         flat = x.reshape(-1)
         x = flat.view(shape)  # contiguous
-        if valid is None and self._native_ready(x, layout):
+        if valid is None:
             where = (flat, shape, layout, None, tokens, sample_offset, pos_offset)
-            if self._update_native(x.view(-1, shape[-1]), layout, _native_keep(layout, shape), where):
-                return
-        if valid is None and BUNDLED and flat.numel():
-            where = (flat, shape, layout, None, tokens, sample_offset, pos_offset)
-            if self._update_bundled(x, layout, where):
+            if self._native_ready(x, layout):
+                keep = _native_keep(layout, shape)
+                if self._update_native(x.view(-1, shape[-1]), layout, keep, where):
+                    return
+            if BUNDLED and flat.numel() and self._update_bundled(x, layout, where):
                 return
         vflat = None
         if valid is not None:
@@ -887,7 +893,7 @@ class SiteStats:
             return False
         absmax = None
         if layout:
-            absmax = (small.absmax, tuple(shape[i] for i, d in enumerate(layout) if d in ("head", "channel")))
+            absmax = (small.absmax, _kept_shape(shape, layout))
         squares_c = None
         if squares:
             amax = max(abs(small.lo), abs(small.hi))
@@ -1179,7 +1185,7 @@ class SiteStats:
         (excluded entries count as 0), flattened, with its shape; None for a layout with no dims."""
         if not layout:
             return None
-        keep = tuple(af.shape[i] for i, d in enumerate(layout) if d in ("head", "channel"))
+        keep = _kept_shape(tuple(af.shape), layout)
         if af.numel() == 0:
             amax = torch.zeros(keep, dtype=torch.float64)
         else:
@@ -1228,7 +1234,7 @@ class SiteStats:
     @staticmethod
     def _squares_count(x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The count per channel of an unmasked ``x`` (every entry counts), on the host."""
-        keep = [n for n, d in zip(x.shape, layout, strict=True) if d in ("head", "channel")]
+        keep = _kept_shape(tuple(x.shape), layout)
         return torch.full(keep, float(x.numel() // max(math.prod(keep), 1)), dtype=torch.float64)
 
     def _entries(
