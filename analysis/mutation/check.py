@@ -4342,8 +4342,8 @@ MUTANTS = [
     M(
         "profile stats: unmasked updates off the one-transfer path (every small result read where needed)",
         "diffquant/profile/stats.py",
-        "        if valid is None and BUNDLED and flat.numel():\n",
-        "        if False:\n",
+        "            if BUNDLED and flat.numel() and self._update_bundled(x, layout, where):\n",
+        "            if False:\n",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
     ),
     M(
