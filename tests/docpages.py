@@ -229,8 +229,8 @@ class Name(str):
 def cell_agrees(shown: str, want: str | float | tuple[float, ...] | None) -> bool:
     """A page's cell against its derived value: None is an empty cell, a :class:`Name` a label, a str the
     exact text, a number (or a tuple of numbers, for ``-0.0001 ± 0.0006``) the cell's numbers in order, each
-    :func:`agrees`, with only spaces, ``±``, ``%``, ``x``, brackets and a unit (``MiB``, ``GiB``, ``s``, ``ms``)
-    around them (bold ``**`` allowed)."""
+    :func:`agrees`, with only spaces, ``±``, ``%``, ``x``, ``/``, brackets and a unit (``MiB``, ``GiB``, ``s``,
+    ``ms``) around them (bold ``**`` allowed)."""
     if want is None:
         return shown == ""
     if isinstance(want, Name):
@@ -242,7 +242,7 @@ def cell_agrees(shown: str, want: str | float | tuple[float, ...] | None) -> boo
     rest = CELL_NUMBER.sub("", shown)
     return (
         len(found) == len(values)
-        and re.fullmatch(r"[\s±%x()*]*(?:[KMG]i?B|ms|s)?[\s()*]*", rest) is not None
+        and re.fullmatch(r"[\s±%x()*/]*(?:[KMG]i?B|ms|s)?[\s()*]*", rest) is not None
         and all(agrees(a, float(v)) for a, v in zip(found, values, strict=True))
     )
 

@@ -158,13 +158,38 @@ def _gptq_why_w4a4(path: Path, shown: Rows) -> Rows:
 
 def _gptq_bench(path: Path, shown: Rows) -> Rows:
     """docs/weights.md, the GPTQ benchmark (bench.py's JSON): time, Hessians, peak RSS and perplexity per
-    mode and calibration size."""
-    out: Rows = [["mode", "calibration", "GPTQ s", "Hessians held", "peak RSS", "WikiText-2 test ppl"]]
-    for i, r in enumerate(json.loads(path.read_text())["rows"]):
+    mode and calibration size, and (``--threads``) the perplexity and the share of codes changed at the other
+    thread counts."""
+    rows = json.loads(path.read_text())["rows"]
+    counts = " / ".join(str(s["threads"]) for s in rows[0].get("spread", []))
+    out: Rows = [
+        [
+            "mode",
+            "calibration",
+            "GPTQ s",
+            "Hessians held",
+            "peak RSS",
+            "WikiText-2 test ppl",
+            f"ppl at {counts} threads",
+            f"codes changed at {counts} threads",
+        ]
+    ]
+    for i, r in enumerate(rows):
         calibration = f"{r['windows']} x {r['seq_len']} = {r['tokens']:,}" + (" tokens" if i == 0 else "")
-        ppl = r.get("wikitext2_test_ppl")
+        spread = r.get("spread", [])
+        ppls = tuple(s["wikitext2_test_ppl"] for s in spread) or None
+        changed = tuple(100 * s["codes_changed"] for s in spread) or None
         out.append(
-            [Name(r["mode"]), calibration, r["gptq_seconds"], r["peak_hessian_mib"], r["peak_rss_gib"], ppl]
+            [
+                Name(r["mode"]),
+                calibration,
+                r["gptq_seconds"],
+                r["peak_hessian_mib"],
+                r["peak_rss_gib"],
+                r.get("wikitext2_test_ppl"),
+                ppls,
+                changed,
+            ]
         )
     return out
 
@@ -362,6 +387,7 @@ def test_cells_compare_every_number_of_a_cell_and_nothing_else():
         cell_agrees("**51.44**", 51.44) and cell_agrees("2.42 GiB", 2.42) and cell_agrees("x 217,756", 217756)
     )
     assert not cell_agrees("51.44 (was 50.1)", 51.44)  # words around a number are not a number cell
+    assert cell_agrees("48.33 / 49.26", (48.33, 49.26)) and not cell_agrees("48.33 / 49.26", (48.33, 49.27))
     assert cell_agrees("", None) and not cell_agrees("+0.1", None)
     assert cell_agrees("`kv4` (KIVI: keys per channel)", Name("kv4")) and cell_agrees("none", Name("none"))
     assert not cell_agrees("`kv4-compact`", Name("kv4")) and not cell_agrees("`kv4", Name("kv4"))
