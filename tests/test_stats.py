@@ -1114,3 +1114,36 @@ def test_one_transfer_path_is_the_general_torch_path(case, monkeypatch):
     assert_state_equal(one.to_dict(), each.to_dict(), rel=0.0)
     if case == "huge":
         assert one.summary()["max"] == 2.0**62 and one.to_dict()["channel_sumsq"] is not None
+
+
+@pytest.mark.parametrize(
+    "case", ["normal", "ties", "zeros", "excluded", "bf16", "chunks", "one", "huge_and_tiny"]
+)
+def test_top_by_key_is_the_exact_top_k_of_the_total_order(case, monkeypatch):
+    """The device top-k (packed keys, no host wait) returns the entries the total order (-|x|, flat index)
+    ranks first: against a brute-force sort in Python and against the host search (_select)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 5000, 20
+    af = torch.randn(n, generator=g).abs()
+    if case == "ties":
+        af = (af * 4).round() / 4  # a few distinct values, each held by hundreds of entries
+    elif case == "zeros":
+        af = torch.zeros(n)
+    elif case == "excluded":  # only 7 entries count; the -1s are masked out
+        af = torch.full((n,), -1.0)
+        af[torch.randperm(n, generator=g)[:7]] = torch.tensor([0.0, 0.0, 2.0, 1.0, 2.0, 0.5, 3.0])
+    elif case == "bf16":
+        af = af.to(torch.bfloat16)
+    elif case == "chunks":  # ties across chunk boundaries
+        monkeypatch.setattr(stats_mod, "_KEY_CHUNK", 64)
+        af = (af * 2).round()
+    elif case == "one":
+        k = 1
+    elif case == "huge_and_tiny":
+        af = af * torch.logspace(-40, 37, n)  # subnormals to 1e37
+    n_ok = int((af > -0.5).sum())
+    want = sorted((i for i in range(n) if float(af[i]) > -0.5), key=lambda i: (-float(af[i]), i))[:k]
+    got = stats_mod._top_by_key(af, min(k, n_ok))
+    assert got.tolist() == want
+    host = stats_mod._select(af.float(), k, -0.5, n_ok)
+    assert sorted(host.tolist(), key=lambda i: (-float(af[i]), i)) == want

@@ -4390,6 +4390,27 @@ MUTANTS = [
         "    dense_host = host[11 : at - 1].to(torch.int64)\n",
         ("tests/test_stats.py::test_one_transfer_path_is_the_general_torch_path",),
     ),
+    M(
+        "profile stats: the device top-k breaks ties by the higher flat index",
+        "diffquant/profile/stats.py",
+        "        keys = torch.bitwise_or(torch.bitwise_left_shift(part, 32), _LOW32 - index)\n",
+        "        keys = torch.bitwise_or(torch.bitwise_left_shift(part, 32), index)\n",
+        ("tests/test_stats.py::test_top_by_key_is_the_exact_top_k_of_the_total_order",),
+    ),
+    M(
+        "profile stats: the device top-k keeps only the first chunk's best",
+        "diffquant/profile/stats.py",
+        "    keys = best[0] if len(best) == 1 else torch.topk(torch.cat(best), k).values\n",
+        "    keys = best[0]\n",
+        ("tests/test_stats.py::test_top_by_key_is_the_exact_top_k_of_the_total_order",),
+    ),
+    M(
+        "profile stats: the device top-k takes excluded entries when fewer than k count",
+        "diffquant/profile/stats.py",
+        "            idx = _top_by_key(aflat, min(self.topk, n_ok))\n",
+        "            idx = _top_by_key(aflat, self.topk)\n",
+        ("tests/test_device_check.py::test_profile_on_cuda_equals_the_cpu_profile",),
+    ),
 ]
 
 

@@ -520,6 +520,44 @@ def _select(
     return torch.cat([gt, eq])
 
 
+_KEY_CHUNK = 1 << 22  # entries per packed-key top-k (their int64 keys: 32 MiB)
+_LOW32 = (1 << 32) - 1
+
+
+def _packable(af: torch.Tensor) -> bool:
+    """Whether :func:`_top_by_key` serves ``af``: magnitudes on a device (a CPU's search is
+    :func:`_select`, cheaper there: it narrows to the histogram's bar first, and a wait costs a CPU
+    nothing) that float32 holds exactly, with flat indices below 2^32."""
+    return (
+        af.device.type != "cpu"
+        and af.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and af.numel() < 1 << 32
+    )
+
+
+def _top_by_key(af: torch.Tensor, k: int) -> torch.Tensor:
+    """Flat indices of the first ``k`` entries of 1-D magnitudes ``af`` (excluded entries hold -1; ``k`` at
+    most the number of the others) in the order (-|x|, flat index), without a host wait: what
+    :func:`_select` returns (in that order), by one top-k over unique int64 keys.
+
+    A non-negative float32's bit pattern orders as the number does, so key = bits << 32 | (2^32 - 1 - index)
+    orders by magnitude, then by the lower index on ties; an excluded -1 has negative bits, so its key is
+    below every other. :func:`_select` needs the k-th value and the count of entries above it on the host
+    (two data-sized selections, each a wait on a GPU); this needs none. Chunks of :data:`_KEY_CHUNK` keep
+    the keys' memory bounded: the top k of each chunk, then the top k of those."""
+    if k <= 0:
+        return af.new_zeros(0, dtype=torch.int64)
+    bits = af.to(torch.float32).contiguous().view(torch.int32)
+    best = []
+    for start in range(0, bits.numel(), _KEY_CHUNK):
+        part = bits[start : start + _KEY_CHUNK].to(torch.int64)
+        index = torch.arange(start, start + part.numel(), dtype=torch.int64, device=af.device)
+        keys = torch.bitwise_or(torch.bitwise_left_shift(part, 32), _LOW32 - index)
+        best.append(torch.topk(keys, min(k, keys.numel())).values)
+    keys = best[0] if len(best) == 1 else torch.topk(torch.cat(best), k).values
+    return _LOW32 - torch.bitwise_and(keys[:k], _LOW32)
+
+
 def _kept_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
     """The sizes of ``shape``'s head / channel dims: what the per-channel statistics (abs-max, sums of
     squares) keep of an update tensor."""
@@ -929,8 +967,12 @@ class SiteStats:
         entries -1), ``dense`` its histogram (a bar for the top-k search), ``where`` locates entries of the
         update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps)."""
         to_flat = to_flat or (lambda idx: idx)
-        bar, n_bar = _histogram_bar(dense, self.topk)
-        top = self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where)
+        if _packable(aflat):
+            idx = _top_by_key(aflat, min(self.topk, n_ok))
+        else:
+            bar, n_bar = _histogram_bar(dense, self.topk)
+            idx = _select(aflat, self.topk, -0.5, n_ok, bar, n_bar)
+        top = self._entries(to_flat(idx), *where)
         if not ge100:
             return top, None
         # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
