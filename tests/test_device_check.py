@@ -134,20 +134,23 @@ def test_histogram_and_row_moments_run_on_cuda(torch_paths):
 
 def _site_cases():
     """(kind, tensor, valid) updates covering each path of SiteStats.update: channel rows, a causal map
-    chunk (the gathered fast path), a map with a mask that differs per row (the masked general path),
-    non-finite values, float64, bfloat16, a 0-d lambda."""
+    chunk (the gathered fast path), a map with a mask that differs per row (the masked general path; one
+    with fewer visible entries than the top-k), non-finite values, float64, bfloat16, a 0-d lambda."""
     g = torch.Generator().manual_seed(1)
     resid = torch.randn(2, 6, 16, generator=g)
     resid[0, 2, 5] = 250.0  # a massive activation
     logits = torch.randn(2, 4, 6, 6, generator=g) * 3
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
     ragged = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+    sparse = torch.zeros(2, 1, 6, 6, dtype=torch.bool)  # 3 visible entries: fewer than the top-k's 7
+    sparse[0, 0, 5, 0] = sparse[0, 0, 5, 2] = sparse[1, 0, 3, 1] = True
     broken = torch.randn(2, 6, 16, generator=g)
     broken[1, 3, 2], broken[0, 0, 0] = math.nan, -math.inf
     return [
         ("resid", resid, None),
         ("logits", logits, causal),
         ("logits", logits, ragged),
+        ("logits", logits, sparse),
         ("resid", broken, None),
         ("q", torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64), None),
         ("mlp_act", torch.randn(2, 6, 16, generator=g).to(torch.bfloat16), None),

@@ -4409,7 +4409,7 @@ MUTANTS = [
         "diffquant/profile/stats.py",
         "            idx = _top_by_key(aflat, min(self.topk, n_ok))\n",
         "            idx = _top_by_key(aflat, self.topk)\n",
-        ("tests/test_device_check.py::test_profile_on_cuda_equals_the_cpu_profile",),
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
     ),
 ]
 
