@@ -1147,3 +1147,22 @@ def test_top_by_key_is_the_exact_top_k_of_the_total_order(case, monkeypatch):
     assert got.tolist() == want
     host = stats_mod._select(af.float(), k, -0.5, n_ok)
     assert sorted(host.tolist(), key=lambda i: (-float(af[i]), i)) == want
+
+
+def test_a_gathered_map_reads_its_mask_again_after_an_in_place_change(monkeypatch):
+    """A layer's map taps share one mask object, so its visible and query positions are read once per
+    object; an in-place change to the mask (its version counter) reads them again."""
+    monkeypatch.setattr(stats_mod, "NATIVE", False)  # the gathered torch path (what CUDA maps take)
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+
+    def state(mask: torch.Tensor) -> str:
+        site = SiteStats("layers.0.attn.logits", "logits", topk=5)
+        site.update(x, mask)
+        return json.dumps(site.to_dict())
+
+    causal = state(valid)
+    assert state(valid) == causal
+    valid[..., 5, 0] = False  # a sliding window of 5 for the last query
+    windowed = state(valid)
+    assert windowed == state(valid.clone()) != causal

@@ -4411,6 +4411,20 @@ MUTANTS = [
         "            idx = _top_by_key(aflat, self.topk)\n",
         ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
     ),
+    M(
+        "profile stats: a gathered map reuses its mask's positions after an in-place change",
+        "diffquant/profile/stats.py",
+        "        if ref() is valid and version == valid._version and device == mask.device:\n",
+        "        if ref() is valid and device == mask.device:\n",
+        ("tests/test_stats.py::test_a_gathered_map_reads_its_mask_again_after_an_in_place_change",),
+    ),
+    M(
+        "profile stats: every gathered map reads its mask's positions again",
+        "diffquant/profile/stats.py",
+        "    if _last_mask is not None:\n        ref, version, device, known = _last_mask\n",
+        "    if False:\n        ref, version, device, known = _last_mask\n",
+        ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
+    ),
 ]
 
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -518,6 +519,41 @@ def _select(
     gt = (af > t).nonzero().squeeze(1)
     eq = _first_true(af == t, k - gt.numel())
     return torch.cat([gt, eq])
+
+
+class _MaskPositions(NamedTuple):
+    """What a gathered map update reads off its causal mask on the host: the flat indices of the visible
+    (query, key) entries (on the map's device) and each query row's absolute position."""
+
+    visible: torch.Tensor
+    qpos: list[int]
+
+
+# The last mask seen by a gathered map update, with what was read off it: a layer's map taps (logits,
+# probs, their DIFF components, the difference) share one mask object, and reading its positions is a host
+# wait each time on a GPU. Keyed by the object itself (a weak reference: a new mask is a new object),
+# its version counter (an in-place change) and the device; dropped when the mask is freed (the visible
+# indices of a 4,096-token map are 64 MiB).
+_last_mask: tuple[weakref.ref, int, torch.device, _MaskPositions] | None = None
+
+
+def _forget_mask(ref: weakref.ref) -> None:
+    global _last_mask
+    if _last_mask is not None and _last_mask[0] is ref:
+        _last_mask = None
+
+
+def _mask_positions(valid: torch.Tensor, mask: torch.Tensor) -> _MaskPositions:
+    """:class:`_MaskPositions` of ``valid`` (the map's mask; ``mask`` is it as a (T, S) bool on the map's
+    device), read once per mask object."""
+    global _last_mask
+    if _last_mask is not None:
+        ref, version, device, known = _last_mask
+        if ref() is valid and version == valid._version and device == mask.device:
+            return known
+    known = _MaskPositions(mask.reshape(-1).nonzero().squeeze(1), query_positions(valid).tolist())
+    _last_mask = (weakref.ref(valid, _forget_mask), valid._version, mask.device, known)
+    return known
 
 
 _KEY_CHUNK = 1 << 22  # entries per packed-key top-k (their int64 keys: 32 MiB)
@@ -1013,7 +1049,8 @@ class SiteStats:
                 keep = _native_keep(layout, tuple(x.shape))
                 if self._update_native(x.view(-1, s), layout, keep, where, ranges=ranges):
                     return True
-        visible = mask.reshape(-1).nonzero().squeeze(1)
+        positions = _mask_positions(valid, mask)
+        visible = positions.visible
         width = visible.numel()
         if width == 0:
             return False
@@ -1024,7 +1061,7 @@ class SiteStats:
             vals = vals.to(torch.float32 if small_float else torch.float64)
         n_ok = vals.numel()
         lead = tuple(x.shape[:-2])
-        qpos = query_positions(valid).tolist() if "key" in layout else None
+        qpos = positions.qpos if "key" in layout else None
         where = (flat, tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
 
         def to_flat(ci: torch.Tensor) -> torch.Tensor:  # gathered flat index -> the chunk's flat index
