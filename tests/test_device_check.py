@@ -225,6 +225,42 @@ def test_a_profile_locates_its_entries_with_one_read_of_the_device(torch_paths, 
     assert all(n == 1 for _, n, _ in located), located
 
 
+def test_attention_metrics_start_their_sums_on_the_maps_device(torch_paths):
+    """Per-head sums made on the host before the first map (the head count known up front) start again
+    as zeros on the map's device instead of being copied there (a host wait per sum and metric); sums read
+    from a saved profile are kept and moved. The results are the CPU's."""
+    g = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(2, 3, 5, 5, generator=g), -1)
+    valid = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    lam = torch.rand(2, 5, 3, generator=g)
+    metrics = [attention_metrics.MapStats, attention_metrics.DiffMapStats, attention_metrics.SinkRateStats]
+    cpu = []
+    for cls in metrics:
+        m = cls(3)
+        m.update(probs, valid)
+        cpu.append(m.to_dict())
+    lam_cpu = attention_metrics.LambdaStats()
+    lam_cpu.update(lam)
+    with fake_cuda():
+        probs_c, valid_c, lam_c = probs.to("cuda"), valid.to("cuda"), lam.to("cuda")
+        with host_syncs() as syncs:
+            cuda = []
+            for cls in metrics:
+                m = cls(3)
+                m.update(probs_c, valid_c)
+                cuda.append(m)
+            lam_cuda = attention_metrics.LambdaStats()
+            lam_cuda.update(lam_c)
+        assert [s for s in syncs if s.startswith("host-to-device")] == []
+        assert [m.to_dict() for m in cuda] == cpu and lam_cuda.to_dict() == lam_cpu.to_dict()
+        saved = attention_metrics.MapStats.from_dict(cpu[0])  # read in: moved, not restarted
+        saved.update(probs_c, valid_c)
+        twice = attention_metrics.MapStats(3)
+        twice.update(probs, valid)
+        twice.update(probs, valid)
+        assert saved.to_dict() == twice.to_dict()
+
+
 def test_row_moments_combine_with_one_read_of_the_device():
     """The per-update moments of a site's rows come to the host as one transfer (their count with the four
     sums): the CPU's numbers, and zeros for no rows."""

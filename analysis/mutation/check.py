@@ -4425,6 +4425,27 @@ MUTANTS = [
         "    if False:\n        ref, version, device, known = _last_mask\n",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
     ),
+    M(
+        "attention metrics: host zeros copied to the map's device",
+        "diffquant/profile/attention_metrics.py",
+        "        elif device is not None and self._fresh:\n",
+        "        elif False:\n",
+        ("tests/test_device_check.py::test_attention_metrics_start_their_sums_on_the_maps_device",),
+    ),
+    M(
+        "attention metrics: sums read from a saved profile restart at zero on a device",
+        "diffquant/profile/attention_metrics.py",
+        "        obj._fresh = False  # the sums read in, not zeros\n",
+        "",
+        ("tests/test_device_check.py::test_attention_metrics_start_their_sums_on_the_maps_device",),
+    ),
+    M(
+        "attention metrics: lambda's per-head state made on the host",
+        "diffquant/profile/attention_metrics.py",
+        '            self._set_mode("per_head", lam.shape[-1], lam.device)\n',
+        '            self._set_mode("per_head", lam.shape[-1])\n',
+        ("tests/test_device_check.py::test_attention_metrics_start_their_sums_on_the_maps_device",),
+    ),
 ]
 
 

@@ -130,29 +130,36 @@ class _HeadSums:
     def __init__(self, n_heads: int | None = None) -> None:
         self.n_heads: int | None = None
         self._state: dict[str, torch.Tensor] = {}
+        self._fresh = False  # the sums are the zeros they started as (nothing added or read in)
         if n_heads is not None:
             self._ensure_heads(n_heads)
 
-    def _ensure_heads(self, n_heads: int) -> None:
-        """Allocate the sums on first sight of the head count (None at construction = learn it from data)."""
+    def _ensure_heads(self, n_heads: int, device: torch.device | None = None) -> None:
+        """Allocate the sums on first sight of the head count (None at construction = learn it from data),
+        on ``device`` (the first map's). Zeros made on the host before any map was seen are made again on
+        the map's device: copying each to a GPU would be a host wait per sum and metric."""
         if self.n_heads is None:
             if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
                 raise ValueError(f"n_heads: expected an integer >= 1, got {n_heads!r}")
             self.n_heads = n_heads
             for name in self.SUMS:
-                self._state[name] = torch.zeros(n_heads, dtype=torch.float64)
+                self._state[name] = torch.zeros(n_heads, dtype=torch.float64, device=device)
             for name in self.COUNTS:
-                self._state[name] = torch.zeros(n_heads, dtype=torch.int64)
+                self._state[name] = torch.zeros(n_heads, dtype=torch.int64, device=device)
+            self._fresh = True
         elif n_heads != self.n_heads:
             raise ValueError(
                 f"{type(self).__name__}: expected {self.n_heads} heads, got a map with {n_heads}"
             )
+        elif device is not None and self._fresh:
+            self._state = {k: torch.zeros_like(v, device=device) for k, v in self._state.items()}
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         current = self._state[name]
         if current.device != value.device:
             current = current.to(value.device)
         self._state[name] = current + value.to(current.dtype)
+        self._fresh = False
 
     def _get(self, name: str) -> list:
         return self._state[name].tolist() if name in self._state else []
@@ -202,6 +209,7 @@ class _HeadSums:
                     raise DiffquantError(
                         f"{cls.__name__}.from_dict: field {name!r} holds non-numbers"
                     ) from None
+        obj._fresh = False  # the sums read in, not zeros
         return obj
 
 
@@ -228,7 +236,7 @@ class MapStats(_HeadSums):
         ``nonfinite_rows`` and left out of every mean, so the means stay numbers and the event is visible.
         """
         _check_map(probs, "MapStats")
-        self._ensure_heads(probs.shape[1])
+        self._ensure_heads(probs.shape[1], probs.device)
         valid = _valid_or_all(probs, valid)
         rows = _native_rows(probs, valid, differential=False)
         if rows is not None:  # entropy and key-0 value per row in one native pass (finite, p >= 0)
@@ -309,7 +317,7 @@ class DiffMapStats(_HeadSums):
         """Add one chunk: D (B, H, Tq, S) and the tap's causal ``valid`` mask (rows with NaN / Inf are
         counted in ``nonfinite_rows`` and left out, as in :class:`MapStats`)."""
         _check_map(diff_map, "DiffMapStats")
-        self._ensure_heads(diff_map.shape[1])
+        self._ensure_heads(diff_map.shape[1], diff_map.device)
         valid = _valid_or_all(diff_map, valid)
         rows = _native_rows(diff_map, valid, differential=True)
         if rows is not None:  # the four row sums in one native pass (finite)
@@ -386,7 +394,7 @@ class SpanMassStats(_HeadSums):
     ) -> None:
         """Add one chunk: map (B, H, Tq, S), its ``valid`` mask and per batch row (start, end, q) or None."""
         _check_map(attn_map, "SpanMassStats")
-        self._ensure_heads(attn_map.shape[1])
+        self._ensure_heads(attn_map.shape[1], attn_map.device)
         bsz, _, _, s = attn_map.shape
         if len(spans) != bsz:
             raise ValueError(f"SpanMassStats: {len(spans)} spans for a batch of {bsz}")
@@ -454,7 +462,7 @@ class SinkRateStats(_HeadSums):
     def update(self, attn_map: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add one chunk: a map (B, H, Tq, S) and its ``valid`` mask (query positions are read off it)."""
         _check_map(attn_map, "SinkRateStats")
-        self._ensure_heads(attn_map.shape[1])
+        self._ensure_heads(attn_map.shape[1], attn_map.device)
         valid = _valid_or_all(attn_map, valid)
         s = attn_map.shape[-1]
         # the absolute position of a query row is its last visible key (causal or windowed)
@@ -542,17 +550,19 @@ class LambdaStats:
     def n_heads(self) -> int | None:
         return None if self._heads is None else int(self._heads["count"].numel())
 
-    def _set_mode(self, mode: str, n_heads: int | None = None) -> None:
+    def _set_mode(self, mode: str, n_heads: int | None = None, device: torch.device | None = None) -> None:
+        """Fix the mode on the first value; per-head state starts on ``device`` (the first value's: made on
+        the host and copied to a GPU, each of the six would be a host wait)."""
         if self.mode is None:
             self.mode = mode
             if mode == "per_head":
                 self._heads = {
-                    "count": torch.zeros(n_heads, dtype=torch.int64),
-                    "nonfinite": torch.zeros(n_heads, dtype=torch.int64),
-                    "sum": torch.zeros(n_heads, dtype=torch.float64),
-                    "sumsq": torch.zeros(n_heads, dtype=torch.float64),
-                    "min": torch.full((n_heads,), math.inf, dtype=torch.float64),
-                    "max": torch.full((n_heads,), -math.inf, dtype=torch.float64),
+                    "count": torch.zeros(n_heads, dtype=torch.int64, device=device),
+                    "nonfinite": torch.zeros(n_heads, dtype=torch.int64, device=device),
+                    "sum": torch.zeros(n_heads, dtype=torch.float64, device=device),
+                    "sumsq": torch.zeros(n_heads, dtype=torch.float64, device=device),
+                    "min": torch.full((n_heads,), math.inf, dtype=torch.float64, device=device),
+                    "max": torch.full((n_heads,), -math.inf, dtype=torch.float64, device=device),
                 }
         elif self.mode != mode:
             raise DiffquantError(f"LambdaStats: cannot mix a {mode} lambda into {self.mode} statistics")
@@ -572,7 +582,7 @@ class LambdaStats:
             self.min = value if self.min is None else min(self.min, value)
             self.max = value if self.max is None else max(self.max, value)
         elif lam.dim() == 3:
-            self._set_mode("per_head", lam.shape[-1])
+            self._set_mode("per_head", lam.shape[-1], lam.device)
             x = lam.detach().to(torch.float64).reshape(-1, lam.shape[-1])
             state = self._heads
             assert state is not None
