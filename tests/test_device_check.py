@@ -204,25 +204,26 @@ def _profile_diff_v2_on_cuda(t: int) -> None:
         model.to("cpu")
 
 
-def test_a_profile_locates_its_entries_with_one_read_of_the_device(torch_paths, monkeypatch):
-    """Each site's located entries (top-k, massive activations) come to the host in one transfer per update:
-    their values and flat indices together, the coordinates unravelled and the token ids read on the host
-    (the profiler copies each batch's ids there once). That was three reads per site and update on CUDA,
-    plus a blocking copy of two index lists; the profile itself equals the CPU's (test above)."""
+def test_a_profile_locates_its_entries_without_a_read_of_their_own(torch_paths, monkeypatch):
+    """Each site's top-k entries are found on the device (one top-k over packed keys) and their values and
+    flat indices ride in the update's one transfer; the coordinates are unravelled and the token ids read
+    on the host (the profiler copies each batch's ids there once), so locating them reads nothing more. It
+    was three reads per site and update on CUDA plus a blocking copy of two index lists, then one read;
+    the profile itself equals the CPU's (test_profile_on_cuda_equals_the_cpu_profile)."""
     reads = []
-    entries = stats.SiteStats._entries
+    located = stats.SiteStats._located
 
-    def counted(self, idx, *args, **kwargs):
+    def counted(self, both, *args, **kwargs):
         with host_syncs() as syncs:
-            out = entries(self, idx, *args, **kwargs)
-        reads.append((idx.numel(), len(syncs), any(e["loc"].get("token") is not None for e in out)))
+            out = located(self, both, *args, **kwargs)
+        reads.append((len(both), len(syncs), any(e["loc"].get("token") is not None for e in out)))
         return out
 
-    monkeypatch.setattr(stats.SiteStats, "_entries", counted)
+    monkeypatch.setattr(stats.SiteStats, "_located", counted)
     _profile_diff_v2_on_cuda(16)
-    located = [r for r in reads if r[0]]
-    assert located and any(tokens for _, _, tokens in located)
-    assert all(n == 1 for _, n, _ in located), located
+    assert len(reads) > 60 and all(n == 10 for n, _, _ in reads)  # top 5: values and indices
+    assert any(tokens for *_, tokens in reads)
+    assert all(waits == 0 for _, waits, _ in reads), reads
 
 
 def test_attention_metrics_start_their_sums_on_the_maps_device(torch_paths):
@@ -914,18 +915,18 @@ def _update_syncs(monkeypatch, bundled: bool) -> list[tuple[str, bool, list[str]
 
 def test_a_profile_update_reads_its_small_results_in_one_transfer(torch_paths, monkeypatch):
     """On CUDA each site's update computes its small results (extremes, moments, token kurtosis, histogram,
-    abs-max and squares per channel) on the device and reads them in one transfer; the top-k search runs on
-    the device too (packed keys), then one read of the located entries. Counted here on a DIFF V2 profile:
-    the gathered attention maps also read their mask's visible positions and query positions, once per mask
-    (a layer's five map taps share it). About ten waits per site and update before, one read at a time;
-    then four (the top-k's two data-sized selections). The profile is the CPU's
+    abs-max and squares per channel, and the top-k entries, found with packed keys) on the device and reads
+    them in one transfer: one wait per site and update. Counted here on a DIFF V2 profile: the gathered
+    attention maps also read their mask's visible positions and query positions, once per mask (a layer's
+    five map taps share it). About ten waits per site and update before, one read at a time; then four
+    (the top-k's two data-sized selections and the entries' read). The profile is the CPU's
     (test_profile_on_cuda_equals_the_cpu_profile)."""
     bundled = _update_syncs(monkeypatch, True)
     mask_reads = ["nonzero", ".tolist()"]
     for kind, masked, syncs in bundled:
         assert sum(s.startswith("device-to-host") for s in syncs) == 1, (kind, syncs)
         rest = [s for s in syncs if not s.startswith("device-to-host")]
-        assert rest == [".tolist()"] or (masked and rest == [*mask_reads, ".tolist()"]), (kind, syncs)
+        assert rest == [] or (masked and rest == mask_reads), (kind, syncs)
     maps = [syncs for _, masked, syncs in bundled if masked]
     layers, batches = 2, 2  # _profile_diff_v2_on_cuda: tiny_model's 2 layers, 4 windows in batches of 2
     assert len(maps) == 5 * layers * batches

@@ -4446,6 +4446,27 @@ MUTANTS = [
         '            self._set_mode("per_head", lam.shape[-1])\n',
         ("tests/test_device_check.py::test_attention_metrics_start_their_sums_on_the_maps_device",),
     ),
+    M(
+        "profile stats: a gathered map's device top-k located at its gathered indices",
+        "diffquant/profile/stats.py",
+        "    idx = to_flat(idx) if to_flat is not None else idx\n",
+        "",
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
+    ),
+    M(
+        "profile stats: the top-k entries read one slot off in the one transfer",
+        "diffquant/profile/stats.py",
+        "    read = None if located is None else host[at : at + located.numel()].tolist()\n",
+        "    read = None if located is None else host[at - 1 : at - 1 + located.numel()].tolist()\n",
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
+    ),
+    M(
+        "profile stats: the top-k entries read again after the one transfer",
+        "diffquant/profile/stats.py",
+        "        if located is not None:\n            top = self._located(located, *where[1:])\n",
+        "        if False:\n            top = self._located(located, *where[1:])\n",
+        ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
+    ),
 ]
 
 

@@ -414,10 +414,15 @@ class _Small(NamedTuple):
     ge100: int
     absmax: torch.Tensor | None  # float64, flattened
     sumsq: torch.Tensor | None  # float64, flattened
+    located: list[float] | None  # the top-k entries' values, then their flat indices (:func:`_top_read`)
 
 
 def _read_small(
-    rows: torch.Tensor, absmax: torch.Tensor | None, sumsq: torch.Tensor | None, per_token: bool
+    rows: torch.Tensor,
+    absmax: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    per_token: bool,
+    located: torch.Tensor | None = None,
 ) -> _Small | None:
     """The small results of an unmasked update of the 2-D contiguous ``rows`` (every entry counted): extremes,
     the rows' combined moments and (``per_token``) token kurtosis, the histogram and its two counts, and the
@@ -426,7 +431,8 @@ def _read_small(
     one at a time waited about ten times per site and update. The same arithmetic as reading each one where
     the general path does. None when a value is not finite (the general path counts and locates it). Rows
     whose float32 moments need float64 (:func:`_row_moments_block`) are redone after the transfer, which
-    reads again (rare: constant or tiny-variance rows)."""
+    reads again (rare: constant or tiny-variance rows). ``located`` (float64, from :func:`_top_read`)
+    rides in the same transfer: the top-k entries, found on the device."""
     flat = rows.reshape(-1)
     width = rows.shape[1]
     n_r, s_r, m2_r, m3_r, m4_r, again = _in_row_blocks(_row_moments_parts, rows, None)
@@ -439,7 +445,7 @@ def _read_small(
         (again.sum() if again is not None else zeros[0]).to(torch.float64).reshape(1),
         counts.to(torch.float64),  # counts below 2^53: exact in float64
         dense.to(torch.float64),
-        *(t.to(torch.float64).reshape(-1) for t in (absmax, sumsq) if t is not None),
+        *(t.to(torch.float64).reshape(-1) for t in (absmax, sumsq, located) if t is not None),
     ]
     host = torch.cat(parts).cpu()  # the one transfer
     lo, hi, n, mean, m2, m3, m4, k_total, k_kept, n_again, ge6, ge100 = host[:12].tolist()
@@ -457,7 +463,8 @@ def _read_small(
     for t in (absmax, sumsq):
         cut.append(None if t is None else host[at : at + t.numel()])
         at += 0 if t is None else t.numel()
-    return _Small(lo, hi, sums, kurtosis, dense_host, int(ge6), int(ge100), *cut)
+    read = None if located is None else host[at : at + located.numel()].tolist()
+    return _Small(lo, hi, sums, kurtosis, dense_host, int(ge6), int(ge100), *cut, read)
 
 
 def _histogram_bar(dense: torch.Tensor, k: int) -> tuple[float | None, int]:
@@ -592,6 +599,20 @@ def _top_by_key(af: torch.Tensor, k: int) -> torch.Tensor:
         best.append(torch.topk(keys, min(k, keys.numel())).values)
     keys = best[0] if len(best) == 1 else torch.topk(torch.cat(best), k).values
     return _LOW32 - torch.bitwise_and(keys[:k], _LOW32)
+
+
+def _top_read(
+    flat: torch.Tensor, af: torch.Tensor, k: int, to_flat: Callable[[torch.Tensor], torch.Tensor] | None
+) -> torch.Tensor | None:
+    """The top ``k`` entries of ``af`` (magnitudes of ``flat``'s entries, or of a gathered map's visible
+    ones: ``to_flat`` maps those indices to ``flat``'s) as one float64 device tensor, their signed values
+    then their flat indices (exact below 2^53), for :func:`_read_small` to carry in its one transfer; None
+    where :func:`_top_by_key` does not serve ``af`` (the host search runs after the transfer)."""
+    if not _packable(af):
+        return None
+    idx = _top_by_key(af, k)
+    idx = to_flat(idx) if to_flat is not None else idx
+    return torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)])
 
 
 def _kept_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
@@ -962,6 +983,7 @@ class SiteStats:
             self._absmax_on_device(af_flat.view(shape), layout) if layout else None,
             self._sumsq_on_device(x, layout, wide=False) if squares else None,
             per_token,
+            _top_read(flat, af_flat, min(self.topk, flat.numel()), None),
         )
         if small is None:
             return False
@@ -975,7 +997,9 @@ class SiteStats:
                 squares_c = self._squares_of(x, None, layout, amax)  # float64 squares after all (reads again)
             else:
                 squares_c = (small.sumsq, self._squares_count(x, layout).reshape(-1))
-        top, massive = self._largest(af_flat, flat.numel(), small.dense, small.ge100, where)
+        top, massive = self._largest(
+            af_flat, flat.numel(), small.dense, small.ge100, where, located=small.located
+        )
         self._feed(
             "torch",
             absmax=absmax,
@@ -998,17 +1022,22 @@ class SiteStats:
         ge100: int,
         where: tuple,
         to_flat: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        located: list[float] | None = None,
     ) -> tuple[list[dict[str, Any]], tuple[int, list[dict[str, Any]]] | None]:
         """The top-k and massive contributions of one update: ``aflat`` holds the magnitudes (excluded
         entries -1), ``dense`` its histogram (a bar for the top-k search), ``where`` locates entries of the
-        update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps)."""
+        update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps).
+        ``located``: the top-k entries already read (:func:`_top_read`, in :func:`_read_small`'s transfer)."""
         to_flat = to_flat or (lambda idx: idx)
-        if _packable(aflat):
-            idx = _top_by_key(aflat, min(self.topk, n_ok))
+        if located is not None:
+            top = self._located(located, *where[1:])
         else:
-            bar, n_bar = _histogram_bar(dense, self.topk)
-            idx = _select(aflat, self.topk, -0.5, n_ok, bar, n_bar)
-        top = self._entries(to_flat(idx), *where)
+            if _packable(aflat):
+                idx = _top_by_key(aflat, min(self.topk, n_ok))
+            else:
+                bar, n_bar = _histogram_bar(dense, self.topk)
+                idx = _select(aflat, self.topk, -0.5, n_ok, bar, n_bar)
+            top = self._entries(to_flat(idx), *where)
         if not ge100:
             return top, None
         # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
@@ -1071,10 +1100,14 @@ class SiteStats:
         keep = tuple(n for n, d in zip(lead, layout, strict=False) if d == "head")
         if BUNDLED and not self._native_ready(vals, layout):  # the small results in one transfer
             af = vals.abs()
-            small = _read_small(vals, af.view(*lead, width).amax(dim=reduce) if reduce else af, None, False)
+            amax = af.view(*lead, width).amax(dim=reduce) if reduce else af
+            located = _top_read(flat, af.view(-1), min(self.topk, n_ok), to_flat)
+            small = _read_small(vals, amax, None, False, located)
             if small is None:
                 return False
-            top, massive = self._largest(af.view(-1), n_ok, small.dense, small.ge100, where, to_flat)
+            top, massive = self._largest(
+                af.view(-1), n_ok, small.dense, small.ge100, where, to_flat, small.located
+            )
             self._feed(
                 "map",
                 absmax=(small.absmax, keep),
@@ -1332,8 +1365,22 @@ class SiteStats:
             return []
         # values and flat indices in one transfer (on a GPU each transfer is a wait for the device); indices
         # below 2^53 are exact in float64
-        n = idx.numel()
         both = torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)]).tolist()
+        return self._located(both, shape, layout, qpos, tokens, sample_offset, pos_offset)
+
+    def _located(
+        self,
+        both: list[float],
+        shape: tuple[int, ...],
+        layout: Layout,
+        qpos: list[int] | None,
+        tokens: torch.Tensor | None,
+        sample_offset: int,
+        pos_offset: int,
+    ) -> list[dict[str, Any]]:
+        """Entries {abs, value, loc} from ``both``: n values of one update tensor, then their n flat indices
+        (read from the device: :meth:`_entries`, or :func:`_top_read` in the one transfer)."""
+        n = len(both) // 2
         values = both[:n]
         coords = [_unravel(int(i), shape) for i in both[n:]] if layout else [[] for _ in values]
         layer = layer_of(self.site)
