@@ -224,6 +224,19 @@ def test_a_profile_locates_its_entries_without_a_read_of_their_own(torch_paths, 
     assert len(reads) > 60 and all(n == 10 for n, _, _ in reads)  # top 5: values and indices
     assert any(tokens for *_, tokens in reads)
     assert all(waits == 0 for _, waits, _ in reads), reads
+    # the general path (a non-finite value; here every update, BUNDLED off) reads them in one transfer
+    monkeypatch.setattr(stats, "BUNDLED", False)
+    entries, general = stats.SiteStats._entries, []
+
+    def counted_entries(self, idx, *args, **kwargs):
+        with host_syncs() as syncs:
+            out = entries(self, idx, *args, **kwargs)
+        general.append((len(out), len(syncs)))
+        return out
+
+    monkeypatch.setattr(stats.SiteStats, "_entries", counted_entries)
+    _profile_diff_v2_on_cuda(16)
+    assert len(general) > 60 and all(got == (5, 1) for got in general), general
 
 
 def test_attention_metrics_start_their_sums_on_the_maps_device(torch_paths):

@@ -4264,14 +4264,14 @@ MUTANTS = [
         "diffquant/profile/profiler.py",
         "        input_ids = input_ids.cpu()\n",
         "",
-        ("tests/test_device_check.py::test_a_profile_locates_its_entries_with_one_read_of_the_device",),
+        ("tests/test_device_check.py::test_a_profile_locates_its_entries_without_a_read_of_their_own",),
     ),
     M(
         "profile stats: the entries' values and indices read in two transfers",
         "diffquant/profile/stats.py",
         "        both = torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)]).tolist()\n",
         "        both = flat[idx].to(torch.float64).tolist() + idx.to(torch.float64).tolist()\n",
-        ("tests/test_device_check.py::test_a_profile_locates_its_entries_with_one_read_of_the_device",),
+        ("tests/test_device_check.py::test_a_profile_locates_its_entries_without_a_read_of_their_own",),
     ),
     M(
         "profile stats: host unravel with the coordinates in reverse order",
