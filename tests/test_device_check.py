@@ -158,7 +158,12 @@ def _site_cases():
     ]
 
 
-def test_site_stats_on_cuda_equal_the_cpu_torch_path(torch_paths):
+@pytest.mark.parametrize("search", ["packed", "host"])
+def test_site_stats_on_cuda_equal_the_cpu_torch_path(torch_paths, monkeypatch, search):
+    """Every update path on the device gives the CPU's state, with either top-k search (the packed keys up
+    to stats.DEVICE_TOPK_MAX entries, the host-guided search beyond)."""
+    if search == "host":
+        monkeypatch.setattr(stats, "DEVICE_TOPK_MAX", 0)
     tokens = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(2))
     for kind, x, valid in _site_cases():
         cpu = stats.SiteStats(f"layers.1.{kind}", kind, topk=7, massive_cap=3)
@@ -237,6 +242,24 @@ def test_a_profile_locates_its_entries_without_a_read_of_their_own(torch_paths, 
     monkeypatch.setattr(stats.SiteStats, "_entries", counted_entries)
     _profile_diff_v2_on_cuda(16)
     assert len(general) > 60 and all(got == (5, 1) for got in general), general
+
+
+def test_the_packed_top_k_serves_device_magnitudes_up_to_its_bound(monkeypatch):
+    """Packed keys for float32-exact magnitudes on a device, at most DEVICE_TOPK_MAX of them; the host-guided
+    search for CPU tensors (cheaper there), float64 (no 32-bit key) and larger updates."""
+    monkeypatch.setattr(stats, "DEVICE_TOPK_MAX", 100)
+    with fake_cuda():
+        on_device = [
+            stats._packable(torch.zeros(n, dtype=d, device="cuda"))
+            for n, d in [
+                (100, torch.float32),
+                (101, torch.float32),
+                (100, torch.bfloat16),
+                (100, torch.float64),
+            ]
+        ]
+    assert on_device == [True, False, True, False]
+    assert not stats._packable(torch.zeros(100))
 
 
 def test_attention_metrics_start_their_sums_on_the_maps_device(torch_paths):

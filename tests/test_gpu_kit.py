@@ -100,6 +100,10 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
     assert set(commands["profile"]["table5"]) == {"diff_v2", "mid-diff_v2"}
     assert commands["quantize-zoo"]["logits_error"]["sqnr_db"] > 20
     assert set(commands["eval"]["bpb"]["diff_v2"]) == {"none", *kit_stages.EVAL_PLANS}
+    # a site update's two top-k searches timed per size (on a CPU both are the host search: same state)
+    topk = stages["cli"]["numbers"]["profile_topk"]
+    assert topk["rc"] == 0 and [r["entries"] for r in topk["rows"]] == [4096, 16384]
+    assert all(r["same_state"] for r in topk["rows"])
     # the output that comes back: the summary, the digest, two zips, nothing over the limits
     files = sorted(p.name for p in out.iterdir())
     assert files == ["digest.txt", "profiles.zip", "results.zip", "summary.json"]

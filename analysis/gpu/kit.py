@@ -335,8 +335,14 @@ def _note(name: str, n: dict[str, Any]) -> str:
             f"{p} {g:+.3f}" for p, g in gap.items()
         )
     if name == "cli":
+        topk = n.get("profile_topk", {}).get("rows", [])
         return ", ".join(
             f"{c} {r.get('wall_s', '-')} s {r.get('status')}" for c, r in n.get("commands", {}).items()
+        ) + (
+            "; a site update's packed / host top-k: "
+            + ", ".join(f"{r['entries']:,} {r['packed_over_host']:.2f}x" for r in topk)
+            if topk
+            else ""
         )
     if name == "trio":
         runs = n.get("runs", {})

@@ -480,6 +480,23 @@ def _sweep(folder: Path, metric: str = "bits_per_byte") -> dict[str, Any]:
     return out
 
 
+def _profile_topk(ctx: Context, path: Path) -> dict[str, Any]:
+    """analysis/profile/device_topk.py: one site update with the packed-key top-k against the host-guided
+    search, per size (what `stats.DEVICE_TOPK_MAX` should be); a few seconds. Its rows, or why none."""
+    if ctx.left() < 20:
+        return {"status": "not run", "reason": "the stage's budget was spent"}
+    sizes = ["16", "20", "22", "24", "26"] if ctx.cuda else ["12", "14"]
+    cmd = [sys.executable, "analysis/profile/device_topk.py", "--device", ctx.device, "--sizes", *sizes]
+    cmd += ["--rounds", "7" if ctx.cuda else "2", "--out", str(path)]
+    log = ctx.work / "logs" / "profile-topk.log"
+    res = run_timed(cmd, log, min(90.0, ctx.left() - 5))
+    result = read_json(path) or {}
+    out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "rows": result.get("rows", [])}
+    if res["rc"] != 0:
+        out["error"] = last_error(log)
+    return out
+
+
 def stage_cli(ctx: Context, rec: Recorder) -> None:
     """`diffquant profile`, `quantize` and `eval` on CUDA in bfloat16 (the rehearsal: on CPU), on the zoo's
     DIFF V2 and a random mid-size DIFF V2, each command timed; one failing command does not stop the rest.
@@ -548,6 +565,7 @@ def stage_cli(ctx: Context, rec: Recorder) -> None:
             "reason": "neither optimum-quanto nor bitsandbytes imports",
         }
         rec.set(commands=results)
+    rec.set(profile_topk=_profile_topk(ctx, cli / "profile-topk.json"))
     bad = [n for n, r in results.items() if r["status"] not in ("ok", "not run")]
     unrun = [n for n, r in results.items() if r["status"] == "not run" and n != "eval-backends"]
     if bad:

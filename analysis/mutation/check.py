@@ -4409,7 +4409,7 @@ MUTANTS = [
         "diffquant/profile/stats.py",
         "            idx = _top_by_key(aflat, min(self.topk, n_ok))\n",
         "            idx = _top_by_key(aflat, self.topk)\n",
-        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
     ),
     M(
         "profile stats: a gathered map reuses its mask's positions after an in-place change",
@@ -4451,14 +4451,14 @@ MUTANTS = [
         "diffquant/profile/stats.py",
         "    idx = to_flat(idx) if to_flat is not None else idx\n",
         "",
-        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
     ),
     M(
         "profile stats: the top-k entries read one slot off in the one transfer",
         "diffquant/profile/stats.py",
         "    read = None if located is None else host[at : at + located.numel()].tolist()\n",
         "    read = None if located is None else host[at - 1 : at - 1 + located.numel()].tolist()\n",
-        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path",),
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
     ),
     M(
         "profile stats: the top-k entries read again after the one transfer",
@@ -4466,6 +4466,13 @@ MUTANTS = [
         "        if located is not None:\n            top = self._located(located, *where[1:])\n",
         "        if False:\n            top = self._located(located, *where[1:])\n",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
+    ),
+    M(
+        "profile stats: the packed top-k ignores its size bound",
+        "diffquant/profile/stats.py",
+        "        and af.numel() <= min(DEVICE_TOPK_MAX, _LOW32)\n",
+        "        and af.numel() <= _LOW32\n",
+        ("tests/test_device_check.py::test_the_packed_top_k_serves_device_magnitudes_up_to_its_bound",),
     ),
 ]
 

@@ -565,16 +565,23 @@ def _mask_positions(valid: torch.Tensor, mask: torch.Tensor) -> _MaskPositions:
 
 _KEY_CHUNK = 1 << 22  # entries per packed-key top-k (their int64 keys: 32 MiB)
 _LOW32 = (1 << 32) - 1
+# The largest update (entries) whose top-k runs as one packed-key top-k on the device (no wait); larger ones
+# take the host-guided search (:func:`_select`: the histogram's bar narrows it to a few thousand candidates
+# in one pass, two waits). The packed search reads and writes about 115 bytes per entry (building the int64
+# keys, then a radix select over them) against the ~40 of the update's other passes, so on a large tensor
+# it may cost more than the two waits it saves. A provisional bound, not yet measured on a GPU:
+# analysis/profile/device_topk.py times both (the GPU kit's cli stage runs it).
+DEVICE_TOPK_MAX = 1 << 24
 
 
 def _packable(af: torch.Tensor) -> bool:
     """Whether :func:`_top_by_key` serves ``af``: magnitudes on a device (a CPU's search is
     :func:`_select`, cheaper there: it narrows to the histogram's bar first, and a wait costs a CPU
-    nothing) that float32 holds exactly, with flat indices below 2^32."""
+    nothing) that float32 holds exactly, at most :data:`DEVICE_TOPK_MAX` of them."""
     return (
         af.device.type != "cpu"
         and af.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and af.numel() < 1 << 32
+        and af.numel() <= min(DEVICE_TOPK_MAX, _LOW32)
     )
 
 
