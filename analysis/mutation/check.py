@@ -4269,8 +4269,8 @@ MUTANTS = [
     M(
         "profile stats: the entries' values and indices read in two transfers",
         "diffquant/profile/stats.py",
-        "        both = torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)]).tolist()\n",
-        "        both = flat[idx].to(torch.float64).tolist() + idx.to(torch.float64).tolist()\n",
+        "        return self._located(_values_and_indices(flat, idx).tolist(), *where)  # one transfer\n",
+        "        return self._located(flat[idx].double().tolist() + idx.double().tolist(), *where)\n",
         ("tests/test_device_check.py::test_a_profile_locates_its_entries_without_a_read_of_their_own",),
     ),
     M(

@@ -619,6 +619,12 @@ def _top_read(
         return None
     idx = _top_by_key(af, k)
     idx = to_flat(idx) if to_flat is not None else idx
+    return _values_and_indices(flat, idx)
+
+
+def _values_and_indices(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``flat``'s values at ``idx``, then ``idx`` itself, as one float64 tensor (one transfer reads both;
+    flat indices below 2^53 are exact in float64)."""
     return torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)])
 
 
@@ -1356,24 +1362,12 @@ class SiteStats:
         keep = _kept_shape(tuple(x.shape), layout)
         return torch.full(keep, float(x.numel() // max(math.prod(keep), 1)), dtype=torch.float64)
 
-    def _entries(
-        self,
-        idx: torch.Tensor,
-        flat: torch.Tensor,
-        shape: tuple[int, ...],
-        layout: Layout,
-        qpos: list[int] | None,
-        tokens: torch.Tensor | None,
-        sample_offset: int,
-        pos_offset: int,
-    ) -> list[dict[str, Any]]:
-        """Entries {abs, value, loc} for flat indices ``idx`` of one update tensor."""
+    def _entries(self, idx: torch.Tensor, flat: torch.Tensor, *where: Any) -> list[dict[str, Any]]:
+        """Entries {abs, value, loc} for flat indices ``idx`` of one update tensor ``flat``; ``where`` is the
+        rest of its locator (:meth:`_located`'s arguments after ``both``)."""
         if idx.numel() == 0:
             return []
-        # values and flat indices in one transfer (on a GPU each transfer is a wait for the device); indices
-        # below 2^53 are exact in float64
-        both = torch.cat([flat[idx].to(torch.float64), idx.to(torch.float64)]).tolist()
-        return self._located(both, shape, layout, qpos, tokens, sample_offset, pos_offset)
+        return self._located(_values_and_indices(flat, idx).tolist(), *where)  # one transfer
 
     def _located(
         self,
