@@ -229,8 +229,10 @@ def test_a_profile_locates_its_entries_without_a_read_of_their_own(torch_paths, 
     assert len(reads) > 60 and all(n == 10 for n, _, _ in reads)  # top 5: values and indices
     assert any(tokens for *_, tokens in reads)
     assert all(waits == 0 for _, waits, _ in reads), reads
-    # the general path (a non-finite value; here every update, BUNDLED off) reads them in one transfer
+    # the host-guided search (updates past DEVICE_TOPK_MAX) on the general path (a non-finite value; here
+    # every update, BUNDLED off) reads them in one transfer
     monkeypatch.setattr(stats, "BUNDLED", False)
+    monkeypatch.setattr(stats, "DEVICE_TOPK_MAX", 0)
     entries, general = stats.SiteStats._entries, []
 
     def counted_entries(self, idx, *args, **kwargs):

@@ -4407,8 +4407,8 @@ MUTANTS = [
     M(
         "profile stats: the device top-k takes excluded entries when fewer than k count",
         "diffquant/profile/stats.py",
-        "            idx = _top_by_key(aflat, min(self.topk, n_ok))\n",
-        "            idx = _top_by_key(aflat, self.topk)\n",
+        "            read = _top_read(where[0], aflat, min(self.topk, n_ok), to_flat)\n",
+        "            read = _top_read(where[0], aflat, self.topk, to_flat)\n",
         ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
     ),
     M(

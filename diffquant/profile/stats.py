@@ -209,9 +209,8 @@ def _histogram(flat: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tenso
     ``flat`` where ``ok`` (None: all; the counted entries must be finite): :func:`_histogram_on_device`, then
     the bins and both counts to the host at once."""
     dense, counts = _histogram_on_device(flat, ok)
-    if (
-        dense.device.type != "cpu"
-    ):  # the bins go to the host (the accumulator's state) with the counts, at once
+    # the bins go to the host (the accumulator's state) with the counts, at once
+    if dense.device.type != "cpu":
         both = torch.cat([dense, counts]).cpu()
         dense, counts = both[:-2], both[-2:]
     ge6, ge100 = counts.tolist()
@@ -984,8 +983,9 @@ class SiteStats:
         """The torch path of an unmasked update, its small results read from the device in one transfer
         (:func:`_read_small`: the general path below waits once per statistic). The same arithmetic as that
         path, so the same bits. Returns False (nothing done) when a value is not finite: the general path
-        counts and locates it. The located entries (top-k, massive) follow, as on every path: a data-sized
-        selection, then one read of the entries."""
+        counts and locates it. The top-k entries ride in the same transfer where the device search serves
+        (:func:`_top_read`); otherwise, and for massive activations, a data-sized selection follows, then
+        one read of the entries."""
         flat, shape = where[0], where[1]
         width = shape[-1] if shape else 1
         per_token = bool(layout) and layout[-1] == "channel"
@@ -1041,16 +1041,15 @@ class SiteStats:
         entries -1), ``dense`` its histogram (a bar for the top-k search), ``where`` locates entries of the
         update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps).
         ``located``: the top-k entries already read (:func:`_top_read`, in :func:`_read_small`'s transfer)."""
+        if located is None:  # not read yet: the device search where it serves, in one read
+            read = _top_read(where[0], aflat, min(self.topk, n_ok), to_flat)
+            located = None if read is None else read.tolist()
         to_flat = to_flat or (lambda idx: idx)
         if located is not None:
             top = self._located(located, *where[1:])
         else:
-            if _packable(aflat):
-                idx = _top_by_key(aflat, min(self.topk, n_ok))
-            else:
-                bar, n_bar = _histogram_bar(dense, self.topk)
-                idx = _select(aflat, self.topk, -0.5, n_ok, bar, n_bar)
-            top = self._entries(to_flat(idx), *where)
+            bar, n_bar = _histogram_bar(dense, self.topk)
+            top = self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where)
         if not ge100:
             return top, None
         # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
