@@ -56,7 +56,8 @@ def run(device_name: str, sizes: list[int], rounds: int, dtype_name: str) -> dic
         x = torch.randn(1, max(1, 2**n // 1024), 1024, generator=g)
         x[0, 0, 7] = 300.0  # a massive activation (|x| >= 100: the massive search runs as well)
         x = x.to(device=device, dtype=dtype)
-        _update(x, True), _update(x, False)  # warm-up: first calls allocate and compile
+        for packed in (True, False):  # warm-up: first calls allocate and compile
+            _update(x, packed)
         times: dict[str, list[float]] = {"packed": [], "host": []}
         states = set()
         for _ in range(rounds):
