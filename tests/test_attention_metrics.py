@@ -257,6 +257,19 @@ def test_lambda_scalar_keeps_last_value_and_rejects_mixing():
     summary = stats.summary()
     assert summary == {"mode": "scalar", "count": 2, "value": 0.5, "min": 0.25, "max": 0.5}
     assert LambdaStats.from_dict(json.loads(json.dumps(stats.to_dict()))).summary() == summary
+    broken = LambdaStats()  # only a NaN seen there: counted, and nothing else taken
+    broken.update(torch.tensor(math.nan))
+    assert broken.summary() == {
+        "mode": "scalar",
+        "count": 0,
+        "value": None,
+        "min": None,
+        "max": None,
+        "nonfinite": 1,
+    }
+    again = LambdaStats.from_dict(json.loads(json.dumps(stats.to_dict()))).merge(broken)
+    assert again.summary() == {**summary, "nonfinite": 1}
+    assert LambdaStats().merge(broken).merge(later).summary() == {**broken.summary(), **later.summary()}
     with pytest.raises(DiffquantError):
         stats.update(torch.rand(1, 2, 3))
     assert LambdaStats().summary()["mode"] is None
@@ -464,6 +477,72 @@ def test_finite_fast_path_matches_general_path(cls, monkeypatch):
         for m in maps:
             acc.update(m, valid)
         out.append(json.dumps(acc.to_dict()))
+    assert out[0] == out[1]
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _bad_rows_brute(m: torch.Tensor, valid: torch.Tensor, differential: bool) -> list[int]:
+    """Per head, the rows left out by loops in float64: a visible entry that is not finite, or (a map of
+    probabilities) a negative one, or a row whose sum of -p log p (|D| for a DIFF map) is beyond float32's
+    range, where the float32 work of the metrics cannot hold it."""
+    out = []
+    for h in range(m.shape[1]):
+        bad = 0
+        for b in range(m.shape[0]):
+            for r in range(m.shape[2]):
+                xs = [float(m[b, h, r, k]) for k in range(m.shape[3]) if bool(valid[0, 0, r, k])]
+                if not xs:
+                    continue
+                if not all(math.isfinite(x) for x in xs) or (not differential and min(xs) < 0):
+                    bad += 1
+                    continue
+                total = sum(abs(x) for x in xs) if differential else sum(x * math.log(x) for x in xs if x)
+                bad += abs(total) > _F32_MAX
+        out.append(bad)
+    return out
+
+
+@pytest.mark.parametrize("cls", [MapStats, DiffMapStats])
+def test_rows_left_out_are_told_apart_per_row(cls, monkeypatch):
+    """Rows with a NaN / Inf, a negative probability or a sum beyond float32 are left out one by one (the
+    other rows of that map still count), on the fast path (decided from the row sums, no read of the map)
+    and on the general one (each entry checked first): the counts against loops, and the means against the
+    map with those rows taken out."""
+    from diffquant.profile import attention_metrics
+
+    monkeypatch.setattr(attention_metrics, "NATIVE", False)
+    valid = _valid(0, S)
+    good = _probs(7, dtype=torch.float32)
+    if cls is DiffMapStats:
+        good = good - 0.4 * _probs(8, dtype=torch.float32)
+    bad = good.clone()
+    bad[0, 0, 3, 1] = math.nan
+    bad[1, 2, 9, 9] = math.inf
+    bad[1, 1, 5, 0] = -0.25 if cls is MapStats else 3e38  # negative p; a |D| sum past float32
+    bad[1, 1, 5, 2] = 0.5 if cls is MapStats else 3e38
+    bad[0, 2, 0, 0] = 3e38  # one visible key: finite |D|; p log p past float32
+    want = _bad_rows_brute(bad, valid, cls is DiffMapStats)
+    assert sum(want) == (4 if cls is MapStats else 3)
+    rows_bad = torch.zeros(B, H, S, dtype=torch.bool)
+    for b, h, r in ((0, 0, 3), (1, 2, 9), (1, 1, 5), (0, 2, 0)):
+        rows_bad[b, h, r] = cls is MapStats or (b, h, r) != (0, 2, 0)
+    out = []
+    for fast in (True, False):
+        monkeypatch.setattr(attention_metrics, "FAST", fast)
+        acc = cls(H)
+        acc.update(bad, valid)
+        got = acc.summary()
+        assert got["nonfinite_rows"] == want
+        assert got["rows"] == [B * S - w for w in want]
+        out.append(json.dumps(acc.to_dict()))
+        # the kept rows' means are those of the map with the left-out rows masked away
+        ref = cls(H)
+        ref.update(bad, valid & ~rows_bad[:, :, :, None])
+        key = "entropy" if cls is MapStats else "l1_ratio"
+        for a, e in zip(got[key]["per_head"], ref.summary()[key]["per_head"], strict=True):
+            _close(a, e, 1e-6)
     assert out[0] == out[1]
 
 

@@ -200,9 +200,10 @@ def test_profile_on_cuda_equals_the_cpu_profile(kind, torch_paths):
     assert cuda == cpu
 
 
-def _profile_diff_v2_on_cuda(t: int) -> None:
-    """A DIFF V2 profile (4 windows of ``t`` tokens, batches of 2, top 5) with the model on the stand-in CUDA."""
-    model = tiny_model("diff_v2")
+def _profile_diff_v2_on_cuda(t: int, kind: str = "diff_v2") -> None:
+    """A DIFF V2 profile (4 windows of ``t`` tokens, batches of 2, top 5) with the model on the stand-in CUDA
+    (another ``kind`` of model: its profile)."""
+    model = tiny_model(kind)
     with fake_cuda():
         model.to("cuda")
         profile_model(model, _windows(4, t).to("cuda"), batch_size=2, topk=5)
@@ -974,3 +975,85 @@ def test_a_profile_update_reads_its_small_results_in_one_transfer(torch_paths, m
     before = sum(len(s) for *_, s in one_by_one)
     after = sum(len(s) for *_, s in bundled)
     assert after < 0.6 * before, (before, after)
+
+
+@pytest.mark.parametrize("kind", ["diff_v1", "diff_v2"])
+def test_attention_metrics_and_the_lambda_site_make_no_wait_of_their_own(torch_paths, monkeypatch, kind):
+    """In a DIFF profile on CUDA the attention metrics' updates read nothing: a map's non-finite rows are told
+    apart on the device, DIFF V1's scalar lambda stays there (``float(lam)`` was a wait per layer and batch),
+    and the lambda site's update is its one transfer (its one-entry row is exact without the float64 redo,
+    which read twice more). Three waits per map tap and DIFF V1 layer and batch, before. The metrics are
+    the CPU's (test_profile_on_cuda_equals_the_cpu_profile)."""
+    seen: dict[str, list[list[str]]] = {}
+
+    def counting(cls):
+        update = cls.update
+
+        def counted(self, *args, **kwargs):
+            with host_syncs() as syncs:
+                update(self, *args, **kwargs)
+            name = cls.__name__
+            if cls is stats.SiteStats:
+                if args[0].dim() != 0 and not (args[0].dim() == 3 and self.kind == "lambda"):
+                    return
+                name = "lambda site"
+            seen.setdefault(name, []).append(list(syncs))
+
+        monkeypatch.setattr(cls, "update", counted)
+
+    metrics = [attention_metrics.MapStats, attention_metrics.DiffMapStats, attention_metrics.LambdaStats]
+    for cls in [*metrics, stats.SiteStats]:
+        counting(cls)
+    _profile_diff_v2_on_cuda(16, kind)
+    layers, batches = 2, 2
+    assert {k: len(v) for k, v in seen.items()} == {
+        "MapStats": 2 * layers * batches,  # the two maps of each layer
+        "DiffMapStats": layers * batches,
+        "LambdaStats": layers * batches,
+        "lambda site": layers * batches,
+    }
+    for name in ("MapStats", "DiffMapStats", "LambdaStats"):
+        assert all(syncs == [] for syncs in seen[name]), (name, seen[name])
+    for syncs in seen["lambda site"]:
+        assert len(syncs) == 1 and syncs[0].startswith("device-to-host"), syncs
+
+
+def test_a_map_with_non_finite_rows_and_a_changing_lambda_read_nothing_on_cuda(torch_paths):
+    """Maps with NaN / Inf rows, a negative probability and a sum past float32, and DIFF V1 lambdas with a
+    NaN among them, on CUDA: no update waits, and the state is the CPU's."""
+    g = torch.Generator().manual_seed(6)
+    valid = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    probs = torch.softmax(torch.randn(2, 3, 6, 6, generator=g).masked_fill(~valid, -math.inf), -1)
+    probs[0, 1, 4, 2], probs[1, 0, 5, 5], probs[1, 2, 3, 0] = math.nan, -0.5, 3e38
+    diff = probs - 0.5 * torch.softmax(torch.randn(2, 3, 6, 6, generator=g), -1) * valid
+    lams = [torch.tensor(v) for v in (0.2, -0.7, 0.1, math.nan)]
+
+    def _metrics():
+        return (
+            attention_metrics.MapStats(3),
+            attention_metrics.DiffMapStats(3),
+            attention_metrics.LambdaStats(),
+        )
+
+    def run(device):
+        m, d, lam = _metrics()
+        m.update(probs.to(device), valid.to(device))
+        d.update(diff.to(device), valid.to(device))
+        for x in lams:
+            lam.update(x.to(device))
+        return m, d, lam
+
+    cpu = [a.to_dict() for a in run("cpu")]
+    with fake_cuda():
+        data = [probs.to("cuda"), diff.to("cuda"), valid.to("cuda"), *(x.to("cuda") for x in lams)]
+        m, d, lam = _metrics()
+        with host_syncs() as syncs:
+            m.update(data[0], data[2])
+            d.update(data[1], data[2])
+            for x in data[3:]:
+                lam.update(x)
+        assert syncs == []
+        assert [a.to_dict() for a in (m, d, lam)] == cpu
+    assert (cpu[2]["count"], cpu[2]["nonfinite"]) == (3, 1)
+    assert (cpu[2]["value"], cpu[2]["min"], cpu[2]["max"]) == tuple(float(lams[i]) for i in (2, 1, 0))
+    assert cpu[0]["nonfinite_rows"] == [1, 1, 1]  # NaN (head 1), negative (head 0), p log p past float32 (2)

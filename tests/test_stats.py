@@ -1095,6 +1095,26 @@ def _bundled_cases():
     }
 
 
+def test_a_row_of_one_entry_needs_no_float64_redo():
+    """A row with one counted entry (DIFF V1's 0-d lambda, a one-wide row, a masked row with one kept key)
+    gets the float64 redo's moments bit for bit from the float32 pass (mean = the value, M2 = M3 = M4 = 0),
+    so it is not flagged for the redo, which on a GPU reads twice more; a non-finite one and a constant
+    row of two entries still are."""
+    one_wide = torch.tensor([[0.3], [-7.25e-30], [3.0e38], [0.0], [-2.5]])
+    n, s, m2, m3, m4, again = stats_mod._row_moments_parts(one_wide, None)
+    assert not again.any()
+    want = stats_mod._row_moments_block(one_wide.double(), None)
+    for got, ref in zip((n, s, m2, m3, m4), want, strict=True):
+        assert torch.equal(got, ref)
+    rows = torch.tensor([[1.5, 9.0, -4.0], [2.0, 2.0, 7.0], [math.inf, 1.0, 1.0], [5.0, 6.0, 7.0]])
+    ok = torch.tensor([[True, False, False], [True, True, False], [True, False, False], [False] * 3])
+    *parts, again = stats_mod._row_moments_parts(rows, ok)
+    assert again.tolist() == [False, True, True, False]  # one key; a constant pair; inf; no key
+    want = stats_mod._row_moments_block(rows.double(), ok)
+    for got, ref in zip(parts, want, strict=True):
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[3], ref[3])
+
+
 @pytest.mark.parametrize("case", sorted(_bundled_cases()))
 def test_one_transfer_path_is_the_general_torch_path(case, monkeypatch):
     """The torch path's update that reads its small results in one transfer (stats.BUNDLED, what a GPU runs)

@@ -232,58 +232,54 @@ class MapStats(_HeadSums):
     def update(self, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add one chunk: probs (B, H, Tq, S) and the tap's causal ``valid`` mask.
 
-        A row with a NaN / Inf among its visible entries (a model with non-finite weights) is counted in
+        A row with a NaN / Inf among its visible entries (a model with non-finite weights), or whose
+        entropy is not finite (a negative entry, whose -p log p is undefined), is counted in
         ``nonfinite_rows`` and left out of every mean, so the means stay numbers and the event is visible.
+        The rows are told apart on the device (their entropies), so an update reads nothing: on a GPU a
+        check of the whole map was a wait per map and batch.
         """
         _check_map(probs, "MapStats")
         self._ensure_heads(probs.shape[1], probs.device)
         valid = _valid_or_all(probs, valid)
         rows = _native_rows(probs, valid, differential=False)
         if rows is not None:  # entropy and key-0 value per row in one native pass (finite, p >= 0)
-            self._add_finite_rows(rows[..., 0], rows[..., 1], valid)
+            self._add_rows(rows[..., 0], rows[..., 1], valid, None)
             return
         p = torch.where(valid, probs.to(_work_dtype(probs)), 0.0)
         if FAST:
-            # (B, H, Tq); entr(p) = -p log p for p > 0, 0 at 0, -inf below 0 (non-finite: the general path)
+            # (B, H, Tq); entr(p) = -p log p for p > 0, 0 at 0, -inf below 0. A NaN / Inf visible entry makes
+            # its row's entropy NaN / -Inf, so a finite entropy means a finite row: no pass of its own.
             entropy = torch.special.entr(p).sum(-1) if FUSED else -torch.special.xlogy(p, p).sum(-1)
-            # A non-finite visible entry makes its row's entropy NaN / Inf, so finite entropies mean a finite
-            # map (a finite map whose p log p overflows takes the general path below, which is exact).
-            if bool(torch.isfinite(entropy).all()):
-                self._add_finite(p, valid, entropy)
-                return
-        finite = torch.isfinite(p).all(-1)  # (B, H, Tq)
-        p = torch.where(finite[..., None], p, 0.0)
-        n_visible = torch.broadcast_to(valid, p.shape).sum(-1)  # (B, H, Tq)
-        self._add("nonfinite_rows", ((n_visible > 0) & ~finite).sum((0, 2)))
-        rows = (n_visible > 0) & finite
-        multi = (n_visible > 1) & finite
-        entropy = -torch.special.xlogy(p, p).sum(-1)  # (B, H, Tq); p = 0 contributes 0
-        log_n = torch.log(n_visible.clamp(min=2).to(p.dtype))
-        self._add("entropy_sum", torch.where(rows, entropy, 0.0).sum((0, 2)))
-        self._add("norm_entropy_sum", torch.where(multi, entropy / log_n, 0.0).sum((0, 2)))
-        self._add("sink_sum", torch.where(rows, p[..., 0], 0.0).sum((0, 2)))
-        self._add("rows", rows.sum((0, 2)))
-        self._add("multi_key_rows", multi.sum((0, 2)))
-        self._add("single_key_rows", ((n_visible == 1) & finite).sum((0, 2)))
+            ok = torch.isfinite(entropy)
+        else:  # the reference: each row's entries checked first, then its entropy
+            finite = torch.isfinite(p).all(-1)  # (B, H, Tq)
+            p = torch.where(finite[..., None], p, 0.0)
+            entropy = -torch.special.xlogy(p, p).sum(-1)  # p = 0 contributes 0
+            ok = finite & torch.isfinite(entropy)
+        self._add_rows(entropy, p[..., 0], valid, ok)
 
-    def _add_finite(self, p: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor) -> None:
-        """update() for a map with only finite visible entries: the same sums, with the per-row key counts
-        read off the (1, 1, Tq, S) mask instead of the broadcast (B, H, Tq, S) one."""
-        self._add_finite_rows(entropy, p[..., 0], valid)
-
-    def _add_finite_rows(self, entropy: torch.Tensor, first: torch.Tensor, valid: torch.Tensor) -> None:
-        """The sums of a finite map from its per-row entropy and key-0 value (B, H, Tq)."""
+    def _add_rows(
+        self, entropy: torch.Tensor, first: torch.Tensor, valid: torch.Tensor, ok: torch.Tensor | None
+    ) -> None:
+        """The sums from each row's entropy and key-0 value (B, H, Tq); rows where ``ok`` is False (None: all
+        are ok) count as non-finite. The per-row key counts come from the (1, 1, Tq, S) mask."""
         n_visible = torch.broadcast_to(valid.sum(-1), entropy.shape)  # (B, H, Tq)
-        self._add("nonfinite_rows", torch.zeros(entropy.shape[1], dtype=torch.int64, device=entropy.device))
         rows = n_visible > 0
-        multi = n_visible > 1
+        if ok is None:
+            self._add(
+                "nonfinite_rows", torch.zeros(entropy.shape[1], dtype=torch.int64, device=entropy.device)
+            )
+        else:
+            self._add("nonfinite_rows", (rows & ~ok).sum((0, 2)))
+            rows = rows & ok
+        multi = rows & (n_visible > 1)
         log_n = torch.log(n_visible.clamp(min=2).to(entropy.dtype))
         self._add("entropy_sum", torch.where(rows, entropy, 0.0).sum((0, 2)))
         self._add("norm_entropy_sum", torch.where(multi, entropy / log_n, 0.0).sum((0, 2)))
         self._add("sink_sum", torch.where(rows, first, 0.0).sum((0, 2)))
         self._add("rows", rows.sum((0, 2)))
         self._add("multi_key_rows", multi.sum((0, 2)))
-        self._add("single_key_rows", (n_visible == 1).sum((0, 2)))
+        self._add("single_key_rows", (rows & (n_visible == 1)).sum((0, 2)))
 
     def summary(self) -> dict[str, Any]:
         rows, multi = self._get("rows"), self._get("multi_key_rows")
@@ -314,8 +310,9 @@ class DiffMapStats(_HeadSums):
     COUNTS = ("rows", "nonfinite_rows")
 
     def update(self, diff_map: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add one chunk: D (B, H, Tq, S) and the tap's causal ``valid`` mask (rows with NaN / Inf are
-        counted in ``nonfinite_rows`` and left out, as in :class:`MapStats`)."""
+        """Add one chunk: D (B, H, Tq, S) and the tap's causal ``valid`` mask (rows with NaN / Inf, or whose
+        sum of |D| overflows, are counted in ``nonfinite_rows`` and left out, as in :class:`MapStats`; told
+        apart on the device, so an update reads nothing)."""
         _check_map(diff_map, "DiffMapStats")
         self._ensure_heads(diff_map.shape[1], diff_map.device)
         valid = _valid_or_all(diff_map, valid)
@@ -331,28 +328,27 @@ class DiffMapStats(_HeadSums):
             return
         d = torch.where(valid, diff_map.to(_work_dtype(diff_map)), 0.0)
         if FAST:
-            row_sum = d.sum(-1)  # (B, H, Tq); NaN / Inf in a row (or an overflowing sum) shows here
-            if bool(torch.isfinite(row_sum).all()):
-                any_visible = torch.broadcast_to(valid.any(-1), d.shape[:-1])
-                self._add("nonfinite_rows", torch.zeros(d.shape[1], dtype=torch.int64, device=d.device))
-                if FUSED:
-                    self._add("neg_sum", d.clamp(max=0).sum(-1).neg_().sum((0, 2)))
-                else:
-                    self._add("neg_sum", (-d).clamp(min=0).sum(-1).sum((0, 2)))
-                self._add("abs_sum", d.abs().sum(-1).sum((0, 2)))
-                self._add("row_sum", row_sum.sum((0, 2)))
-                self._add("sink_sum", d[..., 0].sum((0, 2)))
-                self._add("rows", any_visible.sum((0, 2)))
-                return
-        finite = torch.isfinite(d).all(-1)
-        d = torch.where(finite[..., None], d, 0.0)
-        any_visible = torch.broadcast_to(valid, d.shape).any(-1)  # (B, H, Tq)
-        self._add("nonfinite_rows", (any_visible & ~finite).sum((0, 2)))
-        rows = any_visible & finite
-        self._add("neg_sum", (-d).clamp(min=0).sum(-1).sum((0, 2)))
-        self._add("abs_sum", d.abs().sum(-1).sum((0, 2)))
-        self._add("row_sum", d.sum(-1).sum((0, 2)))
-        self._add("sink_sum", d[..., 0].sum((0, 2)))
+            abs_rows = d.abs().sum(-1)  # (B, H, Tq); a NaN / Inf in a row shows here: no pass of its own
+            ok = torch.isfinite(abs_rows)
+            if FUSED:  # -sum(min(d, 0)): the negation after the sums, as the native pass
+                neg_rows = d.clamp(max=0).sum(-1)
+                negate = True
+            else:
+                neg_rows, negate = (-d).clamp(min=0).sum(-1), False
+        else:  # the reference: each row's entries checked first
+            finite = torch.isfinite(d).all(-1)
+            d = torch.where(finite[..., None], d, 0.0)
+            abs_rows = d.abs().sum(-1)
+            ok = finite & torch.isfinite(abs_rows)
+            neg_rows, negate = (-d).clamp(min=0).sum(-1), False
+        any_visible = torch.broadcast_to(valid.any(-1), ok.shape)  # (B, H, Tq)
+        rows = any_visible & ok
+        self._add("nonfinite_rows", (any_visible & ~ok).sum((0, 2)))
+        neg = torch.where(rows, neg_rows, 0.0).sum((0, 2))
+        self._add("neg_sum", neg.neg_() if negate else neg)
+        self._add("abs_sum", torch.where(rows, abs_rows, 0.0).sum((0, 2)))
+        self._add("row_sum", torch.where(rows, d.sum(-1), 0.0).sum((0, 2)))
+        self._add("sink_sum", torch.where(rows, d[..., 0], 0.0).sum((0, 2)))
         self._add("rows", rows.sum((0, 2)))
 
     def summary(self) -> dict[str, Any]:
@@ -539,11 +535,10 @@ class LambdaStats:
 
     def __init__(self) -> None:
         self.mode: str | None = None  # None (nothing seen), "scalar" or "per_head"
-        self.count = 0  # finite values (scalar mode)
-        self.nonfinite = 0  # non-finite values (scalar mode); per head in _heads["nonfinite"]
-        self.value: float | None = None
-        self.min: float | None = None
-        self.max: float | None = None
+        # scalar mode: 0-d tensors on the first value's device (count and nonfinite int64; value, min, max
+        # float64, value NaN and min / max +-inf until a finite value comes), so that an update reads
+        # nothing (float(lam) was a wait for the GPU per layer and batch); per-head state: _heads
+        self._scalar: dict[str, torch.Tensor] | None = None
         self._heads: dict[str, torch.Tensor] | None = None
 
     @property
@@ -551,11 +546,19 @@ class LambdaStats:
         return None if self._heads is None else int(self._heads["count"].numel())
 
     def _set_mode(self, mode: str, n_heads: int | None = None, device: torch.device | None = None) -> None:
-        """Fix the mode on the first value; per-head state starts on ``device`` (the first value's: made on
-        the host and copied to a GPU, each of the six would be a host wait)."""
+        """Fix the mode on the first value; its state starts on ``device`` (the first value's: made on the
+        host and copied to a GPU, each tensor would be a host wait)."""
         if self.mode is None:
             self.mode = mode
-            if mode == "per_head":
+            if mode == "scalar":
+                self._scalar = {
+                    "count": torch.zeros((), dtype=torch.int64, device=device),
+                    "nonfinite": torch.zeros((), dtype=torch.int64, device=device),
+                    "value": torch.full((), math.nan, dtype=torch.float64, device=device),
+                    "min": torch.full((), math.inf, dtype=torch.float64, device=device),
+                    "max": torch.full((), -math.inf, dtype=torch.float64, device=device),
+                }
+            elif mode == "per_head":
                 self._heads = {
                     "count": torch.zeros(n_heads, dtype=torch.int64, device=device),
                     "nonfinite": torch.zeros(n_heads, dtype=torch.int64, device=device),
@@ -572,15 +575,18 @@ class LambdaStats:
     def update(self, lam: torch.Tensor) -> None:
         """Add a lambda tap's value: 0-d (DIFF V1) or (B, T, H) (DIFF V2)."""
         if lam.dim() == 0:
-            self._set_mode("scalar")
-            value = float(lam)
-            if not math.isfinite(value):
-                self.nonfinite += 1
-                return
-            self.value = value
-            self.count += 1
-            self.min = value if self.min is None else min(self.min, value)
-            self.max = value if self.max is None else max(self.max, value)
+            self._set_mode("scalar", device=lam.device)
+            x = lam.detach().to(torch.float64)
+            state = self._scalar
+            assert state is not None
+            if state["value"].device != x.device:
+                state = self._scalar = {k: v.to(x.device) for k, v in state.items()}
+            finite = torch.isfinite(x)
+            state["count"] += finite
+            state["nonfinite"] += ~finite
+            state["value"] = torch.where(finite, x, state["value"])
+            state["min"] = torch.where(finite, torch.minimum(state["min"], x), state["min"])
+            state["max"] = torch.where(finite, torch.maximum(state["max"], x), state["max"])
         elif lam.dim() == 3:
             self._set_mode("per_head", lam.shape[-1], lam.device)
             x = lam.detach().to(torch.float64).reshape(-1, lam.shape[-1])
@@ -608,13 +614,17 @@ class LambdaStats:
         if other.mode is None:
             return self
         if other.mode == "scalar":
-            self._set_mode("scalar")
-            self.nonfinite += other.nonfinite
-            if other.count:  # only non-finite values seen there: nothing else to take
-                self.value = other.value
-                self.count += other.count
-                self.min = other.min if self.min is None else min(self.min, other.min)
-                self.max = other.max if self.max is None else max(self.max, other.max)
+            assert other._scalar is not None
+            self._set_mode("scalar", device=other._scalar["value"].device)
+            assert self._scalar is not None
+            mine = self._scalar
+            theirs = {k: v.to(mine["value"].device) for k, v in other._scalar.items()}
+            mine["count"] = mine["count"] + theirs["count"]
+            mine["nonfinite"] = mine["nonfinite"] + theirs["nonfinite"]
+            # the later value wins, where one was seen there (not only non-finite ones)
+            mine["value"] = torch.where(theirs["count"] > 0, theirs["value"], mine["value"])
+            mine["min"] = torch.minimum(mine["min"], theirs["min"])
+            mine["max"] = torch.maximum(mine["max"], theirs["max"])
             return self
         self._set_mode("per_head", other.n_heads)
         assert self._heads is not None and other._heads is not None
@@ -626,12 +636,20 @@ class LambdaStats:
         self._heads["max"] = torch.maximum(self._heads["max"], theirs["max"])
         return self
 
+    def _scalar_fields(self) -> dict[str, Any]:
+        """Scalar mode's count, nonfinite, value, min and max as Python numbers, read in one transfer (None
+        for value / min / max while no finite value was seen)."""
+        assert self._scalar is not None
+        keys = ("count", "nonfinite", "value", "min", "max")
+        count, nonfinite, *values = torch.stack([self._scalar[k].to(torch.float64) for k in keys]).tolist()
+        out: dict[str, Any] = {"count": int(count), "nonfinite": int(nonfinite)}
+        out.update((k, v if count else None) for k, v in zip(keys[2:], values, strict=True))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"metric": "LambdaStats", "mode": self.mode}
         if self.mode == "scalar":
-            out.update(
-                count=self.count, nonfinite=self.nonfinite, value=self.value, min=self.min, max=self.max
-            )
+            out.update(self._scalar_fields())
         elif self.mode == "per_head":
             assert self._heads is not None
             heads = {k: v.tolist() for k, v in self._heads.items()}
@@ -648,12 +666,14 @@ class LambdaStats:
         mode = data.get("mode")
         try:
             if mode == "scalar":
-                obj.mode = "scalar"
-                obj.count = int(data["count"])
-                obj.nonfinite = int(data.get("nonfinite", 0))  # absent in profiles written before it
-                obj.value, obj.min, obj.max = (
-                    None if data[k] is None else float(data[k]) for k in ("value", "min", "max")
-                )
+                obj._set_mode("scalar")
+                assert obj._scalar is not None
+                obj._scalar["count"] = torch.tensor(int(data["count"]))
+                # absent in profiles written before non-finite lambdas were counted
+                obj._scalar["nonfinite"] = torch.tensor(int(data.get("nonfinite", 0)))
+                for key, missing in (("value", math.nan), ("min", math.inf), ("max", -math.inf)):
+                    value = missing if data[key] is None else float(data[key])
+                    obj._scalar[key] = torch.tensor(value, dtype=torch.float64)
             elif mode == "per_head":
                 n = len(data["sum"])
                 obj._set_mode("per_head", n)
@@ -675,14 +695,16 @@ class LambdaStats:
 
     def summary(self) -> dict[str, Any]:
         if self.mode != "per_head":
+            fields = self._scalar_fields() if self.mode == "scalar" else {}
             out: dict[str, Any] = {
                 "mode": self.mode,
-                "count": self.count,
-                "value": self.value,
-                "min": self.min,
-                "max": self.max,
+                "count": fields.get("count", 0),
+                "value": fields.get("value"),
+                "min": fields.get("min"),
+                "max": fields.get("max"),
             }
-            return out | ({"nonfinite": self.nonfinite} if self.nonfinite else {})  # the usual case: none
+            nonfinite = fields.get("nonfinite", 0)
+            return out | ({"nonfinite": nonfinite} if nonfinite else {})  # the usual case: none
         assert self._heads is not None
         counts = self._heads["count"].tolist()
         sums, sumsq = self._heads["sum"].tolist(), self._heads["sumsq"].tolist()

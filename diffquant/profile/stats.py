@@ -300,7 +300,7 @@ def _row_moments_block(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[tor
     pairwise), then shifted to the exact mean in float64: with delta = mean - c,
     M2 = S2 - n delta^2, M3 = S3 - 3 delta S2 + 2 n delta^3, M4 = S4 - 4 delta S3 + 6 delta^2 S2 - 3 n delta^4.
     Rows whose float32 sums are not finite or whose mean square deviation is below 2^-50 (underflow), or zero,
-    are redone in float64 (constant rows then give M2 == 0 exactly).
+    are redone in float64 (constant rows then give M2 == 0 exactly); a row of one entry only when not finite.
     """
     n, s, m2, m3, m4, again = _row_moments_parts(rows, ok)
     if again is not None:
@@ -337,7 +337,10 @@ def _row_moments_parts(rows: torch.Tensor, ok: torch.Tensor | None) -> tuple[Any
     m4 = s4 - 4.0 * delta * s3 + 6.0 * delta**2 * s2 - 3.0 * n * delta**4
     again = None
     if rows.dtype != torch.float64:
-        again = ~torch.isfinite(s4) | (s2 <= _TINY_S2 * n) | (m2 <= 0)
+        # A row of one counted entry is exact here (its mean is the value, every deviation 0, M2 = M3 = M4
+        # = 0: the float64 redo's bits), so only its non-finite sums send it there: DIFF V1's 0-d lambda
+        # and other one-wide rows would otherwise be redone, and read again, on every update.
+        again = ~torch.isfinite(s4) | (((s2 <= _TINY_S2 * n) | (m2 <= 0)) & (n > 1))
         again &= n > 0
     return n, s, m2, m3, m4, again
 
