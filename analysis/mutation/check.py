@@ -4474,6 +4474,85 @@ MUTANTS = [
         "        and af.numel() <= _LOW32\n",
         ("tests/test_device_check.py::test_the_packed_top_k_serves_device_magnitudes_up_to_its_bound",),
     ),
+    # --- issue 45: the attention metrics read nothing on a GPU; one-entry rows skip the float64 redo
+    M(
+        "map rows: a non-finite entropy not left out",
+        "diffquant/profile/attention_metrics.py",
+        "            ok = torch.isfinite(entropy)\n",
+        "            ok = torch.ones_like(entropy, dtype=torch.bool)\n",
+        ("tests/test_attention_metrics.py::test_rows_left_out_are_told_apart_per_row",),
+    ),
+    M(
+        "map rows: the general path checks entries only",
+        "diffquant/profile/attention_metrics.py",
+        "            ok = finite & torch.isfinite(entropy)",
+        "            ok = finite",
+        ("tests/test_attention_metrics.py::test_rows_left_out_are_told_apart_per_row",),
+    ),
+    M(
+        "map rows: bad rows still counted as rows",
+        "diffquant/profile/attention_metrics.py",
+        "            rows = rows & ok\n",
+        "            rows = rows\n",
+        ("tests/test_attention_metrics.py::test_rows_left_out_are_told_apart_per_row",),
+    ),
+    M(
+        "diff map rows: finiteness from the signed row sum",
+        "diffquant/profile/attention_metrics.py",
+        "            ok = torch.isfinite(abs_rows)\n",
+        "            ok = torch.isfinite(d[..., 0])\n",
+        ("tests/test_attention_metrics.py::test_rows_left_out_are_told_apart_per_row",),
+    ),
+    M(
+        "scalar lambda: a NaN becomes the value",
+        "diffquant/profile/attention_metrics.py",
+        'state["value"] = torch.where(finite, x, state["value"])',
+        'state["value"] = x',
+        (
+            "tests/test_device_check.py::test_a_map_with_non_finite_rows_and_a_changing_lambda_read_nothing_on_cuda",
+        ),
+    ),
+    M(
+        "scalar lambda: min not guarded against NaN",
+        "diffquant/profile/attention_metrics.py",
+        'state["min"] = torch.where(finite, torch.minimum(state["min"], x), state["min"])',
+        'state["min"] = torch.minimum(state["min"], x)',
+        (
+            "tests/test_device_check.py::test_a_map_with_non_finite_rows_and_a_changing_lambda_read_nothing_on_cuda",
+        ),
+    ),
+    M(
+        "scalar lambda merge: a NaN-only side's value wins",
+        "diffquant/profile/attention_metrics.py",
+        'torch.where(theirs["count"] > 0, theirs["value"], mine["value"])',
+        'theirs["value"]',
+        ("tests/test_attention_metrics.py::test_lambda_scalar_keeps_last_value_and_rejects_mixing",),
+    ),
+    M(
+        "scalar lambda read on the host per update",
+        "diffquant/profile/attention_metrics.py",
+        '            finite = torch.isfinite(x)\n            state["count"] += finite',
+        "            finite = torch.tensor(math.isfinite(float(x)), device=x.device)\n"
+        '            state["count"] += finite',
+        ("tests/test_device_check.py::test_attention_metrics_and_the_lambda_site_make_no_wait_of_their_own",),
+    ),
+    M(
+        "one-entry rows redone in float64",
+        "diffquant/profile/stats.py",
+        "(m2 <= 0)) & (n > 1))",
+        "(m2 <= 0)) & (n > 0))",
+        (
+            "tests/test_stats.py::test_a_row_of_one_entry_needs_no_float64_redo",
+            "tests/test_device_check.py::test_attention_metrics_and_the_lambda_site_make_no_wait_of_their_own",
+        ),
+    ),
+    M(
+        "two-entry constant rows not redone",
+        "diffquant/profile/stats.py",
+        "(m2 <= 0)) & (n > 1))",
+        "(m2 <= 0)) & (n > 2))",
+        ("tests/test_stats.py::test_a_row_of_one_entry_needs_no_float64_redo",),
+    ),
 ]
 
 
