@@ -9,6 +9,7 @@ tests/test_quant.py::test_fake_quant_fast_path_is_bit_identical compare those wi
 """
 
 import contextlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -146,8 +147,16 @@ def _site_cases():
     sparse[0, 0, 5, 2] = True
     broken = torch.randn(2, 6, 16, generator=g)
     broken[1, 3, 2], broken[0, 0, 0] = math.nan, -math.inf
+    massive = torch.randn(2, 6, 16, generator=g) * 80  # many |x| > 100, and ties at the cap
+    massive[0, 1, :4] = 300.0
+    massive[1, 4, 3:9] = -300.0
+    floor = torch.randn(2, 6, 16, generator=g)
+    floor[1, 2, 7] = -100.0  # |x| >= 100 seen, none above it: a count of 0
     return [
         ("resid", resid, None),
+        ("resid", massive, None),
+        ("resid", floor, None),
+        ("logits", logits * 60, causal),  # a gathered map's massive entries (visible ones only)
         ("logits", logits, causal),
         ("logits", logits, ragged),
         ("logits", logits, sparse),
@@ -158,6 +167,30 @@ def _site_cases():
     ]
 
 
+def test_massive_activations_ride_in_the_update_s_one_transfer(torch_paths):
+    """An update with |x| > 100 (massive activations: most residual sites of a real LLM) reads once on CUDA:
+    the count above 100 and the first entries (as many as the top-k or the massive cap, whichever is more)
+    come with the update's small results, and the massive ones are the first of those. It was a data-sized
+    selection of the candidates, a search among them and a read of their entries after the transfer: on a
+    SmolLM2 profile on the stand-in, 128 of a batch's 552 waits. A gathered map with massive entries reads
+    its mask besides, once."""
+    massive, causal = _site_cases()[1][1], torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    logits = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(3)) * 200
+    with fake_cuda():
+        stats._fold_on(torch.device("cuda", 0))  # the histogram's fold table: copied once per device
+        for kind, x, valid, extra in (
+            ("resid", massive, None, []),
+            ("logits", logits, causal, ["nonzero", ".tolist()"]),
+        ):
+            site = stats.SiteStats(f"layers.1.{kind}", kind, topk=7, massive_cap=3)
+            x_c, valid_c = x.to("cuda"), None if valid is None else valid.to("cuda")
+            with host_syncs() as syncs:
+                site.update(x_c, valid_c)
+            assert site.count_abs_gt_100 > 3 and len(site.to_dict()["massive"]) == 3
+            reads = [s for s in syncs if s.startswith("device-to-host")]
+            assert len(reads) == 1 and [s for s in syncs if s not in reads] == extra, syncs
+
+
 @pytest.mark.parametrize("search", ["packed", "host"])
 def test_site_stats_on_cuda_equal_the_cpu_torch_path(torch_paths, monkeypatch, search):
     """Every update path on the device gives the CPU's state, with either top-k search (the packed keys up
@@ -165,17 +198,20 @@ def test_site_stats_on_cuda_equal_the_cpu_torch_path(torch_paths, monkeypatch, s
     if search == "host":
         monkeypatch.setattr(stats, "DEVICE_TOPK_MAX", 0)
     tokens = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(2))
-    for kind, x, valid in _site_cases():
-        cpu = stats.SiteStats(f"layers.1.{kind}", kind, topk=7, massive_cap=3)
+    seen = set()
+    for (kind, x, valid), (topk, cap) in itertools.product(_site_cases(), [(7, 3), (2, 9)]):
+        cpu = stats.SiteStats(f"layers.1.{kind}", kind, topk=topk, massive_cap=cap)
         cpu.update(x, valid, tokens=tokens, sample_offset=4)
         with fake_cuda():
-            cuda = stats.SiteStats(f"layers.1.{kind}", kind, topk=7, massive_cap=3)
+            cuda = stats.SiteStats(f"layers.1.{kind}", kind, topk=topk, massive_cap=cap)
             cuda.update(
                 x.to("cuda"), None if valid is None else valid.to("cuda"), tokens.to("cuda"), sample_offset=4
             )
             state = cuda.to_dict()
-        assert json.dumps(state) == json.dumps(cpu.to_dict()), kind
+        assert json.dumps(state) == json.dumps(cpu.to_dict()), (kind, topk, cap)
         assert cpu.count > 0
+        seen.add((cpu.count_abs_gt_100 > len(cpu.to_dict()["massive"]), len(cpu.to_dict()["massive"]) == cap))
+    assert seen >= {(True, True), (False, False)}  # massive entries past the cap, and all of them kept
 
 
 # ------------------------------------------------------------------------------------- profile stage

@@ -4407,8 +4407,8 @@ MUTANTS = [
     M(
         "profile stats: the device top-k takes excluded entries when fewer than k count",
         "diffquant/profile/stats.py",
-        "            read = _top_read(where[0], aflat, min(self.topk, n_ok), to_flat)\n",
-        "            read = _top_read(where[0], aflat, self.topk, to_flat)\n",
+        "        return min(max(self.topk, self.massive_cap), n_ok)\n",
+        "        return max(self.topk, self.massive_cap)\n",
         ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
     ),
     M(
@@ -4463,8 +4463,8 @@ MUTANTS = [
     M(
         "profile stats: the top-k entries read again after the one transfer",
         "diffquant/profile/stats.py",
-        "        if located is not None:\n            top = self._located(located, *where[1:])\n",
-        "        if False:\n            top = self._located(located, *where[1:])\n",
+        "        if located is not None:\n            count, first = int(located[0]), located[1:]\n",
+        "        if False:\n            count, first = int(located[0]), located[1:]\n",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
     ),
     M(
@@ -4552,6 +4552,36 @@ MUTANTS = [
         "(m2 <= 0)) & (n > 1))",
         "(m2 <= 0)) & (n > 2))",
         ("tests/test_stats.py::test_a_row_of_one_entry_needs_no_float64_redo",),
+    ),
+    # --- issue 45: massive activations ride in a profile update's one transfer
+    M(
+        "massive: the first cap entries taken whatever their count",
+        "diffquant/profile/stats.py",
+        "            massive = _first_entries(first, min(self.massive_cap, count))\n",
+        "            massive = _first_entries(first, self.massive_cap)\n",
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
+    ),
+    M(
+        "massive: the device count takes |x| == 100",
+        "diffquant/profile/stats.py",
+        "    count = (af > MASSIVE_FLOOR).sum().to(torch.float64).reshape(1)\n",
+        "    count = (af >= MASSIVE_FLOOR).sum().to(torch.float64).reshape(1)\n",
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
+    ),
+    M(
+        "massive: the read stops at the top-k",
+        "diffquant/profile/stats.py",
+        "        return min(max(self.topk, self.massive_cap), n_ok)\n",
+        "        return min(self.topk, n_ok)\n",
+        ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
+    ),
+    M(
+        "massive: searched again after the transfer",
+        "diffquant/profile/stats.py",
+        "            massive = _first_entries(first, min(self.massive_cap, count))\n"
+        "            return top, (count, self._located(massive, *where[1:]))\n",
+        "",
+        ("tests/test_device_check.py::test_massive_activations_ride_in_the_update_s_one_transfer",),
     ),
 ]
 

@@ -416,7 +416,7 @@ class _Small(NamedTuple):
     ge100: int
     absmax: torch.Tensor | None  # float64, flattened
     sumsq: torch.Tensor | None  # float64, flattened
-    located: list[float] | None  # the top-k entries' values, then their flat indices (:func:`_top_read`)
+    located: list[float] | None  # the count above 100, the first entries' values and indices (_top_read)
 
 
 def _read_small(
@@ -434,7 +434,7 @@ def _read_small(
     the general path does. None when a value is not finite (the general path counts and locates it). Rows
     whose float32 moments need float64 (:func:`_row_moments_block`) are redone after the transfer, which
     reads again (rare: constant or tiny-variance rows). ``located`` (float64, from :func:`_top_read`)
-    rides in the same transfer: the top-k entries, found on the device."""
+    rides in the same transfer: the top-k and massive entries, found on the device."""
     flat = rows.reshape(-1)
     width = rows.shape[1]
     n_r, s_r, m2_r, m3_r, m4_r, again = _in_row_blocks(_row_moments_parts, rows, None)
@@ -613,15 +613,26 @@ def _top_by_key(af: torch.Tensor, k: int) -> torch.Tensor:
 def _top_read(
     flat: torch.Tensor, af: torch.Tensor, k: int, to_flat: Callable[[torch.Tensor], torch.Tensor] | None
 ) -> torch.Tensor | None:
-    """The top ``k`` entries of ``af`` (magnitudes of ``flat``'s entries, or of a gathered map's visible
-    ones: ``to_flat`` maps those indices to ``flat``'s) as one float64 device tensor, their signed values
-    then their flat indices (exact below 2^53), for :func:`_read_small` to carry in its one transfer; None
-    where :func:`_top_by_key` does not serve ``af`` (the host search runs after the transfer)."""
+    """The count of magnitudes above :data:`MASSIVE_FLOOR`, then the top ``k`` entries of ``af`` (magnitudes
+    of ``flat``'s entries, or of a gathered map's visible ones: ``to_flat`` maps those indices to
+    ``flat``'s) in the order (-|x|, flat index), as one float64 device tensor: the count, their signed
+    values, then their flat indices (exact below 2^53), for :func:`_read_small` to carry in its one
+    transfer. With ``k`` at least the massive cap, the massive candidates are the first of those entries
+    (the count says how many), so they need no search of their own: on a GPU that was a data-sized
+    selection, a search and a read, three waits or more. None where :func:`_top_by_key` does not serve
+    ``af`` (the host search runs after the transfer)."""
     if not _packable(af):
         return None
     idx = _top_by_key(af, k)
     idx = to_flat(idx) if to_flat is not None else idx
-    return _values_and_indices(flat, idx)
+    count = (af > MASSIVE_FLOOR).sum().to(torch.float64).reshape(1)
+    return torch.cat([count, _values_and_indices(flat, idx)])
+
+
+def _first_entries(both: list[float], n: int) -> list[float]:
+    """The first ``n`` of entries read as their values, then their flat indices: the same layout."""
+    half = len(both) // 2
+    return both[:n] + both[half : half + n]
 
 
 def _values_and_indices(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -986,9 +997,9 @@ class SiteStats:
         """The torch path of an unmasked update, its small results read from the device in one transfer
         (:func:`_read_small`: the general path below waits once per statistic). The same arithmetic as that
         path, so the same bits. Returns False (nothing done) when a value is not finite: the general path
-        counts and locates it. The top-k entries ride in the same transfer where the device search serves
-        (:func:`_top_read`); otherwise, and for massive activations, a data-sized selection follows, then
-        one read of the entries."""
+        counts and locates it. The top-k and massive entries ride in the same transfer where the device
+        search serves (:func:`_top_read`); otherwise data-sized selections follow, then reads of the
+        entries."""
         flat, shape = where[0], where[1]
         width = shape[-1] if shape else 1
         per_token = bool(layout) and layout[-1] == "channel"
@@ -999,7 +1010,7 @@ class SiteStats:
             self._absmax_on_device(af_flat.view(shape), layout) if layout else None,
             self._sumsq_on_device(x, layout, wide=False) if squares else None,
             per_token,
-            _top_read(flat, af_flat, min(self.topk, flat.numel()), None),
+            _top_read(flat, af_flat, self._read_k(flat.numel()), None),
         )
         if small is None:
             return False
@@ -1030,6 +1041,11 @@ class SiteStats:
         )
         return True
 
+    def _read_k(self, n_ok: int) -> int:
+        """How many of an update's first entries :func:`_top_read` reads: the top-k and the massive cap
+        (the massive candidates are the first entries above the floor), at most the counted entries."""
+        return min(max(self.topk, self.massive_cap), n_ok)
+
     def _largest(
         self,
         aflat: torch.Tensor,
@@ -1043,19 +1059,25 @@ class SiteStats:
         """The top-k and massive contributions of one update: ``aflat`` holds the magnitudes (excluded
         entries -1), ``dense`` its histogram (a bar for the top-k search), ``where`` locates entries of the
         update tensor; ``to_flat`` maps indices of ``aflat`` to that tensor's flat indices (gathered maps).
-        ``located``: the top-k entries already read (:func:`_top_read`, in :func:`_read_small`'s transfer)."""
+        ``located``: the count above the massive floor and the first entries, already read
+        (:func:`_top_read`, in :func:`_read_small`'s transfer)."""
         if located is None:  # not read yet: the device search where it serves, in one read
-            read = _top_read(where[0], aflat, min(self.topk, n_ok), to_flat)
+            read = _top_read(where[0], aflat, self._read_k(n_ok), to_flat)
             located = None if read is None else read.tolist()
         to_flat = to_flat or (lambda idx: idx)
         if located is not None:
-            top = self._located(located, *where[1:])
-        else:
-            bar, n_bar = _histogram_bar(dense, self.topk)
-            top = self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where)
+            count, first = int(located[0]), located[1:]
+            top = self._located(_first_entries(first, min(self.topk, n_ok)), *where[1:])
+            if not ge100:
+                return top, None
+            massive = _first_entries(first, min(self.massive_cap, count))
+            return top, (count, self._located(massive, *where[1:]))
+        # the host search: the top-k from the histogram's bar, then (|x| >= 100 seen) the candidates
+        # |x| > 100 (exact count) in one pass
+        bar, n_bar = _histogram_bar(dense, self.topk)
+        top = self._entries(to_flat(_select(aflat, self.topk, -0.5, n_ok, bar, n_bar)), *where)
         if not ge100:
             return top, None
-        # |x| >= 100 seen: find the candidates |x| > 100 (exact count) in one pass
         cand = (aflat > MASSIVE_FLOOR).nonzero().squeeze(1)
         pick = cand[_select(aflat[cand], self.massive_cap, MASSIVE_FLOOR, cand.numel())]
         return top, (cand.numel(), self._entries(to_flat(pick), *where))
@@ -1116,7 +1138,7 @@ class SiteStats:
         if BUNDLED and not self._native_ready(vals, layout):  # the small results in one transfer
             af = vals.abs()
             amax = af.view(*lead, width).amax(dim=reduce) if reduce else af
-            located = _top_read(flat, af.view(-1), min(self.topk, n_ok), to_flat)
+            located = _top_read(flat, af.view(-1), self._read_k(n_ok), to_flat)
             small = _read_small(vals, amax, None, False, located)
             if small is None:
                 return False
