@@ -194,6 +194,39 @@ def test_valid_mask_window():
     assert torch.equal(_valid_mask(5, 5, 0, torch.device("cpu"))[0, 0], torch.ones(5, 5).tril().bool())
 
 
+def test_valid_mask_is_one_tensor_per_shape_until_changed(monkeypatch):
+    """A forward's layers share one mask per (T, S, position, device, window) (a profile reads a mask's
+    positions once per mask, a wait for a GPU): the same tensor again, a new one for other arguments, after
+    an in-place change, or past the kept few; a mask too large to keep and one made under inference_mode
+    (autograd cannot save its tensors later) are built each time. Every one is the mask its arguments say."""
+    from diffquant.models import attention
+
+    monkeypatch.setattr(attention, "_MASKS", {})
+    cpu = torch.device("cpu")
+
+    def fresh(*args):
+        return attention._build_valid_mask(*args)
+
+    a = _valid_mask(6, 6, 0, cpu)
+    assert _valid_mask(6, 6, 0, cpu) is a and torch.equal(a, fresh(6, 6, 0, cpu, None))
+    others = [_valid_mask(6, 6, 0, cpu, 3), _valid_mask(2, 6, 4, cpu), _valid_mask(6, 7, 1, cpu)]
+    for m, args in zip(others, [(6, 6, 0, cpu, 3), (2, 6, 4, cpu, None), (6, 7, 1, cpu, None)], strict=True):
+        assert m is not a and torch.equal(m, fresh(*args))
+    assert _valid_mask(6, 6, 0, cpu) is a  # four kept: a is still there, now the most recent
+    a[0, 0, 0, 5] = True  # a caller changed it in place
+    b = _valid_mask(6, 6, 0, cpu)
+    assert b is not a and torch.equal(b, fresh(6, 6, 0, cpu, None))
+    _valid_mask(3, 3, 0, cpu)  # a fifth: the oldest (the windowed one) goes
+    assert _valid_mask(6, 6, 0, cpu) is b and _valid_mask(6, 6, 0, cpu, 3) is not others[0]
+    monkeypatch.setattr(attention, "_MASK_KEEP_MAX", 35)
+    assert _valid_mask(6, 6, 0, cpu) is not _valid_mask(6, 6, 0, cpu)
+    monkeypatch.setattr(attention, "_MASK_KEEP_MAX", 1 << 26)
+    with torch.inference_mode():
+        inside = _valid_mask(5, 5, 0, cpu)
+        assert _valid_mask(5, 5, 0, cpu) is not inside
+    assert not _valid_mask(5, 5, 0, cpu).is_inference()
+
+
 @pytest.mark.parametrize(
     "name, path", [("qwen2", "auto"), ("qwen3", "auto"), ("mistral", "auto"), ("mistral", "explicit")]
 )

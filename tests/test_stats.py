@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from diffquant.kernels import native
 from diffquant.models.attention import _valid_mask
 from diffquant.profile import stats as stats_mod
-from diffquant.profile.sites import layer_of, layout_of
+from diffquant.profile.sites import layer_of, layout_of, query_positions
 from diffquant.profile.stats import N_BINS, QUANTILE_REL_ERROR, SiteStats
 
 QUANTILES = (0.0, 0.001, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
@@ -1167,6 +1167,22 @@ def test_top_by_key_is_the_exact_top_k_of_the_total_order(case, monkeypatch):
     assert got.tolist() == want
     host = stats_mod._select(af.float(), k, -0.5, n_ok)
     assert sorted(host.tolist(), key=lambda i: (-float(af[i]), i)) == want
+
+
+def test_views_of_one_mask_share_its_positions_only_at_one_place(monkeypatch):
+    """Each layer slices its own view of the model's one mask: a view at the same place in it (offset, shape,
+    strides) reuses what was read, a view of other rows (a later query chunk: same shape, another offset)
+    reads its own, and both are the positions read off that view directly."""
+    monkeypatch.setattr(stats_mod, "_last_mask", None)
+    whole = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    first = stats_mod._mask_positions(whole[:, :, 0:4], whole[0, 0, 0:4])
+    assert stats_mod._mask_positions(whole[:, :, 0:4], whole[0, 0, 0:4]) is first
+    later = stats_mod._mask_positions(whole[:, :, 4:8], whole[0, 0, 4:8])
+    assert later is not first
+    for got, rows in ((first, slice(0, 4)), (later, slice(4, 8))):
+        assert torch.equal(got.visible, whole[0, 0, rows].reshape(-1).nonzero().squeeze(1))
+        assert got.qpos == query_positions(whole[:, :, rows]).tolist()
+    assert later.qpos == [4, 5, 6, 7] and first.qpos == [0, 1, 2, 3]
 
 
 def test_a_gathered_map_reads_its_mask_again_after_an_in_place_change(monkeypatch):

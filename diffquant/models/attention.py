@@ -605,11 +605,42 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
+# The masks of the last few (T, S, position, device, window), shared by every layer of a forward and by the
+# next forward of that shape. A profile reads a mask's visible and query positions off the device once per
+# mask (diffquant.profile.stats._mask_positions): one mask for all layers is one read per batch, where a
+# mask per layer was two waits for a GPU per layer. A kept mask whose version counter moved (an in-place
+# change by a caller) is built again; masks of more than _MASK_KEEP_MAX entries are not kept (a 32K map's
+# is 1 GiB), nor those made under torch.compile's tracing or inference_mode (whose tensors autograd
+# cannot save later).
+_MASKS: dict[tuple, tuple[torch.Tensor, int]] = {}
+_MASKS_KEPT = 4
+_MASK_KEEP_MAX = 1 << 26
+
+
 def _valid_mask(t: int, s: int, pos0: int, device: torch.device, window: int | None = None) -> torch.Tensor:
     """(1, 1, T, S) bool: query at absolute position p = pos0 + i may see keys 0 .. p, or with a sliding
     ``window`` W only keys j with p - W < j <= p (W keys, itself included: transformers'
     ``sliding_window_overlay``, Mistral's rolling buffer). Keys are at absolute positions 0 .. S - 1 (the
-    cache keeps every key), so a decode step (T < S) is windowed at its own position."""
+    cache keeps every key), so a decode step (T < S) is windowed at its own position. The same tensor for
+    the same arguments while it is kept (:data:`_MASKS`): callers must not change it in place."""
+    keep = t * s <= _MASK_KEEP_MAX and not (
+        torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+    )
+    key = (t, s, pos0, torch.device(device), window)
+    if keep and key in _MASKS:
+        valid, version = _MASKS.pop(key)
+        if valid._version == version:
+            _MASKS[key] = (valid, version)  # the most recent last
+            return valid
+    valid = _build_valid_mask(t, s, pos0, device, window)
+    if keep:
+        _MASKS[key] = (valid, valid._version)
+        while len(_MASKS) > _MASKS_KEPT:
+            del _MASKS[next(iter(_MASKS))]
+    return valid
+
+
+def _build_valid_mask(t: int, s: int, pos0: int, device: torch.device, window: int | None) -> torch.Tensor:
     q_pos = torch.arange(pos0, pos0 + t, device=device)[:, None]
     k_pos = torch.arange(s, device=device)[None, :]
     valid = k_pos <= q_pos

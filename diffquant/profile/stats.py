@@ -539,11 +539,13 @@ class _MaskPositions(NamedTuple):
 
 
 # The last mask seen by a gathered map update, with what was read off it: a layer's map taps (logits,
-# probs, their DIFF components, the difference) share one mask object, and reading its positions is a host
-# wait each time on a GPU. Keyed by the object itself (a weak reference: a new mask is a new object),
-# its version counter (an in-place change) and the device; dropped when the mask is freed (the visible
-# indices of a 4,096-token map are 64 MiB).
-_last_mask: tuple[weakref.ref, int, torch.device, _MaskPositions] | None = None
+# probs, their DIFF components, the difference) share one mask, and so do a forward's layers (the model keeps
+# one mask per shape: diffquant.models.attention._valid_mask), while reading its positions is a host wait
+# each time on a GPU. Keyed by the tensor the mask views (a weak reference), the view's place in it (offset,
+# shape, strides: each layer slices its own view of the shared mask), its version counter (an in-place
+# change) and the device; dropped when that tensor is freed (the visible indices of a 4,096-token map are
+# 64 MiB).
+_last_mask: tuple[weakref.ref, tuple, _MaskPositions] | None = None
 
 
 def _forget_mask(ref: weakref.ref) -> None:
@@ -554,14 +556,16 @@ def _forget_mask(ref: weakref.ref) -> None:
 
 def _mask_positions(valid: torch.Tensor, mask: torch.Tensor) -> _MaskPositions:
     """:class:`_MaskPositions` of ``valid`` (the map's mask; ``mask`` is it as a (T, S) bool on the map's
-    device), read once per mask object."""
+    device), read once per mask: views of one tensor at one place share what was read."""
     global _last_mask
+    root = valid if valid._base is None else valid._base
+    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, mask.device)
     if _last_mask is not None:
-        ref, version, device, known = _last_mask
-        if ref() is valid and version == valid._version and device == mask.device:
+        ref, known_where, known = _last_mask
+        if ref() is root and known_where == where:
             return known
     known = _MaskPositions(mask.reshape(-1).nonzero().squeeze(1), query_positions(valid).tolist())
-    _last_mask = (weakref.ref(valid, _forget_mask), valid._version, mask.device, known)
+    _last_mask = (weakref.ref(root, _forget_mask), where, known)
     return known
 
 
