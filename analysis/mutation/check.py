@@ -4414,15 +4414,15 @@ MUTANTS = [
     M(
         "profile stats: a gathered map reuses its mask's positions after an in-place change",
         "diffquant/profile/stats.py",
-        "        if ref() is valid and version == valid._version and device == mask.device:\n",
-        "        if ref() is valid and device == mask.device:\n",
+        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, mask.device)\n",
+        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), mask.device)\n",
         ("tests/test_stats.py::test_a_gathered_map_reads_its_mask_again_after_an_in_place_change",),
     ),
     M(
         "profile stats: every gathered map reads its mask's positions again",
         "diffquant/profile/stats.py",
-        "    if _last_mask is not None:\n        ref, version, device, known = _last_mask\n",
-        "    if False:\n        ref, version, device, known = _last_mask\n",
+        "    if _last_mask is not None:\n        ref, known_where, known = _last_mask\n",
+        "    if False:\n        ref, known_where, known = _last_mask\n",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
     ),
     M(
@@ -4582,6 +4582,62 @@ MUTANTS = [
         "            return top, (count, self._located(massive, *where[1:]))\n",
         "",
         ("tests/test_device_check.py::test_massive_activations_ride_in_the_update_s_one_transfer",),
+    ),
+    # --- issue 45: one mask per shape for a forward's layers, its positions read once
+    M(
+        "mask views: another chunk's rows share the first chunk's positions",
+        "diffquant/profile/stats.py",
+        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, mask.device)\n",
+        "    where = (tuple(valid.shape), valid.stride(), valid._version, mask.device)\n",
+        ("tests/test_stats.py::test_views_of_one_mask_share_its_positions_only_at_one_place",),
+    ),
+    M(
+        "mask views: keyed by the view object, not the mask it views",
+        "diffquant/profile/stats.py",
+        "    root = valid if valid._base is None else valid._base\n",
+        "    root = valid\n",
+        (
+            "tests/test_stats.py::test_views_of_one_mask_share_its_positions_only_at_one_place",
+            "tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",
+        ),
+    ),
+    M(
+        "kept mask: reused after an in-place change",
+        "diffquant/models/attention.py",
+        "        if valid._version == version:\n",
+        "        if True:\n",
+        ("tests/test_families.py::test_valid_mask_is_one_tensor_per_shape_until_changed",),
+    ),
+    M(
+        "kept masks: never dropped",
+        "diffquant/models/attention.py",
+        "        while len(_MASKS) > _MASKS_KEPT:\n",
+        "        while False:\n",
+        ("tests/test_families.py::test_valid_mask_is_one_tensor_per_shape_until_changed",),
+    ),
+    M(
+        "kept masks: made under inference_mode too",
+        "diffquant/models/attention.py",
+        "torch.compiler.is_compiling() or torch.is_inference_mode_enabled()",
+        "torch.compiler.is_compiling()",
+        ("tests/test_families.py::test_valid_mask_is_one_tensor_per_shape_until_changed",),
+    ),
+    M(
+        "kept masks: any size",
+        "diffquant/models/attention.py",
+        "    keep = t * s <= _MASK_KEEP_MAX and not (",
+        "    keep = True and not (",
+        ("tests/test_families.py::test_valid_mask_is_one_tensor_per_shape_until_changed",),
+    ),
+    M(
+        "masks: one per layer again",
+        "diffquant/models/attention.py",
+        "    if keep and key in _MASKS:\n",
+        "    if False:\n",
+        (
+            "tests/test_families.py::test_valid_mask_is_one_tensor_per_shape_until_changed",
+            "tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",
+        ),
     ),
 ]
 
