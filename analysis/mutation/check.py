@@ -636,8 +636,8 @@ MUTANTS = [
     M(
         "SDPA causal top-left when q_len < k_len",
         "diffquant/models/attention.py",
-        "        elif t == s:\n            causal = t > 1",
-        "        elif t <= s:\n            causal = t > 1",
+        "        if t == s:\n            return None, t > 1",
+        "        if t <= s:\n            return None, t > 1",
         (
             "tests/test_attention_reference.py::test_cached_chunks_with_fewer_queries_than_keys_match_brute_force",
         ),
@@ -1972,8 +1972,8 @@ MUTANTS = [
     M(
         "family-decode-step-forgets-window",
         "diffquant/models/attention.py",
-        "        elif self.window is not None and s > self.window:",
-        "        elif self.window is not None and t > self.window:",
+        "        if self.window is not None and s > self.window:",
+        "        if self.window is not None and t > self.window:",
         ("tests/test_families.py::test_cached_decoding_matches_full_forward",),
     ),
     M(
@@ -3263,8 +3263,8 @@ MUTANTS = [
     M(
         "bite47: logits tap before the 1/sqrt(d) scale",
         "diffquant/models/attention.py",
-        '.transpose(-1, -2)) * self.scale\n                logits = getattr(self, "logits" + suffix)(logits, valid)',
-        '.transpose(-1, -2))\n                logits = getattr(self, "logits" + suffix)(logits, valid) * self.scale',
+        '.transpose(-1, -2)) * self.scale\n            logits = getattr(self, "logits" + suffix)(logits, valid)',
+        '.transpose(-1, -2))\n            logits = getattr(self, "logits" + suffix)(logits, valid) * self.scale',
         ("tests/test_bite_taps.py",),
     ),
     M(
@@ -4405,10 +4405,10 @@ MUTANTS = [
         ("tests/test_stats.py::test_top_by_key_is_the_exact_top_k_of_the_total_order",),
     ),
     M(
-        "profile stats: the device top-k takes excluded entries when fewer than k count",
+        "profile stats: the entries read pair values with the next entry's index",
         "diffquant/profile/stats.py",
-        "        return min(max(self.topk, self.massive_cap), n_ok)\n",
-        "        return max(self.topk, self.massive_cap)\n",
+        "    return both[:n] + both[half : half + n]\n",
+        "    return both[:n] + both[half + 1 : half + 1 + n]\n",
         ("tests/test_device_check.py::test_site_stats_on_cuda_equal_the_cpu_torch_path[packed]",),
     ),
     M(
