@@ -1010,6 +1010,7 @@ def test_a_profile_update_reads_its_small_results_in_one_transfer(torch_paths, m
     layers, batches = 2, 2  # _profile_diff_v2_on_cuda: tiny_model's 2 layers, 4 windows in batches of 2
     assert len(maps) == 5 * layers * batches
     assert sum(s.count("nonzero") for s in maps) == 1  # every window has one length: one mask
+    assert stats._last_mask is None  # the profiler, removed, dropped what it read off the kept mask
     one_by_one = _update_syncs(monkeypatch, False)
     assert len(one_by_one) == len(bundled) > 60 and any(masked for _, masked, _ in bundled)
     before = sum(len(s) for *_, s in one_by_one)

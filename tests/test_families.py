@@ -218,9 +218,10 @@ def test_valid_mask_is_one_tensor_per_shape_until_changed(monkeypatch):
     assert b is not a and torch.equal(b, fresh(6, 6, 0, cpu, None))
     _valid_mask(3, 3, 0, cpu)  # a fifth: the oldest (the windowed one) goes
     assert _valid_mask(6, 6, 0, cpu) is b and _valid_mask(6, 6, 0, cpu, 3) is not others[0]
+    keep_max = attention._MASK_KEEP_MAX
     monkeypatch.setattr(attention, "_MASK_KEEP_MAX", 35)
     assert _valid_mask(6, 6, 0, cpu) is not _valid_mask(6, 6, 0, cpu)
-    monkeypatch.setattr(attention, "_MASK_KEEP_MAX", 1 << 26)
+    monkeypatch.setattr(attention, "_MASK_KEEP_MAX", keep_max)
     with torch.inference_mode():
         inside = _valid_mask(5, 5, 0, cpu)
         assert _valid_mask(5, 5, 0, cpu) is not inside

@@ -4639,6 +4639,13 @@ MUTANTS = [
             "tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",
         ),
     ),
+    M(
+        "kept mask's positions held after the profiler is removed",
+        "diffquant/profile/profiler.py",
+        "        forget_mask_positions()  # what the last mask's read left on the device (64 MiB at 4,096 tokens)\n",
+        "",
+        ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
+    ),
 ]
 
 

@@ -609,12 +609,12 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
 # next forward of that shape. A profile reads a mask's visible and query positions off the device once per
 # mask (diffquant.profile.stats._mask_positions): one mask for all layers is one read per batch, where a
 # mask per layer was two waits for a GPU per layer. A kept mask whose version counter moved (an in-place
-# change by a caller) is built again; masks of more than _MASK_KEEP_MAX entries are not kept (a 32K map's
-# is 1 GiB), nor those made under torch.compile's tracing or inference_mode (whose tensors autograd
-# cannot save later).
+# change by a caller) is built again; masks of more than _MASK_KEEP_MAX entries are not kept (4,096 x 4,096
+# tokens, 16 MiB; a 32K map's is 1 GiB), nor those made under torch.compile's tracing or inference_mode
+# (whose tensors autograd cannot save later).
 _MASKS: dict[tuple, tuple[torch.Tensor, int]] = {}
 _MASKS_KEPT = 4
-_MASK_KEEP_MAX = 1 << 26
+_MASK_KEEP_MAX = 1 << 24
 
 
 def _valid_mask(t: int, s: int, pos0: int, device: torch.device, window: int | None = None) -> torch.Tensor:

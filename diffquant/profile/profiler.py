@@ -24,7 +24,7 @@ from diffquant.models.sites import KIND_LAYOUTS, MAP_KINDS, SHARING_KINDS, layou
 from diffquant.models.taps import Tap, model_taps, select_taps
 from diffquant.options import DEFAULT_TOPK, MAX_TOPK  # --topk's default and bound, torch-free for --help
 from diffquant.profile.attention_metrics import DiffMapStats, LambdaStats, MapStats, SpanMassStats
-from diffquant.profile.stats import SiteStats
+from diffquant.profile.stats import SiteStats, forget_mask_positions
 from diffquant.textfiles import read_json
 
 # Speed-ups that leave every statistic unchanged (one snapshot copy, one statistics pass per distinct tensor,
@@ -224,6 +224,7 @@ class Profiler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        forget_mask_positions()  # what the last mask's read left on the device (64 MiB at 4,096 tokens)
 
     # ----------------------------------------------------------------------------------- hooks
     def start_samples_at(self, offset: int) -> None:

@@ -554,6 +554,13 @@ def _forget_mask(ref: weakref.ref) -> None:
         _last_mask = None
 
 
+def forget_mask_positions() -> None:
+    """Drop what was read off the last mask (the model keeps its masks, so the read would stay with them:
+    the profiler calls this when it is removed)."""
+    global _last_mask
+    _last_mask = None
+
+
 def _mask_positions(valid: torch.Tensor, mask: torch.Tensor) -> _MaskPositions:
     """:class:`_MaskPositions` of ``valid`` (the map's mask; ``mask`` is it as a (T, S) bool on the map's
     device), read once per mask: views of one tensor at one place share what was read."""
