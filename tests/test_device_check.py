@@ -934,10 +934,11 @@ def test_sink_pads_its_head_to_a_multiple_of_8_on_cuda(monkeypatch):
 
 def test_the_error_report_moves_each_sites_sums_once():
     """``quantize``'s error report (every site of a W8A8 DIFF V2 against the float model, and the logits): each
-    site's six float64 sums reach the host in one transfer per batch, besides the finite check (unmasked
-    sites) or the two masked selections (attention maps, which have a valid mask); seven scalar reads per
-    site and batch before. The report is the CPU's (counts exactly; the metrics up to SDPA's kernel: a "cuda"
-    tensor on a CPU build takes its math kernel, the CPU run its flash kernel)."""
+    site's six float64 sums and its counts reach the host in one transfer per batch, and nothing else is
+    read: the values left out are zeroed on the device, not selected. Seven scalar reads per site and batch
+    at first, then two (the finite check) or three (an attention map's masked selection). The report is the
+    CPU's (counts exactly; the metrics up to SDPA's kernel: a "cuda" tensor on a CPU build takes its math
+    kernel, the CPU run its flash kernel)."""
     from diffquant.io.quantize import quantized_copy
     from diffquant.quant import apply_plan, calibrate, preset
     from diffquant.quant.report import ErrorStats, compare_models
@@ -963,13 +964,41 @@ def test_the_error_report_moves_each_sites_sums_once():
     masked = sum(1 for a in updates if a and a[0] is not None)
     assert len(updates) > 2 * 20 and masked > 0
     assert syncs.count(".tolist()") == len(updates)
-    assert len(syncs) == len(updates) + (len(updates) - masked) + 2 * masked, syncs
+    assert len(syncs) == len(updates), syncs
     assert got.keys() == want.keys()
     for site, row in want.items():
         assert {k: v for k, v in got[site].items() if type(v) is not float} == {
             k: v for k, v in row.items() if type(v) is not float
         }, site
         assert got[site] == pytest.approx(row, rel=1e-5), site
+
+
+def test_error_stats_leave_out_what_they_must_on_cuda_as_on_the_cpu():
+    """The error report's zeroed values on a GPU against the CPU's selected ones: masked positions and
+    values not finite in either model are left out of every sum and counted the same (NaN and Inf in
+    either model, a mask), in one read per update."""
+    from diffquant.quant.report import ErrorStats
+
+    g = torch.Generator().manual_seed(8)
+    ref = torch.randn(2, 3, 5, 5, generator=g)
+    quant = ref + 0.01 * torch.randn(2, 3, 5, 5, generator=g)
+    ref[0, 1, 2, 1], quant[1, 2, 1, 3], quant[0, 0, 3, 0] = math.nan, math.inf, -math.inf  # one masked
+    valid = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    cases = [(ref, quant, valid), (ref, quant, None), (ref[1, 0], quant[1, 0], None)]
+    cpu = []
+    for r, q, v in cases:
+        s = ErrorStats()
+        s.update(r, q, v)
+        cpu.append(s)
+    with fake_cuda():
+        for (r, q, v), want in zip(cases, cpu, strict=True):
+            s = ErrorStats()
+            with host_syncs() as syncs:
+                s.update(r.to("cuda"), q.to("cuda"), None if v is None else v.to("cuda"))
+            assert [x for x in syncs if not x.startswith("host-to-device")] == [".tolist()"]
+            assert (s.n, s.nonfinite) == (want.n, want.nonfinite)
+            assert s.summary() == pytest.approx(want.summary(), rel=1e-12)
+    assert [(s.n, s.nonfinite) for s in cpu] == [(2 * 3 * 15 - 2, 2), (2 * 3 * 25 - 3, 3), (25, 0)]
 
 
 def _update_syncs(monkeypatch, bundled: bool) -> list[tuple[str, bool, list[str]]]:

@@ -4646,6 +4646,31 @@ MUTANTS = [
         "",
         ("tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",),
     ),
+    # --- issue 45: the error report's one read per site and batch on a GPU
+    M(
+        "error report on a GPU: masked values not zeroed",
+        "diffquant/quant/report.py",
+        "            ok = finite if considered is None else considered & finite\n",
+        "            ok = finite\n",
+        ("tests/test_device_check.py::test_error_stats_leave_out_what_they_must_on_cuda_as_on_the_cpu",),
+    ),
+    M(
+        "error report on a GPU: n counts the zeroed values",
+        "diffquant/quant/report.py",
+        "        self.n += int(counts[1]) if count is not None else r.numel()\n",
+        "        self.n += r.numel()\n",
+        ("tests/test_device_check.py::test_error_stats_leave_out_what_they_must_on_cuda_as_on_the_cpu",),
+    ),
+    M(
+        "error report on a GPU: the CPU's selection again",
+        "diffquant/quant/report.py",
+        '        if ref.device.type != "cpu":\n',
+        "        if False:\n",
+        (
+            "tests/test_device_check.py::test_error_stats_leave_out_what_they_must_on_cuda_as_on_the_cpu",
+            "tests/test_device_check.py::test_the_error_report_moves_each_sites_sums_once",
+        ),
+    ),
 ]
 
 
