@@ -4321,14 +4321,14 @@ MUTANTS = [
     M(
         "error report: a site's sums read one by one (seven waits for the device per site and batch)",
         "diffquant/quant/report.py",
-        "        ref2, abs_ref, q2, dot, abs_err, err2, *count = torch.stack(sums).tolist()\n",
-        "        ref2, abs_ref, q2, dot, abs_err, err2, *count = [float(t) for t in sums]\n",
+        "        ref2, abs_ref, q2, dot, abs_err, err2, *counts = torch.stack(sums).tolist()\n",
+        "        ref2, abs_ref, q2, dot, abs_err, err2, *counts = [float(t) for t in sums]\n",
         ("tests/test_device_check.py::test_the_error_report_moves_each_sites_sums_once",),
     ),
     M(
         "error report: the non-finite count dropped",
         "diffquant/quant/report.py",
-        "        self.nonfinite += int(count[0]) if count else 0\n",
+        "        self.nonfinite += int(counts[0]) if counts else 0\n",
         "",
         ("tests/test_quant.py",),
     ),
