@@ -4671,6 +4671,21 @@ MUTANTS = [
             "tests/test_device_check.py::test_the_error_report_moves_each_sites_sums_once",
         ),
     ),
+    # --- issue 45: scoring moves a window batch's log-probabilities once
+    M(
+        "decode perplexity: a read per decode step",
+        "diffquant/eval/perplexity.py",
+        "        out.append(gather_logprobs(model(ids[:, t : t + 1], cache), ids[:, t + 1 : t + 2], host=False))\n",
+        "        out.append(gather_logprobs(model(ids[:, t : t + 1], cache), ids[:, t + 1 : t + 2]))\n",
+        ("tests/test_device_check.py::test_scoring_reads_a_window_batch_once_on_cuda",),
+    ),
+    M(
+        "sliced LM head: a read per slice",
+        "diffquant/eval/perplexity.py",
+        "        parts.append(gather_logprobs(model.lm_head(hidden[:, a:b]), ids[:, a + 1 : b + 1], host=False))\n",
+        "        parts.append(gather_logprobs(model.lm_head(hidden[:, a:b]), ids[:, a + 1 : b + 1]))\n",
+        ("tests/test_device_check.py::test_scoring_reads_a_window_batch_once_on_cuda",),
+    ),
 ]
 
 

@@ -114,8 +114,10 @@ def head_slice(batch: int, length: int, vocab_size: int) -> int | None:
     return max(1, LOGITS_SLICE_BYTES // row_bytes)
 
 
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log-softmax(logits)[..., target] on the CPU; ``logits`` (B, T, V), ``targets`` (B, T).
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, host: bool = True) -> torch.Tensor:
+    """log-softmax(logits)[..., target] on the CPU (``host``; else on the logits' device, for a caller that
+    gathers several and moves them at once: each move is a wait for a GPU); ``logits`` (B, T, V),
+    ``targets`` (B, T).
 
     Computed as logit - logsumexp, which avoids materialising the whole log-softmax, in at least float32
     so half-precision models are scored stably (float64 logits stay float64).
@@ -123,7 +125,8 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     if logits.dtype != torch.float64:
         logits = logits.float()
     picked = logits.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
-    return (picked - torch.logsumexp(logits, dim=-1)).cpu()
+    out = picked - torch.logsumexp(logits, dim=-1)
+    return out.cpu() if host else out
 
 
 def default_windows(tokenizer: Tokenizer) -> str:

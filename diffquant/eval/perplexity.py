@@ -95,8 +95,8 @@ def target_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     parts = []
     for a in range(0, length - 1, step):
         b = min(a + step, length - 1)
-        parts.append(gather_logprobs(model.lm_head(hidden[:, a:b]), ids[:, a + 1 : b + 1]))
-    return torch.cat(parts, dim=1)
+        parts.append(gather_logprobs(model.lm_head(hidden[:, a:b]), ids[:, a + 1 : b + 1], host=False))
+    return torch.cat(parts, dim=1).cpu()  # one move for the slices
 
 
 def decode_logprobs(model: Any, ids: torch.Tensor, prefill: int) -> torch.Tensor:
@@ -108,10 +108,10 @@ def decode_logprobs(model: Any, ids: torch.Tensor, prefill: int) -> torch.Tensor
     ids = ids.to(device)
     prefill = min(prefill, ids.shape[1] - 1)  # a window shorter than the prefill is all prefill
     cache = model.new_cache()
-    out = [gather_logprobs(model(ids[:, :prefill], cache), ids[:, 1 : prefill + 1])]
-    for t in range(prefill, ids.shape[1] - 1):
-        out.append(gather_logprobs(model(ids[:, t : t + 1], cache), ids[:, t + 1 : t + 2]))
-    return torch.cat(out, dim=1)
+    out = [gather_logprobs(model(ids[:, :prefill], cache), ids[:, 1 : prefill + 1], host=False)]
+    for t in range(prefill, ids.shape[1] - 1):  # the targets are known: no step waits for the last one
+        out.append(gather_logprobs(model(ids[:, t : t + 1], cache), ids[:, t + 1 : t + 2], host=False))
+    return torch.cat(out, dim=1).cpu()  # one move for the window, not one per decode step
 
 
 def evaluate_stream(
