@@ -1034,6 +1034,40 @@ def test_scoring_reads_a_window_batch_once_on_cuda(torch_paths, monkeypatch):
     assert torch.equal(sliced, cpu_sliced)
 
 
+def test_retrieval_scores_its_candidates_in_one_read_per_chunk(torch_paths, monkeypatch):
+    """Needle retrieval's candidate scores on CUDA: the first tokens' scores in one read, then per chunk of
+    candidates one copy of their token ids and one read of their sums (a copy and a read per candidate
+    before); the scores are the CPU's, bit for bit."""
+    from diffquant.eval import retrieval
+
+    model = tiny_model("diff_v2", vocab_size=259, max_seq_len=512, seed=1)
+    cfg = retrieval.RetrievalConfig(
+        n_needles=3, n_queries=2, depths=(50,), samples_per_depth=2, context_bytes=120
+    )
+    samples = retrieval.make_samples(cfg)
+    cpu, _ = retrieval.score_samples(model, samples, batch_size=2, attention=False)
+    seen = []
+    scores = retrieval._candidate_scores
+
+    def counted(*args):
+        with host_syncs() as syncs:
+            out = scores(*args)
+        seen.append((len(args[4]) * len(args[4][0]), args[5], syncs))
+        return out
+
+    monkeypatch.setattr(retrieval, "_candidate_scores", counted)
+    with fake_cuda():
+        model.to("cuda")
+        cuda, _ = retrieval.score_samples(model, samples, batch_size=2, attention=False)
+        model.to("cpu")
+    assert [s.scores for s in cuda] == [s.scores for s in cpu]
+    for n, batch, syncs in seen:
+        chunks = -(-n // batch)
+        assert n > batch and syncs.count(".tolist()") == 1 + chunks, syncs
+        assert sum(x.startswith("host-to-device") for x in syncs) == 1 + chunks, syncs
+        assert len(syncs) == 2 * (1 + chunks) + chunks, syncs  # and each chunk's rows (an index list)
+
+
 def _update_syncs(monkeypatch, bundled: bool) -> list[tuple[str, bool, list[str]]]:
     """(kind, masked, host syncs) of every SiteStats.update of a DIFF V2 profile on CUDA (torch paths)."""
     monkeypatch.setattr(stats, "BUNDLED", bundled)

@@ -4686,6 +4686,20 @@ MUTANTS = [
         "        parts.append(gather_logprobs(model.lm_head(hidden[:, a:b]), ids[:, a + 1 : b + 1]))\n",
         ("tests/test_device_check.py::test_scoring_reads_a_window_batch_once_on_cuda",),
     ),
+    M(
+        "retrieval: a candidate's sum paired with the next candidate",
+        "diffquant/eval/retrieval.py",
+        "            picked = logp[i, :n].gather(-1, targets[i, :n, None]).squeeze(-1)\n",
+        "            picked = logp[i, :n].gather(-1, targets[min(i + 1, len(chunk) - 1), :n, None]).squeeze(-1)\n",
+        ("tests/test_device_check.py::test_retrieval_scores_its_candidates_in_one_read_per_chunk",),
+    ),
+    M(
+        "retrieval: a read per candidate",
+        "diffquant/eval/retrieval.py",
+        "            sums.append(picked.double().sum())\n",
+        "            sums.append(torch.tensor(float(picked.double().sum()), dtype=torch.float64, device=logp.device))\n",
+        ("tests/test_device_check.py::test_retrieval_scores_its_candidates_in_one_read_per_chunk",),
+    ),
 ]
 
 

@@ -168,16 +168,25 @@ def _candidate_scores(
     candidate tokens (all but the last), branching the prompt's KV cache when possible and otherwise
     recomputing prompt + candidate. Candidates of unequal length are right-padded: under the causal mask
     nothing after a position changes its logits, so padding cannot change a score.
+
+    On a GPU the first tokens' scores come back in one read, and each chunk's token ids go over in one copy
+    and its sums come back in one read: a copy and a read per candidate were a wait each.
     """
-    scores = [[float(last_logp[b, c[0]]) for c in cands] for b, cands in enumerate(candidates)]
+    where = [(b, c[0]) for b, cands in enumerate(candidates) for c in cands]  # (row, first token)
+    at = torch.tensor(where, dtype=torch.long).reshape(-1, 2).T.to(last_logp.device)
+    flat = iter(last_logp[at[0], at[1]].tolist())
+    scores = [[next(flat) for _ in cands] for cands in candidates]
     pairs = [(b, j) for b, cands in enumerate(candidates) for j, c in enumerate(cands) if len(c) > 1]
     for k in range(0, len(pairs), batch_size):
         chunk = pairs[k : k + batch_size]
         width = max(len(candidates[b][j]) - 1 for b, j in chunk)
-        cont = torch.zeros((len(chunk), width), dtype=torch.long, device=ids.device)  # pad: id 0, unread
+        # inputs (pad: id 0, unread) and targets of the chunk, made on the host and moved in one copy
+        tokens = torch.zeros((2, len(chunk), width), dtype=torch.long)
         for i, (b, j) in enumerate(chunk):
             c = candidates[b][j]
-            cont[i, : len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+            tokens[0, i, : len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+            tokens[1, i, : len(c) - 1] = torch.tensor(c[1:], dtype=torch.long)
+        cont, targets = tokens.to(ids.device)
         rows = torch.tensor([b for b, _ in chunk], dtype=torch.long, device=ids.device)
         branch = _branch_cache(model, cache, rows) if cache is not None else None
         if branch is not None:
@@ -185,11 +194,13 @@ def _candidate_scores(
         else:
             logits = model(torch.cat([ids.index_select(0, rows), cont], dim=1))[:, -width:]
         logp = torch.log_softmax(logits.float(), dim=-1)
+        sums = []
         for i, (b, j) in enumerate(chunk):
-            c = candidates[b][j]
-            target = torch.tensor(c[1:], dtype=torch.long, device=logp.device)
-            picked = logp[i, : len(c) - 1].gather(-1, target[:, None]).squeeze(-1)
-            scores[b][j] += float(picked.double().sum())
+            n = len(candidates[b][j]) - 1
+            picked = logp[i, :n].gather(-1, targets[i, :n, None]).squeeze(-1)
+            sums.append(picked.double().sum())
+        for (b, j), total in zip(chunk, torch.stack(sums).tolist(), strict=True):
+            scores[b][j] += total
     return scores
 
 
