@@ -209,6 +209,29 @@ def test_random_model_is_near_chance():
     assert result["answer_mass"] is None
 
 
+def test_candidate_scores_are_their_tokens_log_probabilities():
+    """Each candidate's score against a loop in float64: the sum over its tokens of log p(token | prompt and
+    the candidate's tokens before it), each from its own full forward of that prefix."""
+    from diffquant.eval.retrieval import _answer_ids, encode_prompt
+
+    model = tiny_model("diff_v2", vocab_size=259, max_seq_len=512, seed=2)
+    samples = make_samples(
+        RetrievalConfig(n_needles=3, n_queries=2, depths=(50,), samples_per_depth=2, context_bytes=150)
+    )
+    scores, _ = score_samples(model, samples, batch_size=3, attention=False)
+    with torch.no_grad():
+        for sample, got in zip(samples, scores, strict=True):
+            prompt = encode_prompt(sample, TOK)[0]
+            for cand, score in zip(sample.candidates, got.scores, strict=True):
+                ids = _answer_ids(TOK, TOK.encode(sample.prompt), sample.prompt, cand)
+                want = 0.0
+                for k, token in enumerate(ids):
+                    logits = model(torch.tensor([prompt + ids[:k]]))[0, -1].double()
+                    want += float(torch.log_softmax(logits, -1)[token])
+                assert score == pytest.approx(want, abs=1e-4), (cand, ids)
+            assert len(set(got.scores)) > 1
+
+
 def test_cache_batching_and_recompute_agree():
     model = tiny_model("diff_v2", vocab_size=259, max_seq_len=512, seed=1)
     samples = make_samples(

@@ -4691,7 +4691,7 @@ MUTANTS = [
         "diffquant/eval/retrieval.py",
         "            picked = logp[i, :n].gather(-1, targets[i, :n, None]).squeeze(-1)\n",
         "            picked = logp[i, :n].gather(-1, targets[min(i + 1, len(chunk) - 1), :n, None]).squeeze(-1)\n",
-        ("tests/test_device_check.py::test_retrieval_scores_its_candidates_in_one_read_per_chunk",),
+        ("tests/test_retrieval.py::test_candidate_scores_are_their_tokens_log_probabilities",),
     ),
     M(
         "retrieval: a read per candidate",
