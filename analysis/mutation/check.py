@@ -4700,6 +4700,20 @@ MUTANTS = [
         "            sums.append(torch.tensor(float(picked.double().sum()), dtype=torch.float64, device=logp.device))\n",
         ("tests/test_device_check.py::test_retrieval_scores_its_candidates_in_one_read_per_chunk",),
     ),
+    M(
+        "attention metric: a read kept after the next update",
+        "diffquant/profile/attention_metrics.py",
+        "        self._fresh = False\n        self._host = None\n",
+        "        self._fresh = False\n",
+        ("tests/test_device_check.py::test_an_attention_metric_is_read_in_one_transfer_until_it_changes",),
+    ),
+    M(
+        "attention metric: counts read back as floats",
+        "diffquant/profile/attention_metrics.py",
+        "                    host[n] = row.to(torch.int64).tolist() if n in self.COUNTS else row.tolist()\n",
+        "                    host[n] = row.tolist()\n",
+        ("tests/test_device_check.py::test_an_attention_metric_is_read_in_one_transfer_until_it_changes",),
+    ),
 ]
 
 

@@ -130,6 +130,7 @@ class _HeadSums:
     def __init__(self, n_heads: int | None = None) -> None:
         self.n_heads: int | None = None
         self._state: dict[str, torch.Tensor] = {}
+        self._host: dict[str, list] | None = None  # every field as read by _get, until the state changes
         self._fresh = False  # the sums are the zeros they started as (nothing added or read in)
         if n_heads is not None:
             self._ensure_heads(n_heads)
@@ -147,12 +148,14 @@ class _HeadSums:
             for name in self.COUNTS:
                 self._state[name] = torch.zeros(n_heads, dtype=torch.int64, device=device)
             self._fresh = True
+            self._host = None
         elif n_heads != self.n_heads:
             raise ValueError(
                 f"{type(self).__name__}: expected {self.n_heads} heads, got a map with {n_heads}"
             )
         elif device is not None and self._fresh:
             self._state = {k: torch.zeros_like(v, device=device) for k, v in self._state.items()}
+            self._host = None
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         current = self._state[name]
@@ -160,9 +163,23 @@ class _HeadSums:
             current = current.to(value.device)
         self._state[name] = current + value.to(current.dtype)
         self._fresh = False
+        self._host = None
 
     def _get(self, name: str) -> list:
-        return self._state[name].tolist() if name in self._state else []
+        """One field as Python numbers. The first call reads every field in one transfer (each alone was a
+        wait for a GPU: a profile's ``to_dict`` read a metric seven times) and keeps them until the next
+        change."""
+        if self._host is None:
+            names = list(self._state)
+            host: dict[str, list] = {}
+            if names:
+                first = self._state[names[0]]
+                # float64 holds the counts exactly (below 2^53)
+                rows = torch.stack([self._state[n].to(first.device, torch.float64) for n in names]).cpu()
+                for n, row in zip(names, rows, strict=True):
+                    host[n] = row.to(torch.int64).tolist() if n in self.COUNTS else row.tolist()
+            self._host = host
+        return list(self._host.get(name, []))
 
     def merge(self, other: _HeadSums) -> _HeadSums:
         """Add ``other``'s sums and counts into this one (in place); returns self."""
