@@ -1117,6 +1117,32 @@ def test_an_attention_metric_is_read_in_one_transfer_until_it_changes(torch_path
     assert isinstance(first[0]["rows"][0], int) and isinstance(first[0]["entropy_sum"][0], float)
 
 
+def test_query_positions_are_read_once_per_mask(monkeypatch):
+    """A mask's query positions reach the host once per view place: again for the same rows of the same
+    mask (another view object: each layer slices its own) costs no read; other rows, another mask, or the
+    mask changed in place are read afresh; each caller gets its own list. The sink rate and span mass
+    metrics and the site statistics read them so (a read per tap, layer and batch before)."""
+    from diffquant.models import sites
+
+    monkeypatch.setattr(sites, "_last_read", None)
+    with fake_cuda():
+        whole = torch.ones(8, 8, dtype=torch.bool, device="cuda").tril()[None, None]
+        with host_syncs() as syncs:
+            first = sites.read_query_positions(whole[:, :, 0:4])
+            again = sites.read_query_positions(whole[:, :, 0:4])
+        assert first == again == [0, 1, 2, 3] and len(syncs) == 1
+        first.append(99)  # the caller's own list
+        assert sites.read_query_positions(whole[:, :, 0:4]) == [0, 1, 2, 3]
+        with host_syncs() as syncs:
+            later = sites.read_query_positions(whole[:, :, 4:8])
+        assert later == [4, 5, 6, 7] and len(syncs) == 1
+        whole[..., 7, :] = False
+        whole[..., 7, 5] = True  # the last row now sees keys up to 5
+        with host_syncs() as syncs:
+            changed = sites.read_query_positions(whole[:, :, 4:8])
+        assert changed == [4, 5, 6, 5] and len(syncs) == 1
+
+
 def _update_syncs(monkeypatch, bundled: bool) -> list[tuple[str, bool, list[str]]]:
     """(kind, masked, host syncs) of every SiteStats.update of a DIFF V2 profile on CUDA (torch paths)."""
     monkeypatch.setattr(stats, "BUNDLED", bundled)

@@ -4714,6 +4714,34 @@ MUTANTS = [
         "                    host[n] = row.tolist()\n",
         ("tests/test_device_check.py::test_an_attention_metric_is_read_in_one_transfer_until_it_changes",),
     ),
+    M(
+        "query positions: kept after the mask changed in place",
+        "diffquant/models/sites.py",
+        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
+        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid.device)\n",
+        ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
+    ),
+    M(
+        "query positions: other rows of the mask share the first rows'",
+        "diffquant/models/sites.py",
+        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
+        "    where = (tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
+        ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
+    ),
+    M(
+        "query positions: the kept list handed out",
+        "diffquant/models/sites.py",
+        "        return list(_last_read[2])\n",
+        "        return _last_read[2]\n",
+        ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
+    ),
+    M(
+        "query positions: read per call",
+        "diffquant/models/sites.py",
+        "    if _last_read is not None and _last_read[0]() is root and _last_read[1] == where:\n",
+        "    if False:\n",
+        ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ layer) or per token and head (DIFF V2), sink logits per head, gates per token, h
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,3 +101,28 @@ def query_positions(valid: torch.Tensor) -> torch.Tensor:
     rows = valid.reshape(-1, valid.shape[-2], valid.shape[-1])[0]
     keys = torch.arange(rows.shape[-1], device=rows.device)
     return torch.where(rows, keys, -1).amax(-1)
+
+
+# The last mask whose query positions were read to the host, keyed as profile.stats keys its mask reads:
+# the tensor it views (a weak reference), the view's place in it, its version counter and the device. A
+# forward's layers share one mask per shape (attention._valid_mask) and a layer's map taps one view of it,
+# so a profile's taps and metrics read the positions once per shape, where each read was a wait for a GPU.
+_last_read: tuple[weakref.ref, tuple, list[int]] | None = None
+
+
+def _forget_read(ref: weakref.ref) -> None:
+    global _last_read
+    if _last_read is not None and _last_read[0] is ref:
+        _last_read = None
+
+
+def read_query_positions(valid: torch.Tensor) -> list[int]:
+    """:func:`query_positions` of ``valid`` as a list on the host, read once per mask (see above)."""
+    global _last_read
+    root = valid if valid._base is None else valid._base
+    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)
+    if _last_read is not None and _last_read[0]() is root and _last_read[1] == where:
+        return list(_last_read[2])
+    positions = query_positions(valid).tolist()
+    _last_read = (weakref.ref(root, _forget_read), where, positions)
+    return list(positions)

@@ -27,7 +27,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.kernels import native
-from diffquant.profile.sites import query_positions
+from diffquant.profile.sites import read_query_positions
 
 __all__ = [
     "DiffMapStats",
@@ -412,7 +412,7 @@ class SpanMassStats(_HeadSums):
         if len(spans) != bsz:
             raise ValueError(f"SpanMassStats: {len(spans)} spans for a batch of {bsz}")
         valid = valid.to(device=attn_map.device, dtype=torch.bool)
-        positions = query_positions(valid).tolist()
+        positions = read_query_positions(valid)
         row_of = {int(p): i for i, p in enumerate(positions)}
         valid_full = torch.broadcast_to(valid, attn_map.shape)
         keys = torch.arange(s, device=attn_map.device)
@@ -479,9 +479,7 @@ class SinkRateStats(_HeadSums):
         valid = _valid_or_all(attn_map, valid)
         s = attn_map.shape[-1]
         # the absolute position of a query row is its last visible key (causal or windowed)
-        keys = torch.arange(s, device=valid.device)
-        rows = valid.reshape(-1, valid.shape[-2], s)[0]
-        positions = torch.where(rows, keys, -1).amax(-1).tolist()
+        positions = read_query_positions(valid)
         first, last = int(positions[0]), int(positions[-1])
         if first == 0:
             self._open = torch.zeros(attn_map.shape[:2], dtype=torch.float64, device=attn_map.device)

@@ -6,4 +6,5 @@ from diffquant.models.sites import (  # noqa: F401
     layer_of,
     layout_of,
     query_positions,
+    read_query_positions,
 )

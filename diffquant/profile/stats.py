@@ -102,7 +102,7 @@ from diffquant.profile.accumulators import (
     copy_entries,
     copy_entry,
 )
-from diffquant.profile.sites import Layout, layer_of, layout_of, query_positions
+from diffquant.profile.sites import Layout, layer_of, layout_of, read_query_positions
 
 __all__ = [
     "BINS_PER_OCTAVE",
@@ -571,7 +571,7 @@ def _mask_positions(valid: torch.Tensor, mask: torch.Tensor) -> _MaskPositions:
         ref, known_where, known = _last_mask
         if ref() is root and known_where == where:
             return known
-    known = _MaskPositions(mask.reshape(-1).nonzero().squeeze(1), query_positions(valid).tolist())
+    known = _MaskPositions(mask.reshape(-1).nonzero().squeeze(1), read_query_positions(valid))
     _last_mask = (weakref.ref(root, _forget_mask), where, known)
     return known
 
@@ -988,7 +988,7 @@ class SiteStats:
         n_r, s_r, m2_r, m3_r, m4_r = _row_moments(rows, row_ok)
         qpos = None
         if valid is not None and "key" in layout:
-            qpos = query_positions(valid).tolist()
+            qpos = read_query_positions(valid)
         where = (flat, shape, layout, qpos, tokens, sample_offset, pos_offset)
         top, massive = self._largest(af_flat, n_ok, dense, ge100, where)
         self._feed(
@@ -1121,7 +1121,7 @@ class SiteStats:
         if self._native_ready(x, layout) and x.is_contiguous():
             ranges = native.row_ranges(mask)
             if ranges is not None and int((ranges[:, 1] - ranges[:, 0]).sum()) > 0:
-                qpos = query_positions(valid).tolist() if "key" in layout else None
+                qpos = read_query_positions(valid) if "key" in layout else None
                 where = (x.reshape(-1), tuple(x.shape), layout, qpos, tokens, sample_offset, 0)
                 keep = _native_keep(layout, tuple(x.shape))
                 if self._update_native(x.view(-1, s), layout, keep, where, ranges=ranges):
@@ -1332,7 +1332,7 @@ class SiteStats:
         many there are."""
         bad = ~finite if vmask is None else ~finite & vmask
         idx = torch.nonzero(bad.reshape(-1))[:1].reshape(-1)
-        qpos = query_positions(valid).tolist() if valid is not None and "key" in layout else None
+        qpos = read_query_positions(valid) if valid is not None and "key" in layout else None
         entry = self._entries(
             idx, x.reshape(-1), tuple(x.shape), layout, qpos, tokens, sample_offset, pos_offset
         )[0]
