@@ -1131,7 +1131,7 @@ def test_query_positions_are_read_once_per_mask(monkeypatch):
             first = sites.read_query_positions(whole[:, :, 0:4])
             again = sites.read_query_positions(whole[:, :, 0:4])
         assert first == again == [0, 1, 2, 3] and len(syncs) == 1
-        first.append(99)  # the caller's own list
+        again.append(99)  # the caller's own list, also when it was kept
         assert sites.read_query_positions(whole[:, :, 0:4]) == [0, 1, 2, 3]
         with host_syncs() as syncs:
             later = sites.read_query_positions(whole[:, :, 4:8])
