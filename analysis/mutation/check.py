@@ -4413,10 +4413,13 @@ MUTANTS = [
     ),
     M(
         "profile stats: a gathered map reuses its mask's positions after an in-place change",
-        "diffquant/profile/stats.py",
-        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, mask.device)\n",
-        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), mask.device)\n",
-        ("tests/test_stats.py::test_a_gathered_map_reads_its_mask_again_after_an_in_place_change",),
+        "diffquant/models/sites.py",
+        "    return root, (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
+        "    return root, (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid.device)\n",
+        (
+            "tests/test_stats.py::test_a_gathered_map_reads_its_mask_again_after_an_in_place_change",
+            "tests/test_device_check.py::test_query_positions_are_read_once_per_mask",
+        ),
     ),
     M(
         "profile stats: every gathered map reads its mask's positions again",
@@ -4586,19 +4589,23 @@ MUTANTS = [
     # --- issue 45: one mask per shape for a forward's layers, its positions read once
     M(
         "mask views: another chunk's rows share the first chunk's positions",
-        "diffquant/profile/stats.py",
-        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, mask.device)\n",
-        "    where = (tuple(valid.shape), valid.stride(), valid._version, mask.device)\n",
-        ("tests/test_stats.py::test_views_of_one_mask_share_its_positions_only_at_one_place",),
+        "diffquant/models/sites.py",
+        "    return root, (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
+        "    return root, (tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
+        (
+            "tests/test_stats.py::test_views_of_one_mask_share_its_positions_only_at_one_place",
+            "tests/test_device_check.py::test_query_positions_are_read_once_per_mask",
+        ),
     ),
     M(
         "mask views: keyed by the view object, not the mask it views",
-        "diffquant/profile/stats.py",
+        "diffquant/models/sites.py",
         "    root = valid if valid._base is None else valid._base\n",
         "    root = valid\n",
         (
             "tests/test_stats.py::test_views_of_one_mask_share_its_positions_only_at_one_place",
             "tests/test_device_check.py::test_a_profile_update_reads_its_small_results_in_one_transfer",
+            "tests/test_device_check.py::test_query_positions_are_read_once_per_mask",
         ),
     ),
     M(
@@ -4713,20 +4720,6 @@ MUTANTS = [
         "                    host[n] = row.to(torch.int64).tolist() if n in self.COUNTS else row.tolist()\n",
         "                    host[n] = row.tolist()\n",
         ("tests/test_device_check.py::test_an_attention_metric_is_read_in_one_transfer_until_it_changes",),
-    ),
-    M(
-        "query positions: kept after the mask changed in place",
-        "diffquant/models/sites.py",
-        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
-        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid.device)\n",
-        ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
-    ),
-    M(
-        "query positions: other rows of the mask share the first rows'",
-        "diffquant/models/sites.py",
-        "    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
-        "    where = (tuple(valid.shape), valid.stride(), valid._version, valid.device)\n",
-        ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
     ),
     M(
         "query positions: the kept list handed out",

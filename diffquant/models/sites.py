@@ -116,11 +116,18 @@ def _forget_read(ref: weakref.ref) -> None:
         _last_read = None
 
 
+def view_place(valid: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(the tensor ``valid`` views, its place in it): offset, shape, strides, the version counter (shared by
+    a tensor and its views: an in-place change moves it) and the device. Two views at one place of one
+    tensor, unchanged since, hold the same values, so what was read off one serves the other."""
+    root = valid if valid._base is None else valid._base
+    return root, (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)
+
+
 def read_query_positions(valid: torch.Tensor) -> list[int]:
     """:func:`query_positions` of ``valid`` as a list on the host, read once per mask (see above)."""
     global _last_read
-    root = valid if valid._base is None else valid._base
-    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, valid.device)
+    root, where = view_place(valid)
     if _last_read is not None and _last_read[0]() is root and _last_read[1] == where:
         return list(_last_read[2])
     positions = query_positions(valid).tolist()

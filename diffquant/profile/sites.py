@@ -7,4 +7,5 @@ from diffquant.models.sites import (  # noqa: F401
     layout_of,
     query_positions,
     read_query_positions,
+    view_place,
 )

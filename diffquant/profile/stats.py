@@ -102,7 +102,7 @@ from diffquant.profile.accumulators import (
     copy_entries,
     copy_entry,
 )
-from diffquant.profile.sites import Layout, layer_of, layout_of, read_query_positions
+from diffquant.profile.sites import Layout, layer_of, layout_of, read_query_positions, view_place
 
 __all__ = [
     "BINS_PER_OCTAVE",
@@ -565,8 +565,8 @@ def _mask_positions(valid: torch.Tensor, mask: torch.Tensor) -> _MaskPositions:
     """:class:`_MaskPositions` of ``valid`` (the map's mask; ``mask`` is it as a (T, S) bool on the map's
     device), read once per mask: views of one tensor at one place share what was read."""
     global _last_mask
-    root = valid if valid._base is None else valid._base
-    where = (valid.storage_offset(), tuple(valid.shape), valid.stride(), valid._version, mask.device)
+    root, where = view_place(valid)
+    where = (*where, mask.device)
     if _last_mask is not None:
         ref, known_where, known = _last_mask
         if ref() is root and known_where == where:
