@@ -104,6 +104,17 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
     topk = stages["cli"]["numbers"]["profile_topk"]
     assert topk["rc"] == 0 and [r["entries"] for r in topk["rows"]] == [4096, 16384]
     assert all(r["same_state"] for r in topk["rows"])
+    # a tiny profile's host syncs, counted by the device check's stand-in on a CPU: one per site update and
+    # per batch, and the mask's one read (what a GPU's count, CUDA's own, is read against)
+    syncs = stages["cli"]["numbers"]["profile_syncs"]
+    assert syncs["rc"] == 0 and [(r["kind"], r["counted_by"], r["syncs"]) for r in syncs["rows"]] == [
+        ("diff_v1", "stand-in", 69),
+        ("diff_v2", "stand-in", 69),
+    ]
+    assert (
+        "a tiny profile's host syncs (stand-in: 69): diff_v1 69 (stand-in)"
+        in (out / "digest.txt").read_text()
+    )
     # the output that comes back: the summary, the digest, two zips, nothing over the limits
     files = sorted(p.name for p in out.iterdir())
     assert files == ["digest.txt", "profiles.zip", "results.zip", "summary.json"]

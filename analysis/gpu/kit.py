@@ -336,13 +336,23 @@ def _note(name: str, n: dict[str, Any]) -> str:
         )
     if name == "cli":
         topk = n.get("profile_topk", {}).get("rows", [])
-        return ", ".join(
-            f"{c} {r.get('wall_s', '-')} s {r.get('status')}" for c, r in n.get("commands", {}).items()
-        ) + (
-            "; a site update's packed / host top-k: "
-            + ", ".join(f"{r['entries']:,} {r['packed_over_host']:.2f}x" for r in topk)
-            if topk
-            else ""
+        syncs = n.get("profile_syncs", {}).get("rows", [])
+        return (
+            ", ".join(
+                f"{c} {r.get('wall_s', '-')} s {r.get('status')}" for c, r in n.get("commands", {}).items()
+            )
+            + (
+                "; a site update's packed / host top-k: "
+                + ", ".join(f"{r['entries']:,} {r['packed_over_host']:.2f}x" for r in topk)
+                if topk
+                else ""
+            )
+            + (
+                "; a tiny profile's host syncs (stand-in: 69): "
+                + ", ".join(f"{r['kind']} {r['syncs']} ({r['counted_by']})" for r in syncs)
+                if syncs
+                else ""
+            )
         )
     if name == "trio":
         runs = n.get("runs", {})

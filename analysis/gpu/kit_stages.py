@@ -497,6 +497,22 @@ def _profile_topk(ctx: Context, path: Path) -> dict[str, Any]:
     return out
 
 
+def _profile_syncs(ctx: Context, path: Path) -> dict[str, Any]:
+    """analysis/profile/device_syncs.py: a tiny DIFF V1 and V2 profile's host syncs, as CUDA reports them (the
+    rehearsal: as the CPU's fake-CUDA device check counts them, 69 each); a few seconds. Its rows, or why
+    none."""
+    if ctx.left() < 15:
+        return {"status": "not run", "reason": "the stage's budget was spent"}
+    cmd = [sys.executable, "analysis/profile/device_syncs.py", "--device", ctx.device, "--out", str(path)]
+    log = ctx.work / "logs" / "profile-syncs.log"
+    res = run_timed(cmd, log, min(60.0, ctx.left() - 5))
+    result = read_json(path) or {}
+    out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "rows": result.get("rows", [])}
+    if res["rc"] != 0:
+        out["error"] = last_error(log)
+    return out
+
+
 def stage_cli(ctx: Context, rec: Recorder) -> None:
     """`diffquant profile`, `quantize` and `eval` on CUDA in bfloat16 (the rehearsal: on CPU), on the zoo's
     DIFF V2 and a random mid-size DIFF V2, each command timed; one failing command does not stop the rest.
@@ -566,6 +582,7 @@ def stage_cli(ctx: Context, rec: Recorder) -> None:
         }
         rec.set(commands=results)
     rec.set(profile_topk=_profile_topk(ctx, cli / "profile-topk.json"))
+    rec.set(profile_syncs=_profile_syncs(ctx, cli / "profile-syncs.json"))
     bad = [n for n, r in results.items() if r["status"] not in ("ok", "not run")]
     unrun = [n for n, r in results.items() if r["status"] == "not run" and n != "eval-backends"]
     if bad:
