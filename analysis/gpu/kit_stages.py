@@ -480,6 +480,20 @@ def _sweep(folder: Path, metric: str = "bits_per_byte") -> dict[str, Any]:
     return out
 
 
+def _profile_script(
+    ctx: Context, cmd: list[str], path: Path, log_name: str, limit_s: float
+) -> dict[str, Any]:
+    """Run one of analysis/profile's GPU scripts, ``cmd`` writing its JSON to ``path``, within ``limit_s``
+    and the stage's budget: its rows, its exit code and time, and its last error if it failed."""
+    log = ctx.work / "logs" / log_name
+    res = run_timed(cmd, log, min(limit_s, ctx.left() - 5))
+    result = read_json(path) or {}
+    out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "rows": result.get("rows", [])}
+    if res["rc"] != 0:
+        out["error"] = last_error(log)
+    return out
+
+
 def _profile_topk(ctx: Context, path: Path) -> dict[str, Any]:
     """analysis/profile/device_topk.py: one site update with the packed-key top-k against the host-guided
     search, per size (what `stats.DEVICE_TOPK_MAX` should be); a few seconds. Its rows, or why none."""
@@ -488,13 +502,7 @@ def _profile_topk(ctx: Context, path: Path) -> dict[str, Any]:
     sizes = ["16", "20", "22", "24", "26"] if ctx.cuda else ["12", "14"]
     cmd = [sys.executable, "analysis/profile/device_topk.py", "--device", ctx.device, "--sizes", *sizes]
     cmd += ["--rounds", "7" if ctx.cuda else "2", "--out", str(path)]
-    log = ctx.work / "logs" / "profile-topk.log"
-    res = run_timed(cmd, log, min(90.0, ctx.left() - 5))
-    result = read_json(path) or {}
-    out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "rows": result.get("rows", [])}
-    if res["rc"] != 0:
-        out["error"] = last_error(log)
-    return out
+    return _profile_script(ctx, cmd, path, "profile-topk.log", 90.0)
 
 
 def _profile_syncs(ctx: Context, path: Path) -> dict[str, Any]:
@@ -504,13 +512,7 @@ def _profile_syncs(ctx: Context, path: Path) -> dict[str, Any]:
     if ctx.left() < 15:
         return {"status": "not run", "reason": "the stage's budget was spent"}
     cmd = [sys.executable, "analysis/profile/device_syncs.py", "--device", ctx.device, "--out", str(path)]
-    log = ctx.work / "logs" / "profile-syncs.log"
-    res = run_timed(cmd, log, min(60.0, ctx.left() - 5))
-    result = read_json(path) or {}
-    out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "rows": result.get("rows", [])}
-    if res["rc"] != 0:
-        out["error"] = last_error(log)
-    return out
+    return _profile_script(ctx, cmd, path, "profile-syncs.log", 60.0)
 
 
 def stage_cli(ctx: Context, rec: Recorder) -> None:
