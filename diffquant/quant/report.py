@@ -51,19 +51,18 @@ class ErrorStats:
         ref, quant = ref.detach(), quant.detach()
         finite = torch.isfinite(ref) & torch.isfinite(quant)
         bad = count = None
-        if ref.device.type != "cpu":
-            considered = None if valid is None else valid.expand_as(finite)
-            ok = finite if considered is None else considered & finite
-            bad = (~finite).sum() if considered is None else (considered & ~finite).sum()
-            count = ok.sum()
-            r, q = torch.where(ok, ref, 0.0).reshape(-1), torch.where(ok, quant, 0.0).reshape(-1)
-        elif valid is None and bool(finite.all()):
+        on_cpu = ref.device.type == "cpu"
+        if on_cpu and valid is None and bool(finite.all()):
             r, q = ref.reshape(-1), quant.reshape(-1)  # every value compared: no selection to copy
         else:
             considered = torch.ones_like(finite) if valid is None else valid.expand_as(finite)
             bad = (considered & ~finite).sum()
             ok = considered & finite
-            r, q = ref[ok], quant[ok]
+            if on_cpu:
+                r, q = ref[ok], quant[ok]
+            else:
+                count = ok.sum()
+                r, q = torch.where(ok, ref, 0.0).reshape(-1), torch.where(ok, quant, 0.0).reshape(-1)
         del finite
         buf = torch.empty(r.shape, dtype=torch.float64, device=r.device)
         sums = [
