@@ -1523,8 +1523,8 @@ MUTANTS = [
     M(
         "stats-fast-path-or",
         "diffquant/quant/report.py",
-        "if valid is None and bool(finite.all()):",
-        "if valid is None or bool(finite.all()):",
+        "if on_cpu and valid is None and bool(finite.all()):",
+        "if on_cpu and (valid is None or bool(finite.all())):",
         ("tests/test_quantize_memory.py::test_error_stats_are_the_all_at_once_float64_sums",),
     ),
     M(
