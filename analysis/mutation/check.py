@@ -4735,6 +4735,20 @@ MUTANTS = [
         "    if False:\n",
         ("tests/test_device_check.py::test_query_positions_are_read_once_per_mask",),
     ),
+    M(
+        "compiled.py: every configuration fits sm_90's shared memory",
+        "analysis/kernels/compiled.py",
+        'row["fits"] = row["shared"] <= SM90_SHARED_LIMIT',
+        'row["fits"] = True',
+        ("tests/test_kernels.py::test_launch_table_compiles_to_pipelined_tensor_core_code_that_fits_sm90",),
+    ),
+    M(
+        "compiled.py: spills not read from ptxas",
+        "analysis/kernels/compiled.py",
+        'row["spill_bytes"] = int(spills.group(1)) + int(spills.group(2)) if spills else None',
+        'row["spill_bytes"] = 0',
+        ("tests/test_kernels.py::test_launch_table_compiles_to_pipelined_tensor_core_code_that_fits_sm90",),
+    ),
 ]
 
 
