@@ -158,7 +158,9 @@ def test_the_rehearsal_trains_and_sweeps_a_matched_trio(rehearsal):
         "stages/trio.json",
     } <= names
     assert any(n.startswith("trio/run/figures/") and n.endswith(".png") for n in names)
-    assert not any(n.endswith(".safetensors") for n in names)
+    # of the tensors, only the trio's attention maps come back (a trio joined from parts draws them)
+    tensors = sorted(n for n in names if n.endswith(".safetensors"))
+    assert tensors == [f"trio/run/profile/{kind}.maps.safetensors" for kind in kit_trio.KINDS], tensors
 
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -281,6 +283,7 @@ def test_results_leave_weights_behind_and_profiles_go_apart(tmp_path):
         "stages/trio.json",
         "trio/run/report.html",
         "trio/run/profile/baseline.json",
+        "trio/run/profile/baseline.maps.safetensors",
         "trio/train/baseline/final/model.safetensors",
         "trio/train/baseline/log.csv",
         "trio/corpus.jsonl",
@@ -293,8 +296,156 @@ def test_results_leave_weights_behind_and_profiles_go_apart(tmp_path):
     names = [arc for arc, _ in results]
     assert names[:3] == ["stages/trio.json", "logs/trio.log", "trio/run/report.html"]
     assert "trio/train/baseline/log.csv" in names
-    assert not any(n.endswith((".safetensors", "corpus.jsonl")) for n in names)
+    # the trio's maps come last (kept where the cap leaves room); weights and the corpus stay behind
+    assert names[-1] == "trio/run/profile/baseline.maps.safetensors"
+    assert not any(n.endswith((".safetensors", "corpus.jsonl")) for n in names[:-1])
     assert [arc for arc, _ in profiles] == ["trio/run/profile/baseline.json"]
+
+
+# ------------------------------------------------------------------------------------------- trio parts
+PART = ["--stages", "trio", "--trio-size", "toy-b", "--trio-tokens", "4096"]
+
+
+def _kit_call(base: Path, name: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OUT": str(base / name / "out"), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    cmd = ["bash", str(KIT / "run.sh"), "--rehearse", "--work", str(base / name / "work"), *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def trio_parts(tmp_path_factory):
+    """Three rehearsed kit calls at one fixed size and token count: the trio stage of baseline and DIFF V2 in
+    one call (``whole``), and of each alone (``base``, ``v2``), as two device calls would run them."""
+    base = tmp_path_factory.mktemp("trio-parts")
+    calls = {
+        "whole": _kit_call(base, "whole", *PART, "--trio-kinds", "baseline,diff_v2"),
+        "base": _kit_call(base, "base", *PART, "--trio-kinds", "baseline"),
+        "v2": _kit_call(base, "v2", *PART, "--trio-kinds", "diff_v2"),
+    }
+    for name, proc in calls.items():
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {output[-3000:]}"
+    whole = base / "whole-run"
+    for zip_name in ("results.zip", "profiles.zip"):
+        with zipfile.ZipFile(base / "whole" / "out" / zip_name) as z:
+            z.extractall(whole)
+    return base, whole / "trio" / "run"
+
+
+def _sha(spec: dict) -> str:
+    """The sweep's fingerprint as diffquant.eval.sweep.Sweep.fingerprint computes it, over a spec."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_trio_in_parts_joins_into_the_whole_trios_study(trio_parts):
+    """Each part trains its kind as the whole call does (the same weights, by their SHA-256), so the joined
+    study holds the whole call's numbers: every sweep row and per-window tally, the Table 5 view, each
+    profile and its attention maps; the parts are given in the other order and the models still come in the
+    trio's order. The sweep's fingerprint is the sweep's own formula over the joined spec (the spec differs
+    from the whole call's only in its checkpoint paths). The figures, map figures included, and the report
+    are drawn from the joined folder."""
+    import kit_merge
+    from safetensors.torch import load_file
+
+    base, whole = trio_parts
+    joined = base / "joined"
+    result = kit_merge.merge([base / "v2" / "out", base / "base" / "out"], joined)
+    assert result["kinds"] == ["baseline", "diff_v2"]
+    assert (result["plot_rc"], result["report_rc"]) == (0, 0), result
+
+    def read(root: Path, rel: str):
+        return json.loads((root / rel).read_text())
+
+    ours, theirs = read(joined, "manifest.json"), read(whole, "manifest.json")
+    assert {m: c["sha256"] for m, c in ours["checkpoints"].items()} == {
+        m: c["sha256"] for m, c in theirs["checkpoints"].items()
+    }
+    assert [p["kinds"] for p in ours["parts"]] == [["diff_v2"], ["baseline"]]
+    assert "maps_left_out" not in ours
+    a, b = read(joined, "sweep/results.json"), read(whole, "sweep/results.json")
+    assert a["rows"] == b["rows"] and a["per_window"] == b["per_window"] and a["dtypes"] == b["dtypes"]
+    assert a["complete"] and sorted(a) == sorted(b)
+    spec_a, spec_b = read(joined, "sweep/sweep.json")["spec"], read(whole, "sweep/sweep.json")["spec"]
+    assert list(spec_a["models"]) == ["baseline", "diff_v2"]
+    assert {**spec_a, "models": None} == {**spec_b, "models": None}
+    assert a["fingerprint"] == _sha(spec_a) and b["fingerprint"] == _sha(spec_b)
+    assert read(joined, "table5.json") == read(whole, "table5.json")
+    assert (joined / "table5.txt").read_text() == (whole / "table5.txt").read_text()
+    assert (joined / "sweep/results.csv").read_text() == (whole / "sweep/results.csv").read_text()
+    for model in ("baseline", "diff_v2"):
+        p, q = read(joined, f"profile/{model}.json"), read(whole, f"profile/{model}.json")
+        p["meta"].pop("checkpoint"), q["meta"].pop("checkpoint")
+        assert p == q, model
+        m, n = (load_file(root / "profile" / f"{model}.maps.safetensors") for root in (joined, whole))
+        assert m.keys() == n.keys() and all(m[k].equal(n[k]) for k in m), model
+    assert (joined / "report.html").is_file() and list((joined / "figures").glob("maps-*.png"))
+
+
+def test_trio_merge_refuses_parts_of_two_trios_or_one_kind_twice(trio_parts, tmp_path):
+    """Parts whose match records differ (here the steps), or that train one kind twice, are refused in one
+    line with exit code 2, and nothing is written."""
+    base, _ = trio_parts
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("results.zip", "profiles.zip"):
+        (other / name).write_bytes((base / "v2" / "out" / name).read_bytes())
+    summary = json.loads((base / "v2" / "out" / "summary.json").read_text())
+    summary["stages"]["trio"]["numbers"]["match"]["steps"] += 1
+    (other / "summary.json").write_text(json.dumps(summary))
+    cases = [
+        ([base / "base" / "out", other], "its trio's steps 5 differs from"),
+        ([base / "base" / "out", base / "base" / "out"], "baseline is trained in"),
+    ]
+    for parts, said in cases:
+        out = tmp_path / "joined"
+        proc = subprocess.run(
+            [sys.executable, str(KIT / "kit.py"), "trio-merge", *map(str, parts), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert not out.exists()
+
+
+def test_figures_skip_the_maps_a_joined_folder_lists_as_left_out(trio_parts, tmp_path):
+    """A model whose maps did not come back (results.zip's cap): without its name in the manifest's
+    maps_left_out the figures refuse the folder (a missing artifact), with it they are drawn without them."""
+    import kit_merge
+
+    from diffquant.cli import main
+
+    base, _ = trio_parts
+    folder = tmp_path / "joined"
+    kit_merge.merge([base / "base" / "out", base / "v2" / "out"], folder, draw=False)
+    (folder / "profile" / "diff_v2.maps.safetensors").unlink()
+    assert main(["plot", str(folder), "--what", "maps"]) == 2
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "maps_left_out": ["diff_v2"]}))
+    assert main(["plot", str(folder), "--what", "maps"]) == 0
+    drawn = sorted(p.name for p in (folder / "figures").glob("maps-*.png"))
+    assert drawn, drawn
+
+
+def test_a_trio_part_is_checked_before_anything_is_written(tmp_path):
+    for args, said in (
+        (["--trio-kinds", "gated", "--trio-size", "toy-b"], "--trio-kinds gated: expected distinct kinds"),
+        (["--trio-kinds", "diff_v1", "--trio-size", "52M"], "--trio-size 52M: expected one of toy-b, toy-a"),
+        (["--trio-size", "toy-b"], "--trio-size and --trio-tokens go with --trio-kinds"),
+        (["--trio-kinds", "diff_v1", "--trio-size", "toy-b", "--stages", "cli"], "the trio stage is not"),
+    ):
+        out = tmp_path / "out"
+        proc = subprocess.run(
+            [sys.executable, str(KIT / "kit.py"), "run", "--rehearse", "--out", str(out), *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
+        assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------------- kernels

@@ -5,6 +5,7 @@
     python analysis/gpu/kit.py trim-bnb WHEEL_DIR        (prepare.sh: the CUDA 13 libraries only)
     python analysis/gpu/kit.py install-wheels WHEEL_DIR SITE   (run.sh: the carried wheels, offline)
     python analysis/gpu/kit.py manifest WHEEL_DIR       (prepare.sh: what was prepared, from which commit)
+    python analysis/gpu/kit.py trio-merge OUT_A OUT_B --out DIR   (trio parts' studies joined: kit_merge.py)
 
 `run.sh` calls `run`; the driver runs the stages (env, gpu_tests, kernels_bench, cli, trio) one after the other,
 each in its own process group under its own time budget, so a stage that fails or runs out of time is recorded
@@ -272,7 +273,8 @@ SMALL = (".json", ".csv", ".txt", ".md", ".html", ".yaml", ".jsonl", ".log", ".p
 
 def result_members(work: Path) -> tuple[list[tuple[str, Path]], list[tuple[str, Path]]]:
     """(results, profiles): what goes into results.zip, most important first, and the per-site profile JSONs
-    (large) into profiles.zip. Weights, checkpoints, the corpus and the attention-map tensors stay behind."""
+    (large) into profiles.zip. The trio's attention-map tensors go last, kept where the cap leaves room (a
+    trio joined from parts draws its map figures from them); weights, checkpoints and the corpus stay behind."""
     first = [
         "stages",
         "logs",
@@ -291,9 +293,12 @@ def result_members(work: Path) -> tuple[list[tuple[str, Path]], list[tuple[str, 
     def rank(rel: str) -> int:
         return next((i for i, p in enumerate(first) if rel.startswith(p)), len(first))
 
-    results, profiles = [], []
+    results, profiles, maps = [], [], []
     for path in sorted(p for p in work.rglob("*") if p.is_file()):
         rel = path.relative_to(work).as_posix()
+        if rel.startswith("trio/run/profile/") and rel.endswith(".maps.safetensors"):
+            maps.append((rel, path))  # last: the map figures of a trio joined from parts, where they fit
+            continue
         if "/checkpoints/" in rel or rel.endswith((".safetensors", ".tmp")) or rel.endswith("corpus.jsonl"):
             continue
         if "/profile/" in rel and rel.endswith(".json"):
@@ -301,7 +306,7 @@ def result_members(work: Path) -> tuple[list[tuple[str, Path]], list[tuple[str, 
         elif path.suffix in SMALL:
             results.append((rel, path))
     results.sort(key=lambda m: (rank(m[0]), m[0]))
-    return results, profiles
+    return results + maps, profiles
 
 
 # ------------------------------------------------------------------------------------------- digest
@@ -463,6 +468,8 @@ def run_stage(name: str, ctx: Context, budget: float) -> dict[str, Any]:
         "--cuda",
         "1" if ctx.cuda else "0",
     ]
+    if ctx.trio is not None:
+        cmd += ["--trio", json.dumps(ctx.trio)]
     env = {"TRITON_INTERPRET": "0"} if ctx.mode == "gpu" else {}
     begin = time.time()
     proc = start(cmd, log, env)
@@ -490,28 +497,57 @@ def run_stage(name: str, ctx: Context, budget: float) -> dict[str, Any]:
     }
 
 
+def refuse(message: str) -> None:
+    """A wrong option: one line on stderr and exit code 2, before anything is written."""
+    print(f"kit.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def trio_part(args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
+    """The part of a trio this call trains (--trio-kinds, --trio-size, --trio-tokens), checked against the
+    kinds and the mode's ladder; None without --trio-kinds. A wrong one exits 2 with one line."""
+    import kit_trio
+
+    if args.trio_kinds is None:
+        if args.trio_size is not None or args.trio_tokens is not None:
+            refuse("--trio-size and --trio-tokens go with --trio-kinds (a part of a trio)")
+        return None
+    kinds = [k.strip() for k in args.trio_kinds.split(",") if k.strip()]
+    wrong = [k for k in kinds if k not in kit_trio.KINDS]
+    if not kinds or wrong or len(set(kinds)) != len(kinds):
+        refuse(f"--trio-kinds {args.trio_kinds}: expected distinct kinds of {','.join(kit_trio.KINDS)}")
+    ladder = kit_trio.LADDER[mode]
+    if args.trio_size not in ladder:
+        refuse(f"--trio-size {args.trio_size}: expected one of {', '.join(ladder)} ({mode})")
+    tokens = kit_trio.SETTINGS[mode]["target_tokens"] if args.trio_tokens is None else args.trio_tokens
+    if tokens <= 0:
+        refuse(f"--trio-tokens {tokens}: expected a positive number of tokens")
+    return {"kinds": [k for k in kit_trio.KINDS if k in kinds], "size": args.trio_size, "tokens": tokens}
+
+
 def drive(args: argparse.Namespace) -> int:
     mode = "rehearse" if args.rehearse else "gpu"
+    trio = trio_part(args, mode)  # the options are checked before anything is written
     started = args.started or time.time()
     deadline = started + (args.deadline or DEADLINE_S[mode])
-    out = Path(args.out or tempfile.mkdtemp(prefix="diffquant-kit-out-"))
-    work = Path(args.work or tempfile.mkdtemp(prefix="diffquant-kit-work-"))
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
     budgets = dict(BUDGETS[mode])
     for item in args.budget:
         key, _, value = item.partition("=")
         if key not in budgets:
-            sys.exit(f"kit.py: --budget {item}: unknown stage; expected one of {', '.join(STAGES)}")
+            refuse(f"--budget {item}: unknown stage; expected one of {', '.join(STAGES)}")
         budgets[key] = float(value)
     asked = set(args.stages.split(",")) if args.stages else set(DEFAULT_STAGES)
     if asked - set(STAGES):
-        sys.exit(
-            f"kit.py: --stages: unknown {', '.join(sorted(asked - set(STAGES)))}; expected {','.join(STAGES)}"
-        )
+        refuse(f"--stages: unknown {', '.join(sorted(asked - set(STAGES)))}; expected {','.join(STAGES)}")
     chosen = [s for s in STAGES if s in asked]
+    if trio is not None and "trio" not in chosen:
+        refuse("--trio-kinds: the trio stage is not among --stages")
     if "env" not in chosen:
         chosen.insert(0, "env")  # the others need to know whether CUDA is there
+    out = Path(args.out or tempfile.mkdtemp(prefix="diffquant-kit-out-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="diffquant-kit-work-"))
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {
         "kit": "diffquant GPU kit (issue 31)",
         "mode": mode,
@@ -520,6 +556,7 @@ def drive(args: argparse.Namespace) -> int:
         "setup": read_json(Path(args.setup)) if args.setup else None,
         "budgets_s": {s: budgets[s] for s in chosen},
         "deadline_s": round(deadline - started),
+        "trio_part": trio,
         "stages": {},
     }
     write_json(out / "summary.json", summary)
@@ -543,7 +580,7 @@ def drive(args: argparse.Namespace) -> int:
             }
         else:
             budget = min(left, budgets[name] + (slack if name in ABSORBS_SLACK else 0.0))
-            ctx = Context(mode=mode, work=work, deadline=time.time() + budget - 2, cuda=cuda)
+            ctx = Context(mode=mode, work=work, deadline=time.time() + budget - 2, cuda=cuda, trio=trio)
             print(f"[kit] {name}: budget {budget:.0f} s", flush=True)
             entry = run_stage(name, ctx, budget)
             if name not in ABSORBS_SLACK:
@@ -577,7 +614,13 @@ def stage_main(args: argparse.Namespace) -> int:
     import kit_stages
     import kit_trio
 
-    ctx = Context(mode=args.mode, work=Path(args.work), deadline=args.deadline, cuda=args.cuda == "1")
+    ctx = Context(
+        mode=args.mode,
+        work=Path(args.work),
+        deadline=args.deadline,
+        cuda=args.cuda == "1",
+        trio=json.loads(args.trio) if args.trio else None,
+    )
     rec = Recorder(ctx.work / "stages" / f"{args.name}.json")
     rec.set()
     fn = {
@@ -620,12 +663,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=None, help="seconds from --started by which all is done")
     p.add_argument("--started", type=float, default=None, help="epoch seconds the command started (run.sh)")
     p.add_argument("--setup", default=None, help="run.sh's record of the wheels it installed (JSON)")
+    p.add_argument(
+        "--trio-kinds",
+        default=None,
+        help="train only these kinds of the trio (comma-separated), a part that kit.py trio-merge joins",
+    )
+    p.add_argument("--trio-size", default=None, help="the part's ladder size, e.g. 52M (with --trio-kinds)")
+    p.add_argument(
+        "--trio-tokens", type=int, default=None, help="the part's training tokens (default: the target, 1e8)"
+    )
     s = sub.add_parser("stage", help=argparse.SUPPRESS)
     s.add_argument("name", choices=STAGES)
     s.add_argument("--mode", choices=("gpu", "rehearse"), required=True)
     s.add_argument("--work", required=True)
     s.add_argument("--deadline", type=float, required=True)
     s.add_argument("--cuda", choices=("0", "1"), required=True)
+    s.add_argument("--trio", default=None, help="the part of a trio (JSON)")
     z = sub.add_parser("size", help="the bytes that travel to the GPU machine, against the limit")
     z.add_argument("--carry", action="append", default=[], help="a carried (ignored) path, repeatable")
     z.add_argument("--limit-mib", type=float, default=LIMIT_MIB)
@@ -638,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--record", default=None, help="write what was installed to this JSON file")
     m = sub.add_parser("manifest", help="write WHEEL_DIR/MANIFEST.json")
     m.add_argument("folder")
+    j = sub.add_parser("trio-merge", help="join the studies of trio parts (--trio-kinds calls) into one")
+    j.add_argument("parts", nargs="+", help="the kit output folders of the parts ($OUT of each call)")
+    j.add_argument("--out", required=True, help="the joined run folder (new)")
     args = parser.parse_args(argv)
     if args.command == "run":
         return drive(args)
@@ -661,6 +717,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "manifest":
         print(json.dumps(write_manifest(Path(args.folder)), indent=1))
         return 0
+    if args.command == "trio-merge":
+        import kit_merge
+
+        return kit_merge.main(args.parts, args.out)
     return 2
 
 

@@ -127,6 +127,16 @@ SETTINGS = {
     },
 }
 NEEDLE_FRACTION = 0.2
+# the settings of the study a part of a trio must share with the other parts (the study recipe's amounts)
+STUDY_SETTINGS = (
+    "seq_len",
+    "eval_tokens",
+    "retrieval_samples",
+    "profile_tokens",
+    "bpb_tokens",
+    "calib_tokens",
+    "retrieval_eval_samples",
+)
 CORPUS_SKIP = frozenset({"test", "tests", "__pycache__", "site-packages", "dist-packages"})
 
 
@@ -397,6 +407,17 @@ def build_corpus(
     }
 
 
+def file_sha256(path: Path) -> str:
+    """A file's SHA-256, read in 1 MiB blocks (the corpus: ~100 MB at the 50M trio's 1e8 tokens)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 # ------------------------------------------------------------------------------------------ recipes
 def train_recipe(
     kind: str,
@@ -541,6 +562,10 @@ def stage_train_compile(ctx: Context, rec: Recorder) -> None:
 
 # ------------------------------------------------------------------------------------------ the stage
 def stage_trio(ctx: Context, rec: Recorder) -> None:
+    """The trio, sized from the time it has (a probe of the ladder's sizes), or, with ``ctx.trio`` (run.sh
+    --trio-kinds / --trio-size / --trio-tokens), a part of one: the kinds named, at the size and token count
+    named, no probe; parts of several calls with equal ``match`` records make one matched trio when
+    kit_merge.py joins their studies."""
     import torch
     import yaml
 
@@ -553,7 +578,7 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     begin = time.time()
     stage_left = ctx.left()
     flops = cpu_flops()
-    data = probe_data(settings)
+    data = None if ctx.trio else probe_data(settings)
     stdlib_tokens = token_stream("stdlib:train").numel()
     facts = {name: size_facts(base, settings["seq_len"]) for name, base in ladder.items()}
     rec.set(
@@ -581,10 +606,12 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
             choice = choose_size(facts, measured, per_model, settings, overheads(read))
         return {**choice, "overhead_s": round(overheads(read)[choice["size"]], 1)}
 
+    part = ctx.trio  # a trio in parts: these kinds only, at a size and token count the caller fixed
+    kinds = tuple(part["kinds"]) if part else KINDS
     measured: dict[str, float] = {}
     probes: dict[str, Any] = {}
     choice: dict[str, Any] = {}
-    while True:
+    while not part:
         name = next(iter(ladder)) if not measured else choice["size"]
         # the first (largest) size: every kind, for the training-speed report (issue 46); later sizes: the trio
         result = probe(ladder[name], settings["batch_size"][name], settings, ctx.device, data, not measured)
@@ -596,19 +623,31 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
         rec.set(probe=probes, choice=choice, probe_s=round(time.time() - begin, 1))
         if choice["measured"]:
             break
-    size = choice["size"]
+    size = part["size"] if part else choice["size"]
     batch = settings["batch_size"][size]
-    steps = plan_steps(choice["tokens"], settings, size)
+    steps = plan_steps(part["tokens"] if part else choice["tokens"], settings, size)
     tokens = steps * batch * settings["seq_len"]
-    why = (
-        f"{size} is the largest size predicted to train on {settings['target_tokens']:,} tokens in "
-        f"{per_model:.0f} s per model"
-        if choice["reaches_target"]
-        else f"no size reaches {settings['target_tokens']:,} tokens in {per_model:.0f} s per model; the "
-        f"smallest, {size}, trains on the {tokens:,} tokens that fit"
-    )
+    if part:
+        per_model = (ctx.left() - settings["post_reserve_s"]) / len(kinds)
+        why = f"a part of a trio: {', '.join(kinds)} at {size} on {tokens:,} tokens, as the call asked"
+    elif choice["reaches_target"]:
+        why = (
+            f"{size} is the largest size predicted to train on {settings['target_tokens']:,} tokens in "
+            f"{per_model:.0f} s per model"
+        )
+    else:
+        why = (
+            f"no size reaches {settings['target_tokens']:,} tokens in {per_model:.0f} s per model; the "
+            f"smallest, {size}, trains on the {tokens:,} tokens that fit"
+        )
     rec.set(
-        size=size, batch=batch, steps=steps, tokens=tokens, why=why, seconds_per_model=round(per_model, 1)
+        size=size,
+        batch=batch,
+        steps=steps,
+        tokens=tokens,
+        why=why,
+        seconds_per_model=round(per_model, 1),
+        kinds=list(kinds),
     )
     del data
     if tokens <= stdlib_tokens:
@@ -616,12 +655,29 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     else:
         corpus = build_corpus(trio / "corpus.jsonl", tokens, corpus_roots())
         source, data_tokens = corpus["path"], corpus["tokens"]
+        corpus["sha256"] = file_sha256(Path(corpus["path"]))
         rec.set(corpus={k: v for k, v in corpus.items() if k != "path"})
     configs = trio_configs(ladder[size], settings["seq_len"])
     lr = learning_rate(max(facts[size]["params"].values()))
+    # what two calls' parts must share to make one matched trio (kit_merge.py compares it)
+    rec.set(
+        match={
+            "mode": ctx.mode,
+            "size": size,
+            "config": ladder[size],
+            "batch": batch,
+            "steps": steps,
+            "tokens": tokens,
+            "lr": lr,
+            "data": source if corpus is None else f"corpus sha256 {corpus['sha256']}",
+            "data_tokens": data_tokens,
+            "study": {k: settings[k] for k in STUDY_SETTINGS},
+            "torch_compile": settings["torch_compile"],
+        }
+    )
     runs: dict[str, Any] = {}
     finals: dict[str, str] = {}
-    for kind in KINDS:
+    for kind in kinds:
         if ctx.left() < settings["post_reserve_s"] * 0.5:
             runs[kind] = {"status": "not run", "reason": "the stage's time was spent"}
             rec.set(runs=runs)
@@ -680,7 +736,7 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
             else 0,
         }
     )
-    missing = [k for k in KINDS if k not in finals]
+    missing = [k for k in kinds if k not in finals]
     if res["timed_out"]:
         rec.finish("timeout", "the study (profile, sweep, figures, report) ran past the stage's time")
     elif res["rc"] != 0:

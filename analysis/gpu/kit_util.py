@@ -24,12 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 @dataclass
 class Context:
     """Where a stage runs: the mode (``gpu`` or ``rehearse``), its work folder, the wall-clock time (epoch
-    seconds) by which it must have written its result, and whether CUDA is there."""
+    seconds) by which it must have written its result, whether CUDA is there, and, for a trio in parts, the
+    part this call trains ({kinds, size, tokens}; None: the whole trio, sized from the time)."""
 
     mode: str
     work: Path
     deadline: float
     cuda: bool
+    trio: dict[str, Any] | None = None
 
     @property
     def rehearse(self) -> bool:

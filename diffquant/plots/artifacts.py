@@ -162,18 +162,22 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
         for name in art.profiles:
             path = art.profile_paths[name].with_name(f"{art.profile_paths[name].stem}.maps.safetensors")
             if name in streamed and not path.exists():
-                continue  # a layer-streamed profile captures no maps (they need the whole model)
+                # a layer-streamed profile captures no maps (they need the whole model); a folder joined
+                # from parts (the GPU kit's trio) may not have brought them along
+                continue
             art.maps[name] = load_map_file(path)
     return art
 
 
 def _streamed_models(run_dir: Path) -> set[str]:
-    """Models the run profiled layer-streamed (the manifest's ``streamed`` list; empty without one)."""
+    """Models whose maps the run folder lacks by design: profiled layer-streamed (the manifest's ``streamed``
+    list) or joined without their maps (its ``maps_left_out`` list); empty without a manifest."""
     path = run_dir / "manifest.json"
     if not path.is_file():
         return set()
     try:
-        names = json.loads(path.read_text()).get("streamed") or []
-    except (OSError, ValueError, AttributeError):
+        manifest = json.loads(path.read_text())
+        names = [*(manifest.get("streamed") or []), *(manifest.get("maps_left_out") or [])]
+    except (OSError, ValueError, AttributeError, TypeError):
         return set()
-    return {str(n) for n in names} if isinstance(names, list) else set()
+    return {str(n) for n in names}
