@@ -4749,6 +4749,62 @@ MUTANTS = [
         'row["spill_bytes"] = 0',
         ("tests/test_kernels.py::test_launch_table_compiles_to_pipelined_tensor_core_code_that_fits_sm90",),
     ),
+    M(
+        "trio merge: rows in the parts' order, not the trio's",
+        "analysis/gpu/kit_merge.py",
+        '    merged["rows"] = sorted(rows, key=lambda row: order.index(row["model"]))',
+        '    merged["rows"] = rows',
+        ("tests/test_gpu_kit.py::test_a_trio_in_parts_joins_into_the_whole_trios_study",),
+    ),
+    M(
+        "trio merge: the fingerprint kept from the first part",
+        "analysis/gpu/kit_merge.py",
+        '    fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()',
+        '    fingerprint = read_json(parts[0]["run"] / "sweep" / "sweep.json")["fingerprint"]',
+        ("tests/test_gpu_kit.py::test_a_trio_in_parts_joins_into_the_whole_trios_study",),
+    ),
+    M(
+        "trio merge: parts of different trios joined",
+        "analysis/gpu/kit_merge.py",
+        '            if mine != theirs:',
+        '            if False:',
+        ("tests/test_gpu_kit.py::test_trio_merge_refuses_parts_of_two_trios_or_one_kind_twice",),
+    ),
+    M(
+        "trio merge: one kind from two parts joined",
+        "analysis/gpu/kit_merge.py",
+        '            if kind in seen:',
+        '            if False:',
+        ("tests/test_gpu_kit.py::test_trio_merge_refuses_parts_of_two_trios_or_one_kind_twice",),
+    ),
+    M(
+        "trio merge: the maps not copied",
+        "analysis/gpu/kit_merge.py",
+        '            if maps.is_file():',
+        '            if False:',
+        ("tests/test_gpu_kit.py::test_a_trio_in_parts_joins_into_the_whole_trios_study",),
+    ),
+    M(
+        "trio part: every kind trained, not the part's",
+        "analysis/gpu/kit_trio.py",
+        '    kinds = tuple(part["kinds"]) if part else KINDS',
+        '    kinds = KINDS',
+        ("tests/test_gpu_kit.py::test_a_trio_in_parts_joins_into_the_whole_trios_study",),
+    ),
+    M(
+        "figures: maps_left_out not read",
+        "diffquant/plots/artifacts.py",
+        '        names = [*(manifest.get("streamed") or []), *(manifest.get("maps_left_out") or [])]',
+        '        names = [*(manifest.get("streamed") or [])]',
+        ("tests/test_gpu_kit.py::test_figures_skip_the_maps_a_joined_folder_lists_as_left_out",),
+    ),
+    M(
+        "kit: a trio part named without the trio stage",
+        "analysis/gpu/kit.py",
+        '    if trio is not None and "trio" not in chosen:',
+        '    if False:',
+        ("tests/test_gpu_kit.py::test_a_trio_part_is_checked_before_anything_is_written",),
+    ),
 ]
 
 
