@@ -381,6 +381,7 @@ def test_a_trio_in_parts_joins_into_the_whole_trios_study(trio_parts):
         m, n = (load_file(root / "profile" / f"{model}.maps.safetensors") for root in (joined, whole))
         assert m.keys() == n.keys() and all(m[k].equal(n[k]) for k in m), model
     assert (joined / "report.html").is_file() and list((joined / "figures").glob("maps-*.png"))
+    assert not (whole / "figures").exists()  # a part draws no figures: the join draws the trio's
 
 
 def test_trio_merge_refuses_parts_of_two_trios_or_one_kind_twice(trio_parts, tmp_path):

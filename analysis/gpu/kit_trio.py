@@ -486,9 +486,12 @@ def learning_rate(params: int) -> float:
     return 2e-3 if params < 10e6 else (1.5e-3 if params < 35e6 else 1e-3)
 
 
-def study_recipe(models: dict[str, str], settings: dict[str, Any], device: str, out: Path) -> dict[str, Any]:
+def study_recipe(
+    models: dict[str, str], settings: dict[str, Any], device: str, out: Path, plots: bool = True
+) -> dict[str, Any]:
     """The `diffquant run` recipe of the study: the demo's (diffquant/zoo/demo.yaml) at the trained context,
-    in float32 on the device (quantization errors are measured against fp32, as in the demo)."""
+    in float32 on the device (quantization errors are measured against fp32, as in the demo). A part of a
+    trio draws no figures (``plots`` False): the join draws them for the whole trio."""
     seq = settings["seq_len"]
     return {
         "name": "gpu-trio",
@@ -522,7 +525,7 @@ def study_recipe(models: dict[str, str], settings: dict[str, Any], device: str, 
             ]
         },
         "sweep": {"plans": list(PLANS)},
-        "plots": {"enabled": True},
+        "plots": {"enabled": plots},
         "output": {"dir": str(out)},
     }
 
@@ -722,7 +725,7 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     run_dir = trio / "run"
     recipe_path = trio / "recipes" / "study.yaml"
     recipe_path.write_text(
-        yaml.safe_dump(study_recipe(finals, settings, ctx.device, run_dir), sort_keys=False)
+        yaml.safe_dump(study_recipe(finals, settings, ctx.device, run_dir, plots=not part), sort_keys=False)
     )
     log = ctx.work / "logs" / "trio-run.log"
     res = run_timed(diffquant("run", str(recipe_path)), log, ctx.left() - 2)
