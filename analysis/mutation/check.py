@@ -4805,6 +4805,13 @@ MUTANTS = [
         "    if False:",
         ("tests/test_gpu_kit.py::test_a_trio_part_is_checked_before_anything_is_written",),
     ),
+    M(
+        "trio part: draws the figures the join draws again",
+        "analysis/gpu/kit_trio.py",
+        "study_recipe(finals, settings, ctx.device, run_dir, plots=not part)",
+        "study_recipe(finals, settings, ctx.device, run_dir, plots=True)",
+        ("tests/test_gpu_kit.py::test_a_trio_in_parts_joins_into_the_whole_trios_study",),
+    ),
 ]
 
 
