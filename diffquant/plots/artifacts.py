@@ -158,10 +158,10 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
     art.order += [n for n in sorted(art.profiles) if n not in art.order]
     art.profiles = {n: art.profiles[n] for n in art.ordered(art.profiles)}
     if maps:
-        streamed = _streamed_models(Path(run_dir))
+        without = _models_without_maps(Path(run_dir))
         for name in art.profiles:
             path = art.profile_paths[name].with_name(f"{art.profile_paths[name].stem}.maps.safetensors")
-            if name in streamed and not path.exists():
+            if name in without and not path.exists():
                 # a layer-streamed profile captures no maps (they need the whole model); a folder joined
                 # from parts (the GPU kit's trio) may not have brought them along
                 continue
@@ -169,15 +169,16 @@ def load_run(run_dir: str | Path, *, maps: bool = True) -> RunArtifacts:
     return art
 
 
-def _streamed_models(run_dir: Path) -> set[str]:
+def _models_without_maps(run_dir: Path) -> set[str]:
     """Models whose maps the run folder lacks by design: profiled layer-streamed (the manifest's ``streamed``
-    list) or joined without their maps (its ``maps_left_out`` list); empty without a manifest."""
+    list) or joined without their maps (its ``maps_left_out`` list); a key that is not a list counts as
+    absent, and so does the manifest itself."""
     path = run_dir / "manifest.json"
     if not path.is_file():
         return set()
     try:
         manifest = json.loads(path.read_text())
-        names = [*(manifest.get("streamed") or []), *(manifest.get("maps_left_out") or [])]
-    except (OSError, ValueError, AttributeError, TypeError):
+        lists = [manifest.get(key) or [] for key in ("streamed", "maps_left_out")]
+    except (OSError, ValueError, AttributeError):
         return set()
-    return {str(n) for n in names}
+    return {str(n) for names in lists if isinstance(names, list) for n in names}
