@@ -11,7 +11,7 @@ So parts trained in separate calls, each studying its own models, give the whole
 parts are one matched trio: the same ladder size, config, batch, steps, tokens, learning rate, data (the
 corpus by its SHA-256) and study settings. The trio stage records these as ``match``; parts whose records
 differ are refused, naming the field. What differs between parts is recorded, not hidden: each part's
-machine, torch and commit go into ``parts.json`` and the manifest.
+machine, torch and commit go into the manifest (``parts``, beside the shared ``match``).
 
 Left out of the joined folder: the sweep's cell records (a joined folder has no models to resume with). The
 attention maps' tensors come back last in results.zip, where its 16 MiB cap leaves room; a model whose maps
@@ -21,12 +21,8 @@ did not is listed in the manifest's ``maps_left_out``, and the figures skip its 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -34,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kit_trio import KINDS
-from kit_util import REPO, diffquant, read_json, write_json
+from kit_util import read_json, write_json
 
 
 class MergeError(Exception):
@@ -112,20 +108,18 @@ def _same(parts: list[dict[str, Any]], what: str, values: list[Any]) -> Any:
     return values[0]
 
 
-def _in_order(names: list[str]) -> list[str]:
-    return [k for k in KINDS if k in names] + [k for k in names if k not in KINDS]
-
-
 def merge_sweep(parts: list[dict[str, Any]], order: list[str], out: Path) -> None:
-    """sweep.json (the spec with every part's models, its fingerprint recomputed as the sweep's own, over the
-    spec), results.json (rows, tallies and dtypes of every model) and the two CSV tables, models in order."""
+    """sweep.json (the spec with every part's models, stamped with the sweep's own fingerprint of it),
+    results.json (rows, tallies and dtypes of every model) and the two CSV tables, models in order."""
+    from diffquant.eval.sweep import spec_fingerprint
+
     specs = [read_json(p["run"] / "sweep" / "sweep.json")["spec"] for p in parts]
     for key in sorted(set(specs[0]) - {"models", "tokenizers"}):
         _same(parts, f"sweep {key}", [s.get(key) for s in specs])
     spec = dict(specs[0])
     spec["models"] = {m: s["models"][m] for m in order for s in specs if m in s["models"]}
     spec["tokenizers"] = {m: t for s in specs for m, t in s.get("tokenizers", {}).items()}
-    fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    fingerprint = spec_fingerprint(spec)
     (out / "sweep").mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep" / "sweep.json", {"fingerprint": fingerprint, "spec": spec})
 
@@ -149,15 +143,16 @@ def merge_sweep(parts: list[dict[str, Any]], order: list[str], out: Path) -> Non
 
 
 def _merge_csv(parts: list[dict[str, Any]], name: str, order: list[str], path: Path) -> None:
-    tables = []
+    having, tables = [], []
     for part in parts:
         src = part["run"] / "sweep" / name
         if src.is_file():
             with open(src, newline="") as f:
+                having.append(part)
                 tables.append(list(csv.reader(f)))
     if not tables:
         return
-    header = _same(parts[: len(tables)], f"{name} columns", [t[0] for t in tables])
+    header = _same(having, f"{name} columns", [t[0] for t in tables])
     col = header.index("model")
     rows = sorted((row for t in tables for row in t[1:]), key=lambda row: order.index(row[col]))
     buf = io.StringIO()
@@ -190,8 +185,8 @@ def merge_profiles(parts: list[dict[str, Any]], order: list[str], out: Path) -> 
 
 
 def merge_manifest(parts: list[dict[str, Any]], order: list[str], out: Path) -> None:
-    """The first part's manifest with every part's models and checkpoints; each part's own command,
-    versions and platform under ``parts``."""
+    """The first part's manifest with every part's models and checkpoints, the parts' shared ``match``, and
+    each part's own command, versions, platform and env under ``parts``."""
     manifests = [read_json(p["run"] / "manifest.json") for p in parts]
     merged = dict(manifests[0])
     recipe = dict(merged.get("recipe", {}))
@@ -207,6 +202,7 @@ def merge_manifest(parts: list[dict[str, Any]], order: list[str], out: Path) -> 
     absent = [m for m in order if not (out / "profile" / f"{m}.maps.safetensors").is_file()]
     if absent:
         merged["maps_left_out"] = absent
+    merged["match"] = parts[0]["match"]  # what every part shares (check_matched)
     merged["parts"] = [
         {
             "from": str(p["folder"]),
@@ -221,13 +217,13 @@ def merge_manifest(parts: list[dict[str, Any]], order: list[str], out: Path) -> 
 
 def merge(folders: list[Path], out: Path, draw: bool = True) -> dict[str, Any]:
     """Join the parts in ``folders`` into the run folder ``out`` (written whole, or not at all), then draw its
-    figures and write its report (``draw``). Returns {kinds, parts, out, plot_rc, report_rc}."""
+    figures and write its report (``draw``). Returns {out, kinds, parts, report_error (None: written)}."""
     if out.exists():
         raise MergeError(f"{out}: exists already (the joined study goes into a new folder)")
     with tempfile.TemporaryDirectory(prefix="diffquant-trio-merge-") as tmp:
         parts = [read_part(folder, Path(tmp) / f"part{i}") for i, folder in enumerate(folders)]
         check_matched(parts)
-        order = _in_order([k for p in parts for k in p["kinds"]])
+        order = [k for k in KINDS if any(k in p["kinds"] for p in parts)]  # the trio's order
         build = Path(tmp) / "joined"
         build.mkdir()
         merge_profiles(parts, order, build)
@@ -241,26 +237,18 @@ def merge(folders: list[Path], out: Path, draw: bool = True) -> dict[str, Any]:
                 if recipe.is_file():
                     (build / "recipes").mkdir(exist_ok=True)
                     shutil.copyfile(recipe, build / "recipes" / recipe.name)
-        write_json(
-            build / "parts.json",
-            {
-                "match": parts[0]["match"],
-                "parts": [{"from": str(p["folder"]), "kinds": p["kinds"], "env": p["env"]} for p in parts],
-            },
-        )
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(build, out)
     result: dict[str, Any] = {"out": str(out), "kinds": order, "parts": [str(f) for f in folders]}
-    if draw:
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        env = {"PYTHONPATH": path, "MPLBACKEND": "Agg"}
-        for what in ("plot", "report"):
-            proc = subprocess.run(
-                diffquant(what, str(out)), capture_output=True, text=True, env={**os.environ, **env}
-            )
-            result[f"{what}_rc"] = proc.returncode
-            if proc.returncode:
-                result[f"{what}_error"] = (proc.stderr.strip().splitlines() or [""])[-1]
+    if draw:  # as `diffquant run` ends: the report draws the figures that are not current, then writes itself
+        from diffquant.errors import DiffquantError
+        from diffquant.report import write_report
+
+        try:
+            write_report(out)
+            result["report_error"] = None
+        except DiffquantError as err:
+            result["report_error"] = str(err)
     return result
 
 
@@ -273,10 +261,6 @@ def main(folders: list[str], out: str) -> int:
         return 2
     print(
         f"joined {', '.join(result['kinds'])} from {len(folders)} parts into {result['out']}"
-        + "".join(
-            f"; {what} failed: {result.get(f'{what}_error')}"
-            for what in ("plot", "report")
-            if result.get(f"{what}_rc")
-        )
+        + (f"; its report failed: {result['report_error']}" if result["report_error"] else "")
     )
-    return 1 if result.get("plot_rc") or result.get("report_rc") else 0
+    return 1 if result["report_error"] else 0

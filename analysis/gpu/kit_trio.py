@@ -409,17 +409,6 @@ def build_corpus(
     }
 
 
-def file_sha256(path: Path) -> str:
-    """A file's SHA-256, read in 1 MiB blocks (the corpus: ~100 MB at the 50M trio's 1e8 tokens)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ------------------------------------------------------------------------------------------ recipes
 def train_recipe(
     kind: str,
@@ -575,6 +564,7 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     import yaml
 
     from diffquant.data import token_stream
+    from diffquant.io.artifacts import sha256_file
 
     settings = SETTINGS[ctx.mode]
     ladder = LADDER[ctx.mode]
@@ -660,7 +650,7 @@ def stage_trio(ctx: Context, rec: Recorder) -> None:
     else:
         corpus = build_corpus(trio / "corpus.jsonl", tokens, corpus_roots())
         source, data_tokens = corpus["path"], corpus["tokens"]
-        corpus["sha256"] = file_sha256(Path(corpus["path"]))
+        corpus["sha256"] = sha256_file(corpus["path"])
         rec.set(corpus={k: v for k, v in corpus.items() if k != "path"})
     configs = trio_configs(ladder[size], settings["seq_len"])
     lr = learning_rate(max(facts[size]["params"].values()))

@@ -4759,7 +4759,7 @@ MUTANTS = [
     M(
         "trio merge: the fingerprint kept from the first part",
         "analysis/gpu/kit_merge.py",
-        "    fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()",
+        "    fingerprint = spec_fingerprint(spec)",
         '    fingerprint = read_json(parts[0]["run"] / "sweep" / "sweep.json")["fingerprint"]',
         ("tests/test_gpu_kit.py::test_a_trio_in_parts_joins_into_the_whole_trios_study",),
     ),
@@ -4794,8 +4794,8 @@ MUTANTS = [
     M(
         "figures: maps_left_out not read",
         "diffquant/plots/artifacts.py",
-        '        names = [*(manifest.get("streamed") or []), *(manifest.get("maps_left_out") or [])]',
-        '        names = [*(manifest.get("streamed") or [])]',
+        '        lists = [manifest.get(key) or [] for key in ("streamed", "maps_left_out")]',
+        '        lists = [manifest.get(key) or [] for key in ("streamed",)]',
         ("tests/test_gpu_kit.py::test_figures_skip_the_maps_a_joined_folder_lists_as_left_out",),
     ),
     M(

@@ -146,13 +146,19 @@ class SweepSpec:
         }
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        return spec_fingerprint(self.to_dict())
 
     def identity(self) -> dict[str, Any]:
         """The sweep by its specifiers (plans by name, not content): what its run folder is claimed for.
         Content behind a specifier (weights, a plan file) is keyed per cell instead (:func:`cell_idents`),
         so changing it recomputes the cells it touches rather than making the folder another sweep's."""
         return {**self.to_dict(), "plans": list(self.plans)}
+
+
+def spec_fingerprint(spec: dict[str, Any]) -> str:
+    """A sweep's fingerprint: the SHA-256 of its spec (:meth:`Sweep.to_dict`, as sweep.json holds it) in
+    canonical JSON; also what a run folder joined from parts of one study is stamped with."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def read_cells(out: Path, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
