@@ -33,27 +33,31 @@ MIB = 2**20
 
 
 # ------------------------------------------------------------------------------------------- rehearsal
+def _kit_call(out: Path, work: Path, *args: str) -> subprocess.Popen:
+    """`bash analysis/gpu/run.sh --rehearse ARGS`, as a checkout runs it, started (stdout and stderr
+    together), its results into ``out``."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    cmd = ["bash", str(KIT / "run.sh"), "--rehearse", "--work", str(work), *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _kit_py(*args: str) -> subprocess.CompletedProcess:
+    """`python analysis/gpu/kit.py ARGS`, its output captured."""
+    cmd = [sys.executable, str(KIT / "kit.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """`bash analysis/gpu/run.sh --rehearse`, as a checkout runs it: (exit code, summary, out, work, output)."""
+    """`bash analysis/gpu/run.sh --rehearse`, as a checkout runs it: (the finished process, summary, out,
+    work)."""
     base = tmp_path_factory.mktemp("kit")
     out, work = base / "out", base / "work"
-    env = {
-        **os.environ,
-        "OUT": str(out),
-        "PYTHON": sys.executable,
-        "PYTHONPATH": str(ROOT),
-        "OMP_WAIT_POLICY": "PASSIVE",
-    }
-    proc = subprocess.run(
-        ["bash", str(KIT / "run.sh"), "--rehearse", "--work", str(work)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = _kit_call(out, work)
+    output, _ = proc.communicate(timeout=900)
     summary = json.loads((out / "summary.json").read_text())
-    return proc, summary, out, work
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, ""), summary, out, work
 
 
 @pytest.mark.slow
@@ -306,22 +310,14 @@ def test_results_leave_weights_behind_and_profiles_go_apart(tmp_path):
 PART = ["--stages", "trio", "--trio-size", "toy-b", "--trio-tokens", "4096"]
 
 
-def _kit_call(base: Path, name: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OUT": str(base / name / "out"), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
-    cmd = ["bash", str(KIT / "run.sh"), "--rehearse", "--work", str(base / name / "work"), *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.fixture(scope="module")
 def trio_parts(tmp_path_factory):
     """Three rehearsed kit calls at one fixed size and token count: the trio stage of baseline and DIFF V2 in
     one call (``whole``), and of each alone (``base``, ``v2``), as two device calls would run them."""
     base = tmp_path_factory.mktemp("trio-parts")
+    kinds = {"whole": "baseline,diff_v2", "base": "baseline", "v2": "diff_v2"}
     calls = {
-        "whole": _kit_call(base, "whole", *PART, "--trio-kinds", "baseline,diff_v2"),
-        "base": _kit_call(base, "base", *PART, "--trio-kinds", "baseline"),
-        "v2": _kit_call(base, "v2", *PART, "--trio-kinds", "diff_v2"),
+        n: _kit_call(base / n / "out", base / n / "work", *PART, "--trio-kinds", k) for n, k in kinds.items()
     }
     for name, proc in calls.items():
         output, _ = proc.communicate(timeout=600)
@@ -401,12 +397,7 @@ def test_trio_merge_refuses_parts_of_two_trios_or_one_kind_twice(trio_parts, tmp
     ]
     for parts, said in cases:
         out = tmp_path / "joined"
-        proc = subprocess.run(
-            [sys.executable, str(KIT / "kit.py"), "trio-merge", *map(str, parts), "--out", str(out)],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        proc = _kit_py("trio-merge", *map(str, parts), "--out", str(out))
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
         assert not out.exists()
@@ -439,12 +430,7 @@ def test_a_trio_part_is_checked_before_anything_is_written(tmp_path):
         (["--trio-kinds", "diff_v1", "--trio-size", "toy-b", "--stages", "cli"], "the trio stage is not"),
     ):
         out = tmp_path / "out"
-        proc = subprocess.run(
-            [sys.executable, str(KIT / "kit.py"), "run", "--rehearse", "--out", str(out), *args],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        proc = _kit_py("run", "--rehearse", "--out", str(out), *args)
         assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
         assert not out.exists()
 
